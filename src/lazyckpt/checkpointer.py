@@ -1,0 +1,486 @@
+"""Checkpointer: a directory of committed checkpoints, saved asynchronously.
+
+Directory layout (see docs/FORMAT.md)::
+
+    DIR/step_0000000100/rank_00000.lzc   data files, one per rank
+    DIR/step_0000000100/manifest.json    written last, before the rename
+    DIR/latest                           the newest committed step (advisory)
+    DIR/.tmp-step_0000000100-<pid>-<id>  a save in progress (never listed)
+    DIR/.deleting-step_...               a checkpoint being removed (never listed)
+
+A step directory appears under its final name only by an atomic rename of a
+complete, fsynced temporary directory: it exists only once committed.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from . import format as fmt
+from .engine import Resources
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
+from .fileio import fsync_dir, read_small_file, write_file_atomic
+from .knobs import Options, resolve
+from .loader import KeySpec, MapLocation, load_file
+from .providers import flatten
+from .writer import Aborted, FileWriteJob
+
+log = logging.getLogger("lazyckpt")
+
+STEP_DIR = re.compile(r"^step_(\d{10})$")
+MANIFEST = "manifest.json"
+LATEST = "latest"
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:010d}"
+
+
+def rank_filename(rank: int) -> str:
+    return f"rank_{rank:05d}.lzc"
+
+
+class SaveHandle:
+    """One requested checkpoint. ``wait()`` returns once it is committed and durable."""
+
+    def __init__(self, step: int, checkpointer: "Checkpointer"):
+        self.step = step
+        self._checkpointer = checkpointer
+        self._done = threading.Event()
+        self.snapshot_done = threading.Event()
+        self.error: Optional[CheckpointError] = None
+        self.skipped = False
+        self.cancelled = False
+        self._job: Optional[FileWriteJob] = None
+        self._error_reported = False
+        #: Seconds the caller spent inside save().
+        self.blocking_s = 0.0
+        #: Seconds from save() until every byte was copied out of the live state.
+        self.capture_s = 0.0
+        #: Seconds from save() until committed and durable.
+        self.flush_s = 0.0
+        #: Bytes in the checkpoint's data file(s).
+        self.bytes = 0
+        self._t0 = time.perf_counter()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.flush_s / 1e9 if self.flush_s else 0.0
+
+    def wait(self, timeout: Optional[float] = None) -> "SaveHandle":
+        """Block until committed and durable; raise its error if it failed."""
+        if not self._done.wait(timeout):
+            raise CheckpointError(f"step {self.step}: not committed within {timeout} s", step=self.step)
+        if self.error is not None:
+            self._error_reported = True
+            raise self.error
+        return self
+
+    def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
+        if not self.snapshot_done.wait(timeout):
+            raise CheckpointError(f"step {self.step}: capture not finished within {timeout} s", step=self.step)
+
+    def stats(self) -> Dict[str, Any]:
+        return {"step": self.step, "blocking_s": self.blocking_s, "capture_s": self.capture_s,
+                "flush_s": self.flush_s, "bytes": self.bytes, "gbps": self.gbps}
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else "committed" if self.done() else "pending"
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+class Checkpointer:
+    """Saves checkpoints of a training run into ``directory``, asynchronously.
+
+    ``save()`` returns at once: it walks the state (no data copied) and queues
+    it. A background thread copies the state's bytes into a bounded host
+    cache, writer threads flush it to disk, and the checkpoint is committed
+    (fsync, rename) when complete. ``wait_for_snapshot()`` -- installed before
+    every optimizer step by ``attach(optimizer)`` -- blocks until the pending
+    captures have copied their data, so the optimizer may then update the
+    tensors in place. See docs/ARCHITECTURE.md for the contract.
+    """
+
+    def __init__(self, directory: str, keep_last: Optional[int] = None,
+                 host_cache_bytes: Optional[int] = None, *, options: Optional[Options] = None,
+                 **knobs: Any):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.keep_last = keep_last
+        self.options = resolve(options, host_cache_bytes=host_cache_bytes, **knobs)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"{self.directory}: cannot create checkpoint directory: {exc}",
+                                  path=self.directory) from exc
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise CheckpointError(f"{self.directory}: directory is not writable", path=self.directory)
+        self._resources = Resources(self.options)
+        self._lock = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._inflight: List[SaveHandle] = []
+        self._unreported: List[CheckpointError] = []
+        self._closed = False
+        self._hooks: list = []
+        self._thread: Optional[threading.Thread] = None
+        self.clean_leftovers()
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, state: Any, step: int, metadata: Optional[Dict[str, Any]] = None) -> SaveHandle:
+        """Queue a checkpoint of ``state`` as it is now; return at once.
+
+        The checkpoint holds the values ``state`` had at this call, provided
+        nothing modifies its tensors in place before ``wait_for_snapshot()``
+        returns (``attach(optimizer)`` calls it before every step). Python
+        objects that are pickled must not be mutated before then either.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_unreported()
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        tree, sources = flatten(state)
+        handle = SaveHandle(step, self)
+        handle._t0 = t0
+        event = None
+        if torch.cuda.is_available() and any(isinstance(s.data, torch.Tensor) and s.data.is_cuda
+                                             for s in sources):
+            # Order the capture after everything the training stream has queued so far.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+        job = (handle, tree, sources, dict(metadata or {}), event)
+        with self._lock:
+            while len(self._queue) >= self.options.max_pending_saves:
+                if self.options.queue_policy == "skip":
+                    warnings.warn(f"lazyckpt: step {step} skipped: {len(self._queue)} saves already "
+                                  f"queued (queue_policy='skip')", RuntimeWarning, stacklevel=2)
+                    handle.skipped = True
+                    handle.snapshot_done.set()
+                    handle._done.set()
+                    handle.blocking_s = time.perf_counter() - t0
+                    return handle
+                self._lock.wait(0.1)
+                self._raise_unreported_locked()
+            self._queue.append(job)
+            self._inflight.append(handle)
+            self._ensure_thread()
+            self._lock.notify_all()
+        handle.blocking_s = time.perf_counter() - t0
+        return handle
+
+    def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
+        """Block until every pending save has copied its data out of the live state."""
+        for handle in self._pending():
+            handle.wait_for_snapshot(timeout)
+        self._raise_unreported()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every pending save is committed and durable; raise the first failure."""
+        for handle in self._pending():
+            if not handle._done.wait(timeout):
+                raise CheckpointError(f"step {handle.step}: not committed within {timeout} s",
+                                      step=handle.step)
+        self._raise_unreported()
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Call ``wait_for_snapshot()`` before every ``optimizer.step()`` (removed on close)."""
+        def pre_step(_opt, _args, _kwargs):
+            self.wait_for_snapshot()
+        self._hooks.append(optimizer.register_step_pre_hook(pre_step))
+
+    def _pending(self) -> List[SaveHandle]:
+        with self._lock:
+            return list(self._inflight)
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            self._raise_unreported_locked()
+
+    def _raise_unreported_locked(self) -> None:
+        while self._unreported:
+            error = self._unreported.pop(0)
+            handle = getattr(error, "_handle", None)
+            if handle is not None and handle._error_reported:
+                continue
+            if handle is not None:
+                handle._error_reported = True
+            raise error
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.directory}: checkpointer is closed", path=self.directory)
+
+    # ------------------------------------------------------------------ background
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="lazyckpt-capture", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                handle, tree, sources, metadata, event = self._queue[0]
+            try:
+                if handle.cancelled:
+                    raise Aborted("cancelled by close()")
+                self._save_one(handle, tree, sources, metadata, event)
+            except BaseException as exc:
+                self._record_failure(handle, exc)
+            finally:
+                del tree, sources
+                handle.snapshot_done.set()
+                handle.flush_s = time.perf_counter() - handle._t0
+                with self._lock:
+                    self._queue.popleft()
+                    if handle in self._inflight:
+                        self._inflight.remove(handle)
+                    handle._done.set()
+                    self._lock.notify_all()
+                if handle.error is None and not handle.cancelled:
+                    log.info("lazyckpt: step %d committed: %.1f MB, blocking %.2f ms, capture %.3f s, "
+                             "durable %.3f s (%.2f GB/s)", handle.step, handle.bytes / 1e6,
+                             handle.blocking_s * 1e3, handle.capture_s, handle.flush_s, handle.gbps)
+
+    def _record_failure(self, handle: SaveHandle, exc: BaseException) -> None:
+        if isinstance(exc, Aborted) or handle.cancelled:
+            handle.cancelled = True
+            handle.error = CheckpointError(f"step {handle.step}: save cancelled by close()",
+                                           step=handle.step, path=self.directory)
+            handle._error_reported = True  # a cancellation the caller asked for is not a failure
+            return
+        cause = f"{type(exc).__name__}: {exc}"
+        error = CheckpointWriteError(f"{self.directory}: checkpoint of step {handle.step} failed: {cause}",
+                                     step=handle.step, path=self.directory)
+        error.__cause__ = exc
+        error._handle = handle  # type: ignore[attr-defined]
+        handle.error = error
+        with self._lock:
+            self._unreported.append(error)
+        log.error("lazyckpt: %s", error)
+
+    def _save_one(self, handle: SaveHandle, tree: Any, sources: list, metadata: Dict[str, Any],
+                  event: Any) -> None:
+        final = os.path.join(self.directory, step_dirname(handle.step))
+        if os.path.exists(final):
+            raise CheckpointError(f"step {handle.step} is already committed in {self.directory}")
+        tmp = os.path.join(self.directory,
+                           f".tmp-{step_dirname(handle.step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.mkdir(tmp)
+        try:
+            filename = rank_filename(0)
+            metadata = {"step": handle.step, **metadata}
+            job = FileWriteJob(os.path.join(tmp, filename), tree, sources, metadata, self.options,
+                               self._resources.cache, self._resources.writers,
+                               self._resources.serializer, capture_event=event)
+            handle._job = job
+            watcher = threading.Thread(target=self._watch_snapshot, args=(handle, job), daemon=True)
+            watcher.start()
+            try:
+                stats = job.run()
+            finally:
+                watcher.join()
+            handle.bytes = stats.file_bytes
+            manifest = {"format_version": fmt.FORMAT_VERSION, "step": handle.step, "world_size": 1,
+                        "files": [{"rank": 0, "name": filename, "bytes": stats.file_bytes}],
+                        "created_unix": time.time(), "metadata": _json_safe(metadata)}
+            write_file_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
+            fsync_dir(tmp)
+            if handle.cancelled:
+                raise Aborted("cancelled by close()")
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_dir(self.directory)
+        write_file_atomic(os.path.join(self.directory, LATEST), f"{handle.step}\n".encode())
+        self._apply_retention()
+
+    def _watch_snapshot(self, handle: SaveHandle, job: FileWriteJob) -> None:
+        job.snapshot_done.wait()
+        handle.capture_s = time.perf_counter() - handle._t0
+        handle.snapshot_done.set()
+
+    def _apply_retention(self) -> None:
+        if self.keep_last is None:
+            return
+        steps = self.steps()
+        for step in steps[:-self.keep_last]:
+            self._delete_step(step)
+
+    def _delete_step(self, step: int) -> None:
+        path = os.path.join(self.directory, step_dirname(step))
+        trash = os.path.join(self.directory, f".deleting-{step_dirname(step)}-{uuid.uuid4().hex[:8]}")
+        # Rename first: a crash mid-delete must not leave a half-deleted "committed" step.
+        os.rename(path, trash)
+        fsync_dir(self.directory)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------------ listing
+
+    def steps(self) -> List[int]:
+        """Committed steps, oldest first."""
+        out = []
+        for name in os.listdir(self.directory):
+            m = STEP_DIR.match(name)
+            if m and os.path.isfile(os.path.join(self.directory, name, MANIFEST)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.directory, step_dirname(step))
+
+    def clean_leftovers(self) -> List[str]:
+        """Remove what interrupted saves and deletes left behind (by dead processes)."""
+        removed = []
+        for name in os.listdir(self.directory):
+            if name.startswith(".tmp-step_"):
+                parts = name.split("-")
+                pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
+                if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
+                    continue
+            elif not name.startswith(".deleting-step_") and not name.startswith(LATEST + ".tmp-"):
+                continue
+            path = os.path.join(self.directory, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            removed.append(name)
+        if removed:
+            log.info("lazyckpt: removed leftovers of interrupted saves: %s", removed)
+        return removed
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, step: Optional[int] = None, map_location: MapLocation = None,
+             keys: Optional[List[KeySpec]] = None, into: Any = None, allow_pickle: bool = False) -> Any:
+        """Load a committed checkpoint (the latest when ``step`` is None)."""
+        self._check_open()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"{self.directory}: no committed checkpoint",
+                                              path=self.directory)
+        return load_step_dir(self.step_path(step), self.options, self._resources.readers,
+                             map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle)
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self, cancel: bool = False) -> None:
+        """Drain pending saves (or cancel them with ``cancel=True``), stop every
+        thread, release the cache. Raises the first unreported failure."""
+        if self._closed:
+            return
+        try:
+            if cancel:
+                for handle in self._pending():
+                    handle.cancelled = True
+                    if handle._job is not None:
+                        handle._job.cancel()
+            for handle in self._pending():
+                handle._done.wait()
+        finally:
+            with self._lock:
+                self._closed = True
+                self._lock.notify_all()
+            if self._thread is not None:
+                self._thread.join()
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            self._resources.close()
+        self._raise_unreported()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(cancel=exc_type is not None)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close(cancel=True)
+            except Exception:
+                pass
+
+
+def load_step_dir(path: str, options: Options, pool, **kwargs: Any) -> Any:
+    """Load a committed step directory through its manifest."""
+    manifest_path = os.path.join(path, MANIFEST)
+    raw = read_small_file(manifest_path, MAX_MANIFEST_BYTES)
+    if raw is None:
+        raise CheckpointNotFoundError(f"{path}: no committed checkpoint (no {MANIFEST})", path=path)
+    manifest = parse_manifest(raw, manifest_path)
+    files = manifest["files"]
+    if len(files) != 1:
+        raise CheckpointError(f"{path}: written by {len(files)} ranks; multi-rank loading needs the "
+                              f"distributed loader", path=path)
+    return load_file(os.path.join(path, files[0]["name"]), options, pool, **kwargs)
+
+
+def parse_manifest(raw: bytes, path: str) -> Dict[str, Any]:
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes", path=path)
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpointError(f"{path}: manifest is not valid JSON", path=path) from None
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"{path}: manifest is not a JSON object", path=path)
+    fmt.check_version(manifest.get("format_version"), path)
+    files = manifest.get("files")
+    if not isinstance(files, list) or not files or not all(
+            isinstance(f, dict) and isinstance(f.get("name"), str) and re.fullmatch(r"rank_\d{5}\.lzc", f["name"])
+            for f in files):
+        raise CorruptCheckpointError(f"{path}: manifest lists no valid data files", path=path)
+    return manifest
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _json_safe(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)

@@ -1,0 +1,214 @@
+"""The on-disk format of one checkpoint file (spec: docs/FORMAT.md).
+
+::
+
+    [0, 4096)            header: magic "LAZYCKPT", u32 version, u32 header size, zeros
+    [4096, data_end)     entries, each at a 4096-aligned offset (tensors first,
+                         at offsets fixed before any byte is written; then
+                         serialized objects, appended as they become ready)
+    [footer_offset, -32) footer: UTF-8 JSON describing every entry and the tree
+    [-32, end)           trailer: u64 footer offset, u64 footer length,
+                         u64 xxh3-64 of the footer, magic "LZCKFOOT"
+
+All integers are little-endian. This module only packs and validates bytes;
+it does no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import xxhash
+
+from .errors import CorruptCheckpointError, UnsupportedVersionError
+
+MAGIC = b"LAZYCKPT"
+FOOTER_MAGIC = b"LZCKFOOT"
+#: Version 1: the first released format.
+FORMAT_VERSION_1 = 1
+FORMAT_VERSION = FORMAT_VERSION_1
+SUPPORTED_VERSIONS = (FORMAT_VERSION_1,)
+ALIGNMENT = 4096
+HEADER_BYTES = ALIGNMENT
+DATA_START = HEADER_BYTES
+CHECKSUM_ALGORITHM = "xxh3_64"
+
+_HEADER = struct.Struct("<8sII")
+_TRAILER = struct.Struct("<QQQ8s")
+TRAILER_BYTES = _TRAILER.size  # 32
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def checksum(data: Any) -> int:
+    """xxh3-64 of a bytes-like object (releases the GIL on large inputs)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def pack_header() -> bytes:
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES)
+    return head + bytes(HEADER_BYTES - len(head))
+
+
+def check_header(data: bytes, path: str) -> int:
+    """Validate the first bytes of a file; return its format version."""
+    if len(data) < _HEADER.size:
+        raise CorruptCheckpointError(f"{path}: file too short for a lazyckpt header "
+                                     f"({len(data)} bytes)", path=path)
+    magic, version, header_bytes = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptCheckpointError(f"{path}: not a lazyckpt file (bad magic {magic!r})", path=path)
+    check_version(version, path)
+    if header_bytes != HEADER_BYTES:
+        raise CorruptCheckpointError(f"{path}: bad header size {header_bytes}", path=path)
+    return version
+
+
+def check_version(version: Any, path: str) -> None:
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersionError(
+            f"{path}: format version {version} is not supported; this lazyckpt reads "
+            f"versions {', '.join(map(str, SUPPORTED_VERSIONS))}",
+            found=version if isinstance(version, int) else -1,
+            supported=SUPPORTED_VERSIONS, path=path)
+
+
+def pack_trailer(footer_offset: int, footer: bytes) -> bytes:
+    return _TRAILER.pack(footer_offset, len(footer), checksum(footer), FOOTER_MAGIC)
+
+
+@dataclass(frozen=True)
+class Trailer:
+    footer_offset: int
+    footer_length: int
+    footer_checksum: int
+
+
+def parse_trailer(data: bytes, file_size: int, path: str, max_footer_bytes: int) -> Trailer:
+    if len(data) != TRAILER_BYTES:
+        raise CorruptCheckpointError(f"{path}: truncated file (no trailer)", path=path)
+    offset, length, digest, magic = _TRAILER.unpack(data)
+    if magic != FOOTER_MAGIC:
+        raise CorruptCheckpointError(f"{path}: truncated or damaged file (bad trailer magic {magic!r})",
+                                     path=path)
+    if length > max_footer_bytes:
+        raise CorruptCheckpointError(f"{path}: footer claims {length} bytes, over the limit of "
+                                     f"{max_footer_bytes} (raise max_footer_bytes if legitimate)",
+                                     path=path)
+    if offset < DATA_START or offset % ALIGNMENT or offset + length + TRAILER_BYTES != file_size:
+        raise CorruptCheckpointError(f"{path}: footer offset {offset} / length {length} do not fit a "
+                                     f"file of {file_size} bytes", path=path)
+    return Trailer(offset, length, digest)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One run of bytes in the data region."""
+    kind: str            # "data" (raw bytes) or "pickle" (pickled object)
+    offset: int
+    length: int
+    checksums: List[int]  # one per checksum block the entry overlaps
+    name: str = ""        # path in the state of the first value that uses it (for messages)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "offset": self.offset,
+                "length": self.length, "checksums": self.checksums}
+
+
+def block_spans(offset: int, length: int, block_bytes: int) -> List[tuple]:
+    """The (start, end) absolute file ranges of ``[offset, offset+length)``
+    cut at multiples of ``block_bytes``: one checksum covers each span."""
+    spans = []
+    pos, end = offset, offset + length
+    while pos < end:
+        stop = min(end, (pos // block_bytes + 1) * block_bytes)
+        spans.append((pos, stop))
+        pos = stop
+    return spans
+
+
+def block_count(offset: int, length: int, block_bytes: int) -> int:
+    if length == 0:
+        return 0
+    return (offset + length - 1) // block_bytes - offset // block_bytes + 1
+
+
+def encode_footer(entries: List[Entry], tree: Any, block_bytes: int,
+                  metadata: Optional[Dict[str, Any]] = None) -> bytes:
+    doc = {
+        "format_version": FORMAT_VERSION,
+        "byteorder": "little",
+        "alignment": ALIGNMENT,
+        "checksum": CHECKSUM_ALGORITHM,
+        "block_bytes": block_bytes,
+        "entries": [e.to_json() for e in entries],
+        "tree": tree,
+        "metadata": metadata or {},
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+@dataclass
+class Footer:
+    version: int
+    block_bytes: int
+    entries: List[Entry]
+    tree: Any
+    metadata: Dict[str, Any]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def decode_footer(raw: bytes, footer_offset: int, path: str) -> Footer:
+    """Parse and validate a footer: every field a reader relies on is checked
+    here, so later code can trust offsets and lengths."""
+    def bad(why: str, entry: Optional[str] = None) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: corrupt footer: {why}", path=path, entry=entry)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise bad(f"not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(doc, dict):
+        raise bad("not a JSON object")
+    check_version(doc.get("format_version"), path)
+    if doc.get("byteorder") != "little":
+        raise bad(f"unsupported byte order {doc.get('byteorder')!r}")
+    if doc.get("alignment") != ALIGNMENT or doc.get("checksum") != CHECKSUM_ALGORITHM:
+        raise bad("unexpected alignment or checksum algorithm")
+    block_bytes = doc.get("block_bytes")
+    if not _is_int(block_bytes) or block_bytes < ALIGNMENT or block_bytes % ALIGNMENT:
+        raise bad(f"bad block_bytes {block_bytes!r}")
+    raw_entries = doc.get("entries")
+    if not isinstance(raw_entries, list):
+        raise bad("entries is not a list")
+    entries = []
+    for i, e in enumerate(raw_entries):
+        if not isinstance(e, dict):
+            raise bad("entry is not an object", f"entry {i}")
+        name = e.get("name", "")
+        if not isinstance(name, str):
+            raise bad("entry name is not a string", f"entry {i}")
+        name = name or f"entry {i}"
+        kind, offset, length, sums = e.get("kind"), e.get("offset"), e.get("length"), e.get("checksums")
+        if kind not in ("data", "pickle"):
+            raise bad(f"unknown entry kind {kind!r}", name)
+        if not (_is_int(offset) and _is_int(length)) or length < 0 or offset < DATA_START \
+                or offset % ALIGNMENT or offset + length > footer_offset:
+            raise bad(f"offset {offset!r} / length {length!r} outside the data region", name)
+        if not isinstance(sums, list) or len(sums) != block_count(offset, length, block_bytes) \
+                or not all(_is_int(s) and 0 <= s < 1 << 64 for s in sums):
+            raise bad("checksum list does not match the entry's blocks", name)
+        entries.append(Entry(kind, offset, length, sums, name))
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise bad("metadata is not an object")
+    if "tree" not in doc:
+        raise bad("no tree")
+    return Footer(doc["format_version"], block_bytes, entries, doc["tree"], metadata)

@@ -1,0 +1,82 @@
+"""All tunables in one place.
+
+Precedence: an explicit argument, then an environment variable
+(``LAZYCKPT_<NAME>``), then the default below. Tests flip these to run each
+code path (O_DIRECT on/off, one writer thread or several).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    #: Threads that write host-cache chunks to disk.
+    writer_threads: int = 4
+    #: Threads that read entries on load.
+    reader_threads: int = 4
+    #: Use O_DIRECT where the file system accepts it (falls back to buffered I/O).
+    o_direct: bool = True
+    #: Size of one host-cache chunk: the unit of copy, write and checksum.
+    chunk_bytes: int = 32 * MiB
+    #: Size of the reused host cache that stages data on its way to disk.
+    host_cache_bytes: int = 512 * MiB
+    #: Verify per-block checksums when loading.
+    verify_checksums: bool = True
+    #: A reader refuses a footer larger than this (hostile-file guard).
+    max_footer_bytes: int = 256 * MiB
+    #: Saves that may wait in the queue behind the one in flight.
+    max_pending_saves: int = 2
+    #: What save() does when the queue is full: "block" or "skip" (warns).
+    queue_policy: str = "block"
+
+    def __post_init__(self) -> None:
+        for name in ("writer_threads", "reader_threads", "max_pending_saves"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
+            raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
+        if self.host_cache_bytes < 2 * 4096:
+            raise ValueError(f"host_cache_bytes must be at least 8192, got {self.host_cache_bytes}")
+        if self.queue_policy not in ("block", "skip"):
+            raise ValueError(f"queue_policy must be 'block' or 'skip', got {self.queue_policy!r}")
+
+    @property
+    def effective_chunk_bytes(self) -> int:
+        """The chunk size actually used: at most half the cache, so two chunks
+        are always in flight (one being copied while the other is written)."""
+        half = (self.host_cache_bytes // 2) // 4096 * 4096
+        return max(4096, min(self.chunk_bytes, half))
+
+
+def _env_value(name: str, default: Any) -> Any:
+    raw = os.environ.get("LAZYCKPT_" + name.upper())
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    return raw
+
+
+def resolve(options: Optional[Options] = None, **overrides: Any) -> Options:
+    """Build Options: keyword overrides > ``options`` > environment > defaults."""
+    values = {}
+    for field in dataclasses.fields(Options):
+        value = overrides.get(field.name)
+        if value is None:
+            if options is not None:
+                value = getattr(options, field.name)
+            else:
+                value = _env_value(field.name, field.default)
+        values[field.name] = value
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(Options)}
+    if unknown:
+        raise TypeError(f"unknown options: {sorted(unknown)}")
+    return Options(**values)

@@ -1,0 +1,538 @@
+"""State providers: turn each kind of state into tree nodes and byte sources,
+and turn them back.
+
+A save walks the user's nested state once, on the caller's thread, and asks
+each provider in turn whether it handles the value. The walk is cheap: it
+copies no tensor data. It produces
+
+* a *tree*: a JSON-able description of the state in which every leaf is
+  either a safe inline value or a reference to an entry, and
+* a list of *sources*: the entries' bytes (tensor storages, numpy buffers,
+  raw bytes, objects to pickle later), written by the I/O engine.
+
+Loading walks the tree back. Only the tags below are understood, so a file
+cannot make the loader run code; the one exception is the ``pickle`` tag,
+which is refused unless the caller passes ``allow_pickle=True``.
+
+Users add providers for their own types with :func:`register_provider`.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclass
+class Source:
+    """The bytes of one entry, as known at save() time.
+
+    ``data`` is a flat uint8 view of the memory to write: a tensor (CPU or
+    CUDA) or a memoryview (numpy arrays, bytes); it is read lazily by the
+    capture stage. ``make_bytes`` serializes an object
+    in the background (its length is unknown until then).
+    """
+    kind: str                                   # "data" or "pickle"
+    data: Any = None                            # flat uint8 tensor or memoryview, zero-copy
+    make_bytes: Optional[Callable[[], bytes]] = None
+    name: str = ""                              # state path, for error messages
+    length: Optional[int] = None                # known up front for tensors
+
+    @property
+    def deferred(self) -> bool:
+        return self.make_bytes is not None
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> bytes:
+    if storage.nbytes() == 0:
+        return b""
+    return torch.empty((0,), dtype=torch.uint8).set_(storage).numpy().tobytes()
+
+
+def _flat_bytes_of_storage(t: torch.Tensor) -> torch.Tensor:
+    storage = t.untyped_storage()
+    return torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
+
+
+# --------------------------------------------------------------------------- contexts
+
+
+@dataclass
+class SaveContext:
+    sources: List[Source] = field(default_factory=list)
+    _storage_ids: Dict[Tuple[str, int], int] = field(default_factory=dict)
+    path: List[str] = field(default_factory=list)
+    _active: set = field(default_factory=set)   # ids of containers being walked (cycle check)
+
+    def add(self, source: Source) -> int:
+        source.name = self.path_name()
+        self.sources.append(source)
+        return len(self.sources) - 1
+
+    def storage_entry(self, t: torch.Tensor) -> int:
+        """Entry index of ``t``'s storage, written once however many tensors alias it."""
+        storage = t.untyped_storage()
+        key = (str(t.device), storage._cdata)
+        if storage.nbytes() == 0:               # empty storages may share a null pointer
+            key = (str(t.device), -len(self.sources) - 1)
+        index = self._storage_ids.get(key)
+        if index is None:
+            flat = _flat_bytes_of_storage(t)
+            index = self.add(Source("data", data=flat, length=flat.numel()))
+            self._storage_ids[key] = index
+        return index
+
+    def path_name(self) -> str:
+        return "/".join(self.path) or "<root>"
+
+    def encode(self, value: Any, key: Any = None) -> Any:
+        if key is not None:
+            self.path.append(str(key))
+        try:
+            for provider in _registry.providers():
+                if provider.handles(value):
+                    return provider.save(value, self)
+            raise CheckpointError(f"no provider for {type(value).__qualname__} at {self.path_name()}",
+                                  entry=self.path_name())
+        finally:
+            if key is not None:
+                self.path.pop()
+
+
+@dataclass
+class LoadContext:
+    entry_value: Callable[[int], torch.UntypedStorage]          # entry -> CPU bytes
+    storage: Callable[[int, str], torch.UntypedStorage]         # entry, saved device -> mapped
+    allow_pickle: bool
+    path: str
+    trail: List[str] = field(default_factory=list)
+
+    def corrupt(self, why: str) -> CorruptCheckpointError:
+        name = "/".join(self.trail) or "<root>"
+        return CorruptCheckpointError(f"{self.path}: corrupt entry {name}: {why}", path=self.path, entry=name)
+
+    def decode(self, node: Any, key: Any = None) -> Any:
+        if key is not None:
+            self.trail.append(str(key))
+        try:
+            if node is None or isinstance(node, (bool, int, str)):
+                return node
+            if isinstance(node, float):
+                return node
+            if not isinstance(node, dict) or not isinstance(node.get("$"), str):
+                raise self.corrupt(f"unexpected node {type(node).__name__}")
+            provider = _registry.by_tag(node["$"])
+            if provider is None:
+                raise self.corrupt(f"unknown tag {node['$']!r}")
+            return provider.load(node, self)
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+            raise self.corrupt(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            if key is not None:
+                self.trail.pop()
+
+
+# --------------------------------------------------------------------------- providers
+
+
+class Provider:
+    """Handles one kind of state. Subclasses set ``tag`` and implement the three methods."""
+    tag: str = ""
+
+    def handles(self, value: Any) -> bool:
+        raise NotImplementedError
+
+    def save(self, value: Any, ctx: SaveContext) -> Any:
+        """Return the tree node for ``value``; add byte sources to ``ctx``."""
+        raise NotImplementedError
+
+    def load(self, node: Dict[str, Any], ctx: LoadContext) -> Any:
+        """Rebuild the value from its node. Must trust nothing in ``node``."""
+        raise NotImplementedError
+
+
+class ScalarProvider(Provider):
+    """None, bool, int, str and floats: inline in the tree."""
+    tag = "float"
+
+    def handles(self, value: Any) -> bool:
+        return value is None or type(value) in (bool, int, str, float)
+
+    def save(self, value: Any, ctx: SaveContext) -> Any:
+        if type(value) is float and not math.isfinite(value):
+            return {"$": "float", "v": repr(value)}   # 'nan', 'inf', '-inf'
+        return value
+
+    def load(self, node, ctx):
+        if node["v"] not in ("nan", "inf", "-inf"):
+            raise ctx.corrupt(f"bad float {node['v']!r}")
+        return float(node["v"])
+
+
+class ComplexProvider(Provider):
+    tag = "complex"
+
+    def handles(self, value):
+        return type(value) is complex
+
+    def save(self, value, ctx):
+        return {"$": "complex", "v": [repr(value.real), repr(value.imag)]}
+
+    def load(self, node, ctx):
+        re, im = node["v"]
+        return complex(float(re), float(im))
+
+
+class SequenceProvider(Provider):
+    """list, tuple, set, frozenset."""
+    tag = "seq"
+    _types = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}
+    _back = {v: k for k, v in _types.items()}
+
+    def handles(self, value):
+        return type(value) in self._types
+
+    def save(self, value, ctx):
+        with _walking(ctx, value):
+            items = [ctx.encode(v, i) for i, v in enumerate(value)]
+        return {"$": "seq", "t": self._types[type(value)], "v": items}
+
+    def load(self, node, ctx):
+        cls = self._back[node["t"]]
+        items = node["v"]
+        if not isinstance(items, list):
+            raise ctx.corrupt("sequence items are not a list")
+        return cls(ctx.decode(v, i) for i, v in enumerate(items))
+
+
+class DictProvider(Provider):
+    """dict and OrderedDict; keys may be any safe value (optimizer states use ints)."""
+    tag = "dict"
+
+    def handles(self, value):
+        return type(value) in (dict, collections.OrderedDict)
+
+    def save(self, value, ctx):
+        with _walking(ctx, value):
+            keys = [ctx.encode(k) for k in value]
+            values = [ctx.encode(v, k) for k, v in value.items()]
+        node = {"$": "dict", "k": keys, "v": values}
+        if type(value) is collections.OrderedDict:
+            node["ordered"] = True
+        return node
+
+    def load(self, node, ctx):
+        keys, values = node["k"], node["v"]
+        if not isinstance(keys, list) or not isinstance(values, list) or len(keys) != len(values):
+            raise ctx.corrupt("dict keys and values do not match")
+        out = collections.OrderedDict() if node.get("ordered") else {}
+        for k, v in zip(keys, values):
+            key = ctx.decode(k)
+            out[key] = ctx.decode(v, key)
+        return out
+
+
+class TorchMetaProvider(Provider):
+    """torch.Size, torch.dtype, torch.device."""
+    tag = "torch"
+
+    def handles(self, value):
+        return type(value) in (torch.Size, torch.dtype, torch.device)
+
+    def save(self, value, ctx):
+        if type(value) is torch.Size:
+            return {"$": "torch", "t": "size", "v": list(value)}
+        if type(value) is torch.dtype:
+            return {"$": "torch", "t": "dtype", "v": dtype_name(value)}
+        return {"$": "torch", "t": "device", "v": str(value)}
+
+    def load(self, node, ctx):
+        kind, v = node["t"], node["v"]
+        if kind == "size":
+            if not isinstance(v, list) or not all(type(x) is int for x in v):
+                raise ctx.corrupt("bad torch.Size")
+            return torch.Size(v)
+        if kind == "dtype":
+            return dtype_from_name(v, ctx)
+        if kind == "device":
+            if not isinstance(v, str):
+                raise ctx.corrupt("bad device")
+            return torch.device(v)
+        raise ctx.corrupt(f"unknown torch value kind {kind!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: Any, ctx: LoadContext) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise ctx.corrupt(f"unknown dtype {name!r}")
+    return value
+
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class TensorProvider(Provider):
+    """Dense strided tensors of any dtype and device: written from their own
+    memory (the whole storage, once per storage, so aliasing survives)."""
+    tag = "tensor"
+
+    def handles(self, value):
+        return type(value) in _TENSOR_TYPES and value.layout == torch.strided \
+            and not value.is_quantized and not value.is_nested
+
+    def save(self, value: torch.Tensor, ctx):
+        t = value.detach()
+        if t.is_conj() or t.is_neg():
+            # Lazy conj/neg bits are views with a flag; materialize them.
+            t = t.resolve_conj().resolve_neg()
+        node = {"$": "tensor", "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                "stride": list(t.stride()), "offset": t.storage_offset(),
+                "device": str(t.device)}
+        if value.requires_grad:
+            node["requires_grad"] = True
+        if type(value) is torch.nn.Parameter:
+            node["param"] = True
+        node["e"] = None if t.device.type == "meta" else ctx.storage_entry(t)
+        return node
+
+    def load(self, node, ctx):
+        dtype = dtype_from_name(node["dtype"], ctx)
+        shape, stride, offset = node["shape"], node["stride"], node["offset"]
+        if not (_int_list(shape) and _int_list(stride) and len(shape) == len(stride)
+                and type(offset) is int and offset >= 0
+                and all(s >= 0 for s in shape) and all(s >= 0 for s in stride)):
+            raise ctx.corrupt("bad tensor geometry")
+        if node["e"] is None:
+            tensor = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        else:
+            storage = ctx.storage(node["e"], str(node.get("device", "cpu")))
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if any(s == 0 for s in shape):
+                needed = 0
+            else:
+                needed = (offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * itemsize
+            if needed > storage.nbytes():
+                raise ctx.corrupt(f"tensor needs {needed} bytes, storage has {storage.nbytes()}")
+            tensor = torch.empty((0,), dtype=dtype, device=storage.device)
+            tensor.set_(storage, offset, shape, stride)
+        if node.get("param"):
+            return torch.nn.Parameter(tensor, requires_grad=bool(node.get("requires_grad")))
+        if node.get("requires_grad"):
+            tensor.requires_grad_(True)
+        return tensor
+
+
+def _int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+_NUMPY_KINDS = "biufcmMUS"   # numeric, bool, datetime, fixed-size strings: no objects
+
+
+class NumpyProvider(Provider):
+    """numpy arrays and scalars of plain dtypes (object/structured ones are pickled)."""
+    tag = "numpy"
+
+    def handles(self, value):
+        if isinstance(value, np.ndarray) and type(value) is np.ndarray:
+            return value.dtype.kind in _NUMPY_KINDS and value.dtype.fields is None
+        return isinstance(value, np.generic) and value.dtype.kind in _NUMPY_KINDS \
+            and value.dtype.fields is None
+
+    def save(self, value, ctx):
+        if isinstance(value, np.generic):
+            return {"$": "numpy", "t": "scalar", "dtype": value.dtype.str, "v": value.tobytes().hex()}
+        array = np.ascontiguousarray(value)
+        flat = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+        index = ctx.add(Source("data", data=flat, length=array.nbytes))
+        return {"$": "numpy", "t": "array", "dtype": array.dtype.str, "shape": list(array.shape), "e": index}
+
+    def load(self, node, ctx):
+        dtype = np.dtype(node["dtype"]) if isinstance(node["dtype"], str) else None
+        if dtype is None or dtype.kind not in _NUMPY_KINDS or dtype.fields is not None:
+            raise ctx.corrupt(f"unsupported numpy dtype {node['dtype']!r}")
+        if node["t"] == "scalar":
+            raw = bytes.fromhex(node["v"])
+            if len(raw) != dtype.itemsize:
+                raise ctx.corrupt("numpy scalar has the wrong size")
+            return np.frombuffer(raw, dtype=dtype)[0]
+        shape = node["shape"]
+        if not _int_list(shape) or any(s < 0 for s in shape):
+            raise ctx.corrupt("bad array shape")
+        storage = ctx.entry_value(node["e"])
+        expected = math.prod(shape) * dtype.itemsize
+        if storage.nbytes() != expected:
+            raise ctx.corrupt(f"array needs {expected} bytes, entry has {storage.nbytes()}")
+        if expected == 0:
+            return np.empty(shape, dtype=dtype)
+        flat = torch.empty((0,), dtype=torch.uint8).set_(storage).numpy()
+        return flat.view(dtype).reshape(shape)
+
+
+class BytesProvider(Provider):
+    """bytes and bytearray: raw entries, never encoded."""
+    tag = "bytes"
+
+    def handles(self, value):
+        return type(value) in (bytes, bytearray)
+
+    def save(self, value, ctx):
+        index = ctx.add(Source("data", data=memoryview(value).cast("B"), length=len(value)))
+        return {"$": "bytes", "mutable": type(value) is bytearray, "e": index}
+
+    def load(self, node, ctx):
+        data = storage_bytes(ctx.entry_value(node["e"]))
+        return bytearray(data) if node.get("mutable") else data
+
+
+class PickleProvider(Provider):
+    """Anything else: pickled in the background at save, refused at load unless
+    the caller opts in with ``allow_pickle=True``."""
+    tag = "pickle"
+
+    def handles(self, value):
+        return True
+
+    def save(self, value, ctx):
+        def make_bytes(obj=value):
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        index = ctx.add(Source("pickle", make_bytes=make_bytes))
+        cls = type(value)
+        return {"$": "pickle", "type": f"{cls.__module__}.{cls.__qualname__}", "e": index}
+
+    def load(self, node, ctx):
+        if not ctx.allow_pickle:
+            name = "/".join(ctx.trail) or "<root>"
+            raise UnsafeObjectError(
+                f"{ctx.path}: entry {name} is a pickled {node.get('type', 'object')}; unpickling runs "
+                f"code from the file, so it is refused. Pass allow_pickle=True if you trust this file.",
+                path=ctx.path, entry=name)
+        payload = storage_bytes(ctx.entry_value(node["e"]))
+        try:
+            return pickle.loads(payload)
+        except Exception as exc:
+            raise ctx.corrupt(f"unpickling failed: {type(exc).__name__}: {exc}") from exc
+
+
+class CustomProvider(Provider):
+    """A user type turned into safe state by user-supplied functions."""
+    tag = "custom"
+
+    def __init__(self, cls: type, name: str, to_state: Callable[[Any], Any],
+                 from_state: Callable[[Any], Any]):
+        self.cls, self.name, self.to_state, self.from_state = cls, name, to_state, from_state
+
+    def handles(self, value):
+        return type(value) is self.cls
+
+    def save(self, value, ctx):
+        return {"$": "custom", "name": self.name, "v": ctx.encode(self.to_state(value))}
+
+    def load(self, node, ctx):
+        return self.from_state(ctx.decode(node["v"]))
+
+
+class _CustomDispatch(Provider):
+    """Load-side dispatcher for the 'custom' tag: finds the provider by name."""
+    tag = "custom"
+
+    def load(self, node, ctx):
+        provider = _registry.custom.get(node["name"]) if isinstance(node.get("name"), str) else None
+        if provider is None:
+            raise CheckpointError(
+                f"{ctx.path}: entry {'/'.join(ctx.trail) or '<root>'} was saved by the provider "
+                f"{node.get('name')!r}; register it with lazyckpt.register_provider before loading",
+                path=ctx.path)
+        return provider.load(node, ctx)
+
+
+class _Walking:
+    def __init__(self, ctx: SaveContext, value: Any):
+        self.ctx, self.key = ctx, id(value)
+
+    def __enter__(self):
+        if self.key in self.ctx._active:
+            raise CheckpointError(f"state contains a reference cycle at {self.ctx.path_name()}",
+                                  entry=self.ctx.path_name())
+        self.ctx._active.add(self.key)
+
+    def __exit__(self, *exc):
+        self.ctx._active.discard(self.key)
+
+
+_walking = _Walking
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.custom: Dict[str, CustomProvider] = {}
+        self.builtin: List[Provider] = [ScalarProvider(), TensorProvider(), DictProvider(),
+                                        SequenceProvider(), TorchMetaProvider(), NumpyProvider(),
+                                        BytesProvider(), ComplexProvider(), PickleProvider()]
+        self._tags: Dict[str, Provider] = {p.tag: p for p in self.builtin}
+        self._tags["custom"] = _CustomDispatch()
+        self._ordered: List[Provider] = list(self.builtin)
+
+    def providers(self) -> List[Provider]:
+        return self._ordered
+
+    def by_tag(self, tag: str) -> Optional[Provider]:
+        return self._tags.get(tag)
+
+    def register(self, provider: CustomProvider) -> None:
+        self.custom[provider.name] = provider
+        # User providers take precedence over the built-in ones (and over pickle).
+        self._ordered = [p for p in self._ordered if not (isinstance(p, CustomProvider)
+                                                          and p.name == provider.name)]
+        self._ordered.insert(0, provider)
+
+
+_registry = _Registry()
+
+
+def register_provider(cls: type, to_state: Callable[[Any], Any], from_state: Callable[[Any], Any],
+                      name: Optional[str] = None) -> None:
+    """Save instances of ``cls`` as ``to_state(obj)`` (any state lazyckpt can
+    save: tensors, containers, scalars) and rebuild them with
+    ``from_state(state)``. ``name`` (default ``module.qualname``) is stored in
+    the file; register the same name before loading. This keeps such objects
+    out of pickle, so they load without ``allow_pickle``."""
+    name = name or f"{cls.__module__}.{cls.__qualname__}"
+    _registry.register(CustomProvider(cls, name, to_state, from_state))
+
+
+def flatten(state: Any) -> Tuple[Any, List[Source]]:
+    """Walk ``state`` (on the caller's thread; no data is copied)."""
+    ctx = SaveContext()
+    tree = ctx.encode(state)
+    return tree, ctx.sources
+
+
+def referenced_entries(node: Any, out: Optional[set] = None) -> set:
+    """Indices of the entries a (sub)tree needs, to read only those bytes."""
+    out = set() if out is None else out
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            e = n.get("e")
+            if type(e) is int:
+                out.add(e)
+            stack.extend(v for k, v in n.items() if k != "e")
+        elif isinstance(n, list):
+            stack.extend(n)
+    return out

@@ -1,0 +1,294 @@
+"""The save pipeline for one checkpoint file.
+
+Stages, all overlapped::
+
+    capture (one thread)        writers (N threads)
+    --------------------        -------------------
+    take a free cache chunk  ->  [wait for the chunk's copy event (CUDA)]
+    copy the bytes of every      write it at its file offset (O_DIRECT)
+    entry that falls in the      checksum each entry's piece of it
+    chunk's file range           give the chunk back to the cache
+
+    serializer (one thread): pickles objects while tensors are written; their
+    bytes are appended after the tensors once ready.
+
+Tensor entries get their offsets before any byte moves, so their chunks are
+written as soon as they are filled. The file is written under a temporary
+name; committing it (rename, manifests) is the caller's job.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import format as fmt
+from .fileio import OutputFile
+from .hostcache import HostCache
+from .knobs import Options
+from .providers import Source
+
+
+class Aborted(Exception):
+    """Internal: the job was cancelled or a sibling stage failed."""
+
+
+@dataclass
+class _Item:
+    index: int          # entry index
+    offset: int         # absolute file offset
+    length: int
+    data: Any           # flat uint8 tensor or memoryview
+
+
+@dataclass
+class WriteStats:
+    bytes_written: int = 0
+    capture_s: float = 0.0        # from start until every byte left the live state
+    flush_s: float = 0.0          # from start until the file is durable
+    file_bytes: int = 0
+
+
+class FileWriteJob:
+    """Writes ``tree`` and ``sources`` to ``path``. Not reusable.
+
+    ``snapshot_done`` is set once every byte has been copied out of the
+    caller's state (into the cache or to disk) and every object serialized:
+    from then on the caller may modify the state freely.
+    """
+
+    def __init__(self, path: str, tree: Any, sources: List[Source], metadata: Dict[str, Any],
+                 options: Options, cache: HostCache, writers: cf.ThreadPoolExecutor,
+                 serializer: cf.ThreadPoolExecutor, capture_event: Any = None):
+        self.path = path
+        self.tree = tree
+        self.sources = sources
+        self.metadata = metadata
+        self.options = options
+        self.cache = cache
+        self.block = cache.chunk_bytes
+        self.writers = writers
+        self.serializer = serializer
+        self.capture_event = capture_event        # CUDA event recorded at save()
+        self.snapshot_done = threading.Event()
+        self.stats = WriteStats()
+        self._failure: Optional[BaseException] = None
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: List[cf.Future] = []
+        self._sums: Dict[int, List[int]] = {}
+        self._offsets: Dict[int, int] = {}
+        self._lengths: Dict[int, int] = {}
+        self._stream = None
+        self._file: Optional[OutputFile] = None
+        self._start = 0.0
+
+    # ------------------------------------------------------------------ control
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def _stopping(self) -> bool:
+        return self._cancel.is_set() or self._failure is not None
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = exc
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> WriteStats:
+        """Write the file; raise the first failure of any stage."""
+        self._start = time.perf_counter()
+        pickles: List[Tuple[int, cf.Future]] = []
+        try:
+            self._file = OutputFile(self.path, self.options.o_direct)
+            # Serialize objects in the background while tensors stream out.
+            pickles = [(i, self.serializer.submit(s.make_bytes))
+                       for i, s in enumerate(self.sources) if s.deferred]
+            offset = fmt.DATA_START
+            items = []
+            for i, s in enumerate(self.sources):
+                if s.deferred:
+                    continue
+                items.append(_Item(i, offset, s.length, s.data))
+                offset = fmt.align_up(offset + s.length)
+            tensor_end = offset
+            self._stream_region(fmt.DATA_START, tensor_end, items)
+            self._sync_capture()
+            objects = []
+            for i, future in pickles:
+                data = self._result(future)
+                objects.append(_Item(i, offset, len(data), memoryview(data)))
+                offset = fmt.align_up(offset + len(data))
+            self.stats.capture_s = time.perf_counter() - self._start
+            self.snapshot_done.set()
+            self._stream_region(tensor_end, offset, objects)
+            self._drain()
+            self._write_footer(offset)
+            self.stats.flush_s = time.perf_counter() - self._start
+            return self.stats
+        except BaseException as exc:
+            self._fail(exc)
+            self._cancel.set()
+            for _, future in pickles:
+                future.cancel()
+            self._drain(raise_errors=False)
+            raise self._failure from None
+        finally:
+            self.snapshot_done.set()
+            if self._file is not None:
+                self._file.close()
+
+    def _result(self, future: cf.Future) -> bytes:
+        while True:
+            if self._stopping():
+                raise self._failure or Aborted("cancelled")
+            try:
+                return future.result(timeout=0.1)
+            except cf.TimeoutError:
+                continue
+
+    # ------------------------------------------------------------------ capture
+
+    def _stream_region(self, start: int, end: int, items: List[_Item]) -> None:
+        """Fill and submit the cache chunks covering [start, end) of the file."""
+        for it in items:
+            self._offsets[it.index] = it.offset
+            self._lengths[it.index] = it.length
+            self._sums[it.index] = [0] * fmt.block_count(it.offset, it.length, self.block)
+        k = 0                       # first item that may overlap the current window
+        pos = start
+        while pos < end:
+            window_end = min(end, (pos // self.block + 1) * self.block)
+            chunk = self.cache.acquire(self._stopping)
+            if chunk is None:
+                raise self._failure or Aborted("cancelled")
+            try:
+                spans, event = self._fill(chunk, pos, window_end, items, k)
+            except BaseException:
+                self.cache.release(chunk)
+                raise
+            while k < len(items) and items[k].offset + items[k].length <= window_end:
+                k += 1
+            future = self.writers.submit(self._write_chunk, chunk, pos, window_end - pos, spans, event)
+            self._pending.append(future)
+            pos = window_end
+
+    def _fill(self, chunk: int, start: int, end: int, items: List[_Item], k: int):
+        dst = self.cache.chunk_tensor(chunk)
+        cursor = start
+        spans = []
+        event = None
+        for it in items[k:]:
+            if it.offset >= end:
+                break
+            a, b = max(start, it.offset), min(end, it.offset + it.length)
+            if a >= b:
+                continue
+            if a > cursor:
+                dst[cursor - start:a - start].zero_()
+            src_lo, src_hi = a - it.offset, b - it.offset
+            if isinstance(it.data, torch.Tensor):
+                part = it.data[src_lo:src_hi]
+                if part.is_cuda:
+                    event = self._copy_from_device(dst[a - start:b - start], part)
+                else:
+                    dst[a - start:b - start].copy_(part)
+            else:
+                np.frombuffer(self.cache.chunk_memory(chunk), dtype=np.uint8)[a - start:b - start] = \
+                    np.frombuffer(it.data[src_lo:src_hi], dtype=np.uint8)
+            block = a // self.block - it.offset // self.block
+            spans.append((it.index, block, a - start, b - start))
+            cursor = b
+        if cursor < end:
+            dst[cursor - start:end - start].zero_()
+        return spans, event
+
+    def _copy_from_device(self, dst: torch.Tensor, src: torch.Tensor):
+        """Copy on a side stream ordered after the training stream's state at save()."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=src.device)
+            if self.capture_event is not None:
+                self._stream.wait_event(self.capture_event)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
+
+    def _sync_capture(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    # ------------------------------------------------------------------ writers
+
+    def _write_chunk(self, chunk: int, offset: int, length: int, spans, event) -> None:
+        try:
+            if self._stopping():
+                return
+            if event is not None:
+                event.synchronize()
+            memory = self.cache.chunk_memory(chunk)
+            self._file.pwrite_all(memory[:length], offset)
+            for index, block, a, b in spans:
+                self._sums[index][block] = fmt.checksum(memory[a:b])
+            with self._lock:
+                self.stats.bytes_written += length
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self.cache.release(chunk)
+
+    def _drain(self, raise_errors: bool = True) -> None:
+        for future in self._pending:
+            try:
+                future.result()
+            except BaseException:
+                if raise_errors:
+                    raise self._failure from None
+        self._pending.clear()
+        if raise_errors and self._failure is not None:
+            raise self._failure
+
+    def _write_footer(self, data_end: int) -> None:
+        entries = []
+        for i, source in enumerate(self.sources):
+            entries.append(fmt.Entry(source.kind, self._offsets[i], self._lengths[i], self._sums[i],
+                                     source.name))
+        footer = fmt.encode_footer(entries, self.tree, self.block, self.metadata)
+        footer_offset = fmt.align_up(data_end)
+        tail = footer + fmt.pack_trailer(footer_offset, footer)
+        self._write_bytes(0, fmt.pack_header())
+        self._write_bytes(footer_offset, tail)
+        size = footer_offset + len(tail)
+        self._file.finish(size)
+        self.stats.file_bytes = size
+
+    def _write_bytes(self, offset: int, data: bytes) -> None:
+        """Write small metadata through the (aligned) cache, chunk by chunk."""
+        view = memoryview(data)
+        while view:
+            chunk = self.cache.acquire(self._stopping)
+            if chunk is None:
+                raise self._failure or Aborted("cancelled")
+            try:
+                n = min(len(view), self.cache.chunk_bytes)
+                memory = self.cache.chunk_memory(chunk)
+                memory[:n] = view[:n]
+                padded = fmt.align_up(n)
+                memory[n:padded] = bytes(padded - n)
+                self._file.pwrite_all(memory[:padded], offset)
+            finally:
+                self.cache.release(chunk)
+            offset += n
+            view = view[n:]
