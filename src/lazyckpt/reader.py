@@ -64,38 +64,50 @@ class CheckpointFile:
                 out[i] = torch.UntypedStorage(0)
         if not runs:
             return out
-        fd, direct = open_for_read(self.path, self.options.o_direct)
+        fd, _direct = open_for_read(self.path, self.options.o_direct)
+        block = self.footer.block_bytes
         try:
             jobs = []
-            buffers = []
             for run in runs:
                 start = self.entries[run[0]].offset
                 end = self.entries[run[-1]].offset + self.entries[run[-1]].length
-                buf = mmap.mmap(-1, fmt.align_up(end - start),
-                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                buffers.append((run, start, end, buf))
+                buf = mmap.mmap(-1, fmt.align_up(end - start), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 view = memoryview(buf)
-                step = self.options.chunk_bytes
-                for lo in range(0, fmt.align_up(end - start), step):
-                    hi = min(lo + step, fmt.align_up(end - start))
-                    jobs.append(pool.submit(self._read_piece, fd, view[lo:hi], start + lo,
-                                            min(hi, end - start) - lo))
-            for job in jobs:
-                job.result()
-            verify = []
-            for run, start, end, buf in buffers:
-                view = memoryview(buf)
+                # One read per checksum block: each piece is read and verified by one
+                # thread while other threads read the next pieces.
+                for lo, hi in fmt.block_spans(start, end - start, block):
+                    jobs.append(pool.submit(self._read_block, fd, view, start, lo, hi, run))
                 for i in run:
                     e = self.entries[i]
                     piece = view[e.offset - start:e.offset - start + e.length]
-                    if self.options.verify_checksums:
-                        verify.append(pool.submit(self._verify, i, piece))
                     out[i] = torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
-            for job in verify:
+            for job in jobs:
                 job.result()
         finally:
             os.close(fd)
         return out
+
+    def _read_block(self, fd: int, view: memoryview, run_start: int, lo: int, hi: int, run: List[int]) -> None:
+        """Read file range [lo, hi) of a run (padded to whole pages) and verify the
+        checksums of the entry pieces inside it."""
+        a, b = lo - run_start, min(fmt.align_up(hi) - run_start, len(view))
+        got = pread_into(fd, view[a:b], lo, self.path)
+        if got < hi - lo:
+            raise CorruptCheckpointError(f"{self.path}: truncated file (wanted {hi - lo} bytes at "
+                                         f"offset {lo}, got {got})", path=self.path)
+        if not self.options.verify_checksums:
+            return
+        block = self.footer.block_bytes
+        for i in run:
+            e = self.entries[i]
+            if e.offset + e.length <= lo or e.offset >= hi:
+                continue
+            s, t = max(lo, e.offset), min(hi, e.offset + e.length)
+            k = s // block - e.offset // block
+            if fmt.checksum(view[s - run_start:t - run_start]) != e.checksums[k]:
+                raise CorruptCheckpointError(
+                    f"{self.path}: checksum mismatch in entry {e.name!r} at file offset {s} "
+                    f"(data damaged)", path=self.path, entry=e.name)
 
     def _plan_runs(self, indices: List[int]) -> List[List[int]]:
         """Group entries that sit next to each other in the file into one read."""
@@ -112,21 +124,6 @@ class CheckpointFile:
                     continue
             runs.append([i])
         return runs
-
-    def _read_piece(self, fd: int, buf: memoryview, offset: int, needed: int) -> None:
-        got = pread_into(fd, buf, offset, self.path)
-        if got < needed:
-            raise CorruptCheckpointError(f"{self.path}: truncated file (wanted {needed} bytes at "
-                                         f"offset {offset}, got {got})", path=self.path)
-
-    def _verify(self, index: int, data: memoryview) -> None:
-        e = self.entries[index]
-        block = self.footer.block_bytes
-        for (a, b), expected in zip(fmt.block_spans(e.offset, e.length, block), e.checksums):
-            if fmt.checksum(data[a - e.offset:b - e.offset]) != expected:
-                raise CorruptCheckpointError(
-                    f"{self.path}: checksum mismatch in entry {e.name!r} at file offset {a} "
-                    f"(data damaged)", path=self.path, entry=e.name)
 
     def verify_all(self, pool: cf.ThreadPoolExecutor) -> None:
         self.read_entries(range(len(self.entries)), pool)

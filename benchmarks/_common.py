@@ -1,0 +1,124 @@
+"""Helpers shared by the benchmark scripts: raw O_DIRECT ceilings, cache
+dropping, timing and table printing. Benchmarks print ratios measured in the
+same run, because absolute figures on this machine drift between runs."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import mmap
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+CHUNK = 32 << 20
+
+
+def drop_caches() -> bool:
+    """Drop the page cache so loads read from disk; False where not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        import shutil
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.unlink(path)
+    os.sync()   # let block freeing/discard finish outside the timed region
+
+
+def raw_write(path: str, nbytes: int, threads: int = 4) -> float:
+    """Seconds to write ``nbytes`` with O_DIRECT from an aligned buffer, fsynced: the ceiling."""
+    buf = mmap.mmap(-1, CHUNK * threads)
+    buf.write(os.urandom(1 << 20) * (CHUNK * threads >> 20))
+    view = memoryview(buf)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    total = (nbytes + 4095) // 4096 * 4096
+
+    def worker(k: int) -> None:
+        for off in range(k * CHUNK, total, CHUNK * threads):
+            n = min(CHUNK, total - off)
+            os.pwrite(fd, view[k * CHUNK:k * CHUNK + n], off)
+
+    t = time.perf_counter()
+    with cf.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(worker, range(threads)))
+    os.fsync(fd)
+    elapsed = time.perf_counter() - t
+    os.close(fd)
+    view.release()
+    buf.close()
+    return elapsed
+
+
+def raw_read(path: str, nbytes: int, threads: int = 2) -> float:
+    """Seconds to read ``nbytes`` with O_DIRECT into fresh aligned memory: the ceiling."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    total = (nbytes + 4095) // 4096 * 4096
+    t = time.perf_counter()
+    buf = mmap.mmap(-1, total)
+    view = memoryview(buf)
+    with cf.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda off: os.preadv(fd, [view[off:off + CHUNK]], off), range(0, total, CHUNK)))
+    elapsed = time.perf_counter() - t
+    os.close(fd)
+    view.release()
+    buf.close()
+    return elapsed
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def median_spread(values: List[float]) -> str:
+    med = statistics.median(values)
+    return f"{med:.3f}" + (f" ±{(max(values) - min(values)) / 2:.3f}" if len(values) > 1 else "")
+
+
+def time_call(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def machine_line() -> str:
+    return (f"machine: {platform.node()} {os.cpu_count()} cores, Linux {platform.release()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def print_table(headers: List[str], rows: List[List[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
+    print(line)
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+def state_bytes(state: Dict) -> int:
+    total = 0
+    stack = [state]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
