@@ -36,6 +36,13 @@ from .knobs import Options
 from .providers import Source
 
 
+def _as_numpy(data: Any) -> np.ndarray:
+    """A flat uint8 numpy view of a CPU tensor or a buffer (no copy)."""
+    if isinstance(data, torch.Tensor):
+        return data.numpy()
+    return np.frombuffer(data, dtype=np.uint8)
+
+
 class Aborted(Exception):
     """Internal: the job was cancelled or a sibling stage failed."""
 
@@ -185,6 +192,7 @@ class FileWriteJob:
 
     def _fill(self, chunk: int, start: int, end: int, items: List[_Item], k: int):
         dst = self.cache.chunk_tensor(chunk)
+        host = np.frombuffer(self.cache.chunk_memory(chunk), dtype=np.uint8)
         cursor = start
         spans = []
         event = None
@@ -195,22 +203,20 @@ class FileWriteJob:
             if a >= b:
                 continue
             if a > cursor:
-                dst[cursor - start:a - start].zero_()
+                host[cursor - start:a - start] = 0
             src_lo, src_hi = a - it.offset, b - it.offset
-            if isinstance(it.data, torch.Tensor):
-                part = it.data[src_lo:src_hi]
-                if part.is_cuda:
-                    event = self._copy_from_device(dst[a - start:b - start], part)
-                else:
-                    dst[a - start:b - start].copy_(part)
+            if isinstance(it.data, torch.Tensor) and it.data.device.type != "cpu":
+                event = self._copy_from_device(dst[a - start:b - start], it.data[src_lo:src_hi])
             else:
-                np.frombuffer(self.cache.chunk_memory(chunk), dtype=np.uint8)[a - start:b - start] = \
-                    np.frombuffer(it.data[src_lo:src_hi], dtype=np.uint8)
+                # Host copies go through numpy: a single-threaded memcpy that releases
+                # the GIL. torch's copy_ would start an intra-op thread team here that
+                # fights the training's own threads for the cores.
+                host[a - start:b - start] = _as_numpy(it.data)[src_lo:src_hi]
             block = a // self.block - it.offset // self.block
             spans.append((it.index, block, a - start, b - start))
             cursor = b
         if cursor < end:
-            dst[cursor - start:end - start].zero_()
+            host[cursor - start:end - start] = 0
         return spans, event
 
     def _copy_from_device(self, dst: torch.Tensor, src: torch.Tensor):
