@@ -7,7 +7,7 @@ import threading
 import uuid
 from typing import Any, Dict, Iterable, Optional
 
-from .checkpointer import MANIFEST, STEP_DIR, load_step_dir
+from .checkpointer import MANIFEST, STEP_DIR, _check_metadata, load_step_dir
 from .engine import Resources
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 from .fileio import fsync_dir
@@ -39,6 +39,7 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     """
     path = os.fspath(path)
     opts = resolve(options, **knobs)
+    metadata = _check_metadata(metadata)
     tree, sources = flatten(state)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
@@ -46,7 +47,7 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with _shared_lock:
         res = _resources(opts)
-        job = FileWriteJob(tmp, tree, sources, dict(metadata or {}), opts, res.cache,
+        job = FileWriteJob(tmp, tree, sources, {"user": metadata}, opts, res.cache,
                            res.writers, res.serializer)
         try:
             stats = job.run()

@@ -156,8 +156,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._check_open()
         self._raise_unreported()
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if type(step) is not int or not 0 <= step < 10 ** 10:
+            raise ValueError(f"step must be an int in [0, 1e10), got {step!r}")
+        metadata = _check_metadata(metadata)
         tree, sources = flatten(state)
         handle = SaveHandle(step, self)
         handle._t0 = t0
@@ -167,7 +168,7 @@ class Checkpointer:
             # Order the capture after everything the training stream has queued so far.
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream())
-        job = (handle, tree, sources, dict(metadata or {}), event)
+        job = (handle, tree, sources, metadata, event)
         with self._lock:
             while len(self._queue) >= self.options.max_pending_saves:
                 if self.options.queue_policy == "skip":
@@ -292,7 +293,7 @@ class Checkpointer:
         os.mkdir(tmp)
         try:
             filename = rank_filename(0)
-            metadata = {"step": handle.step, **metadata}
+            metadata = {"step": handle.step, "user": metadata}
             job = FileWriteJob(os.path.join(tmp, filename), tree, sources, metadata, self.options,
                                self._resources.cache, self._resources.writers,
                                self._resources.serializer, capture_event=event)
@@ -306,7 +307,7 @@ class Checkpointer:
             handle.bytes = stats.file_bytes
             manifest = {"format_version": fmt.FORMAT_VERSION, "step": handle.step, "world_size": 1,
                         "files": [{"rank": 0, "name": filename, "bytes": stats.file_bytes}],
-                        "created_unix": time.time(), "metadata": _json_safe(metadata)}
+                        "created_unix": time.time(), "metadata": metadata["user"]}
             write_file_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
             fsync_dir(tmp)
             if handle.cancelled:
@@ -316,8 +317,9 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         fsync_dir(self.directory)
-        write_file_atomic(os.path.join(self.directory, LATEST), f"{handle.step}\n".encode())
         self._apply_retention()
+        # The newest committed step, which need not be this one (a lower step saved late).
+        write_file_atomic(os.path.join(self.directory, LATEST), f"{self.latest_step()}\n".encode())
 
     def _watch_snapshot(self, handle: SaveHandle, job: FileWriteJob) -> None:
         job.snapshot_done.wait()
@@ -478,9 +480,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _json_safe(value: Any) -> Any:
+def _check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """User metadata goes into the footer and manifest as JSON: refuse what would
+    not round-trip, on the caller's thread rather than after the data is written."""
+    metadata = dict(metadata or {})
     try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        return repr(value)
+        text = json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"metadata must be JSON-serializable: {exc}") from None
+    if json.loads(text) != metadata:
+        raise ValueError("metadata must round-trip through JSON (string keys, no tuples)")
+    return metadata

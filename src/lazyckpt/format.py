@@ -70,7 +70,7 @@ def check_header(data: bytes, path: str) -> int:
 
 
 def check_version(version: Any, path: str) -> None:
-    if version not in SUPPORTED_VERSIONS:
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersionError(
             f"{path}: format version {version} is not supported; this lazyckpt reads "
             f"versions {', '.join(map(str, SUPPORTED_VERSIONS))}",
@@ -162,6 +162,10 @@ class Footer:
     metadata: Dict[str, Any]
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a footer")
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -172,7 +176,7 @@ def decode_footer(raw: bytes, footer_offset: int, path: str) -> Footer:
     def bad(why: str, entry: Optional[str] = None) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: corrupt footer: {why}", path=path, entry=entry)
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise bad(f"not valid JSON ({type(exc).__name__})") from None
     if not isinstance(doc, dict):
@@ -180,7 +184,8 @@ def decode_footer(raw: bytes, footer_offset: int, path: str) -> Footer:
     check_version(doc.get("format_version"), path)
     if doc.get("byteorder") != "little":
         raise bad(f"unsupported byte order {doc.get('byteorder')!r}")
-    if doc.get("alignment") != ALIGNMENT or doc.get("checksum") != CHECKSUM_ALGORITHM:
+    if not _is_int(doc.get("alignment")) or doc.get("alignment") != ALIGNMENT \
+            or doc.get("checksum") != CHECKSUM_ALGORITHM:
         raise bad("unexpected alignment or checksum algorithm")
     block_bytes = doc.get("block_bytes")
     if not _is_int(block_bytes) or block_bytes < ALIGNMENT or block_bytes % ALIGNMENT:

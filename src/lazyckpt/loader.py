@@ -113,9 +113,11 @@ def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, *,
     mapped: Dict[int, torch.UntypedStorage] = {}
     mapper = _storage_mapper(map_location)
 
-    def entry_value(e: Any) -> torch.UntypedStorage:
+    def entry_value(e: Any, kind: str = "data") -> torch.UntypedStorage:
         if type(e) is not int or e not in storages:
             raise ctx.corrupt(f"reference to unknown entry {e!r}")
+        if f.entries[e].kind != kind:
+            raise ctx.corrupt(f"entry {e} is {f.entries[e].kind!r}, expected {kind!r}")
         return storages[e]
 
     def storage(e: Any, location: str) -> torch.UntypedStorage:

@@ -111,7 +111,7 @@ class SaveContext:
 
 @dataclass
 class LoadContext:
-    entry_value: Callable[[int], torch.UntypedStorage]          # entry -> CPU bytes
+    entry_value: Callable[..., torch.UntypedStorage]            # entry, kind -> CPU bytes
     storage: Callable[[int, str], torch.UntypedStorage]         # entry, saved device -> mapped
     allow_pickle: bool
     path: str
@@ -135,7 +135,9 @@ class LoadContext:
             if provider is None:
                 raise self.corrupt(f"unknown tag {node['$']!r}")
             return provider.load(node, self)
-        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+        except CheckpointError:
+            raise
+        except Exception as exc:   # anything a hostile node can provoke is a corrupt file
             raise self.corrupt(f"{type(exc).__name__}: {exc}") from None
         finally:
             if key is not None:
@@ -275,9 +277,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_QUANTIZED = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
+#: Every plain dtype this torch defines, by name (vars(): no lazy submodule imports).
+_DTYPES = {name: value for name, value in vars(torch).items()
+           if isinstance(value, torch.dtype) and name not in _QUANTIZED}
+
+
 def dtype_from_name(name: Any, ctx: LoadContext) -> torch.dtype:
-    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not isinstance(value, torch.dtype):
+    value = _DTYPES.get(name) if isinstance(name, str) else None
+    if value is None:
         raise ctx.corrupt(f"unknown dtype {name!r}")
     return value
 
@@ -365,6 +373,8 @@ class NumpyProvider(Provider):
         dtype = np.dtype(node["dtype"]) if isinstance(node["dtype"], str) else None
         if dtype is None or dtype.kind not in _NUMPY_KINDS or dtype.fields is not None:
             raise ctx.corrupt(f"unsupported numpy dtype {node['dtype']!r}")
+        if node["t"] not in ("scalar", "array"):
+            raise ctx.corrupt(f"unknown numpy value kind {node['t']!r}")
         if node["t"] == "scalar":
             raw = bytes.fromhex(node["v"])
             if len(raw) != dtype.itemsize:
@@ -421,7 +431,7 @@ class PickleProvider(Provider):
                 f"{ctx.path}: entry {name} is a pickled {node.get('type', 'object')}; unpickling runs "
                 f"code from the file, so it is refused. Pass allow_pickle=True if you trust this file.",
                 path=ctx.path, entry=name)
-        payload = storage_bytes(ctx.entry_value(node["e"]))
+        payload = storage_bytes(ctx.entry_value(node["e"], "pickle"))
         try:
             return pickle.loads(payload)
         except Exception as exc:

@@ -35,7 +35,7 @@ class CheckpointFile:
         if self.size < fmt.HEADER_BYTES + fmt.TRAILER_BYTES:
             raise CorruptCheckpointError(f"{path}: truncated file ({self.size} bytes)", path=path)
         with open(path, "rb") as f:
-            fmt.check_header(f.read(fmt.HEADER_BYTES), path)
+            self.version = fmt.check_header(f.read(fmt.HEADER_BYTES), path)
             f.seek(self.size - fmt.TRAILER_BYTES)
             trailer = fmt.parse_trailer(f.read(fmt.TRAILER_BYTES), self.size, path,
                                         options.max_footer_bytes)
@@ -44,6 +44,9 @@ class CheckpointFile:
         if len(raw) != trailer.footer_length or fmt.checksum(raw) != trailer.footer_checksum:
             raise CorruptCheckpointError(f"{path}: footer checksum mismatch (file damaged)", path=path)
         self.footer = fmt.decode_footer(raw, trailer.footer_offset, path)
+        if self.footer.version != self.version:
+            raise CorruptCheckpointError(f"{path}: header says format version {self.version}, footer "
+                                         f"says {self.footer.version}", path=path)
 
     @property
     def entries(self) -> List[fmt.Entry]:
@@ -52,11 +55,12 @@ class CheckpointFile:
     def read_entries(self, indices: Iterable[int], pool: cf.ThreadPoolExecutor
                      ) -> Dict[int, torch.UntypedStorage]:
         """Read (and verify) the given entries in parallel."""
-        wanted = sorted(set(indices), key=lambda i: self.entries[i].offset)
+        wanted = set(indices)
         for i in wanted:
-            if not 0 <= i < len(self.entries):
+            if type(i) is not int or not 0 <= i < len(self.entries):
                 raise CorruptCheckpointError(f"{self.path}: reference to missing entry {i}",
                                              path=self.path, entry=str(i))
+        wanted = sorted(wanted, key=lambda i: self.entries[i].offset)
         out: Dict[int, torch.UntypedStorage] = {}
         runs = self._plan_runs([i for i in wanted if self.entries[i].length > 0])
         for i in wanted:
