@@ -34,7 +34,8 @@ from .engine import Resources
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
 from .fileio import fsync_dir, read_small_file, write_file_atomic
 from .knobs import Options, resolve
-from .loader import KeySpec, MapLocation, load_file
+from .loader import KeySpec, MapLocation, StepFiles, load_tree
+from .distributed import rank_info, shard_index
 from .providers import flatten
 from .writer import Aborted, FileWriteJob
 
@@ -120,7 +121,8 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep_last: Optional[int] = None,
                  host_cache_bytes: Optional[int] = None, *, options: Optional[Options] = None,
-                 **knobs: Any):
+                 replicated: Optional[List[Any]] = None, process_group: Any = None,
+                 commit_timeout_s: float = 600.0, **knobs: Any):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.directory = os.path.abspath(os.fspath(directory))
@@ -133,6 +135,13 @@ class Checkpointer:
                                   path=self.directory) from exc
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise CheckpointError(f"{self.directory}: directory is not writable", path=self.directory)
+        #: Top-level keys identical on every rank (DDP): each entry written by one rank.
+        self.replicated = list(replicated or [])
+        self._dist = rank_info(self.directory, process_group, commit_timeout_s)
+        if self._dist.distributed and self.options.queue_policy == "skip":
+            raise ValueError("queue_policy='skip' cannot be used with several ranks: a save skipped on "
+                             "one rank and not on another would never commit")
+        self._seq = 0
         self._resources = Resources(self.options)
         self._lock = threading.Condition()
         self._queue: collections.deque = collections.deque()
@@ -141,7 +150,8 @@ class Checkpointer:
         self._closed = False
         self._hooks: list = []
         self._thread: Optional[threading.Thread] = None
-        self.clean_leftovers()
+        if self._dist.coordinator:
+            self.clean_leftovers()
 
     # ------------------------------------------------------------------ saving
 
@@ -159,8 +169,10 @@ class Checkpointer:
         if type(step) is not int or not 0 <= step < 10 ** 10:
             raise ValueError(f"step must be an int in [0, 1e10), got {step!r}")
         metadata = _check_metadata(metadata)
-        tree, sources = flatten(state)
+        flat = flatten(state, self._dist.rank, self._dist.world_size, self.replicated)
+        sources = flat.sources
         handle = SaveHandle(step, self)
+        self._seq += 1
         handle._t0 = t0
         event = None
         if torch.cuda.is_available() and any(isinstance(s.data, torch.Tensor) and s.data.is_cuda
@@ -168,7 +180,7 @@ class Checkpointer:
             # Order the capture after everything the training stream has queued so far.
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream())
-        job = (handle, tree, sources, metadata, event)
+        job = (handle, flat, self._seq, metadata, event)
         with self._lock:
             while len(self._queue) >= self.options.max_pending_saves:
                 if self.options.queue_policy == "skip":
@@ -244,15 +256,15 @@ class Checkpointer:
                     self._lock.wait()
                 if not self._queue:
                     return
-                handle, tree, sources, metadata, event = self._queue[0]
+                handle, flat, seq, metadata, event = self._queue[0]
             try:
-                if handle.cancelled:
+                if handle.cancelled and not self._dist.distributed:
                     raise Aborted("cancelled by close()")
-                self._save_one(handle, tree, sources, metadata, event)
+                self._save_one(handle, flat, seq, metadata, event)
             except BaseException as exc:
                 self._record_failure(handle, exc)
             finally:
-                del tree, sources
+                del flat
                 handle.snapshot_done.set()
                 handle.flush_s = time.perf_counter() - handle._t0
                 with self._lock:
@@ -283,18 +295,22 @@ class Checkpointer:
             self._unreported.append(error)
         log.error("lazyckpt: %s", error)
 
-    def _save_one(self, handle: SaveHandle, tree: Any, sources: list, metadata: Dict[str, Any],
+    def _save_one(self, handle: SaveHandle, flat: Any, seq: int, metadata: Dict[str, Any],
                   event: Any) -> None:
+        d = self._dist
         final = os.path.join(self.directory, step_dirname(handle.step))
-        if os.path.exists(final):
-            raise CheckpointError(f"step {handle.step} is already committed in {self.directory}")
-        tmp = os.path.join(self.directory,
-                           f".tmp-{step_dirname(handle.step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        os.mkdir(tmp)
+        if d.distributed:
+            tmp = os.path.join(self.directory, f".tmp-{step_dirname(handle.step)}-r{d.run_id}-{seq}")
+        else:
+            tmp = os.path.join(self.directory,
+                               f".tmp-{step_dirname(handle.step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        filename = rank_filename(d.rank)
+        metadata = {"step": handle.step, "user": metadata}
         try:
-            filename = rank_filename(0)
-            metadata = {"step": handle.step, "user": metadata}
-            job = FileWriteJob(os.path.join(tmp, filename), tree, sources, metadata, self.options,
+            if os.path.exists(final):
+                raise CheckpointError(f"step {handle.step} is already committed in {self.directory}")
+            os.makedirs(tmp, exist_ok=d.distributed)
+            job = FileWriteJob(os.path.join(tmp, filename), flat.tree, flat.sources, metadata, self.options,
                                self._resources.cache, self._resources.writers,
                                self._resources.serializer, capture_event=event)
             handle._job = job
@@ -305,17 +321,64 @@ class Checkpointer:
             finally:
                 watcher.join()
             handle.bytes = stats.file_bytes
-            manifest = {"format_version": fmt.FORMAT_VERSION, "step": handle.step, "world_size": 1,
-                        "files": [{"rank": 0, "name": filename, "bytes": stats.file_bytes}],
-                        "created_unix": time.time(), "metadata": metadata["user"]}
-            write_file_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
-            fsync_dir(tmp)
-            if handle.cancelled:
-                raise Aborted("cancelled by close()")
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as exc:
+            if d.distributed:
+                # Tell the coordinator at once rather than let it wait for the deadline.
+                d.publish(f"{seq}/done/{d.rank}", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if not d.distributed:
+            self._commit(handle, tmp, final, {0: {"bytes": stats.file_bytes, "shards": flat.shards}},
+                         metadata)
+            return
+        d.publish(f"{seq}/done/{d.rank}", {"ok": True, "bytes": stats.file_bytes, "shards": flat.shards,
+                                           "digest": flat.replicated_digest})
+        if d.coordinator:
+            try:
+                keys = [f"{seq}/done/{r}" for r in range(d.world_size)]
+                values = d.wait_for(keys, "every rank's data", handle.step)
+                done = {r: values[k] for r, k in enumerate(keys)}
+                failed = {r: v["error"] for r, v in done.items() if not v.get("ok")}
+                if failed:
+                    raise CheckpointError(f"step {handle.step}: rank(s) failed: {failed}", step=handle.step)
+                if len({v["digest"] for v in done.values()}) > 1:
+                    raise CheckpointError(f"step {handle.step}: the replicated keys {self.replicated} differ "
+                                          f"between ranks; they cannot be written once", step=handle.step)
+                self._commit(handle, tmp, final, done, metadata)
+                d.delete(keys)
+            except BaseException as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                d.publish(f"{seq}/outcome", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                raise
+            d.publish(f"{seq}/outcome", {"ok": True})
+        else:
+            outcome = d.wait_for([f"{seq}/outcome"], "the coordinator's commit", handle.step)
+            result = outcome[f"{seq}/outcome"]
+            if not result.get("ok"):
+                raise CheckpointError(f"step {handle.step}: not committed: {result.get('error')}",
+                                      step=handle.step)
+
+    def _commit(self, handle: SaveHandle, tmp: str, final: str, done: Dict[int, Dict[str, Any]],
+                metadata: Dict[str, Any]) -> None:
+        """Make the complete temporary directory the committed step (coordinator only)."""
+        world = self._dist.world_size
+        manifest = {"format_version": fmt.FORMAT_VERSION, "step": handle.step, "world_size": world,
+                    "files": [{"rank": r, "name": rank_filename(r), "bytes": done[r]["bytes"]}
+                              for r in range(world)],
+                    "created_unix": time.time(), "metadata": metadata["user"]}
+        index = shard_index(done)
+        if index:
+            manifest["shards"] = index
+        if self.replicated:
+            manifest["replicated"] = [str(k) for k in self.replicated]
+        write_file_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
+        fsync_dir(tmp)
+        if handle.cancelled and world == 1:
+            raise Aborted("cancelled by close()")
+        if os.path.exists(final):
+            raise CheckpointError(f"step {handle.step} is already committed in {self.directory}")
+        os.rename(tmp, final)
         fsync_dir(self.directory)
         self._apply_retention()
         # The newest committed step, which need not be this one (a lower step saved late).
@@ -368,6 +431,8 @@ class Checkpointer:
                 pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
                 if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
                     continue
+                if self._dist.distributed and f"-r{self._dist.run_id}-" in name:
+                    continue        # this job's own save in progress
             elif not name.startswith(".deleting-step_") and not name.startswith(LATEST + ".tmp-"):
                 continue
             path = os.path.join(self.directory, name)
@@ -395,7 +460,8 @@ class Checkpointer:
                 raise CheckpointNotFoundError(f"{self.directory}: no committed checkpoint",
                                               path=self.directory)
         return load_step_dir(self.step_path(step), self.options, self._resources.readers,
-                             map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle)
+                             rank=self._dist.rank, map_location=map_location, keys=keys, into=into,
+                             allow_pickle=allow_pickle)
 
     # ------------------------------------------------------------------ closing
 
@@ -438,18 +504,30 @@ class Checkpointer:
                 pass
 
 
-def load_step_dir(path: str, options: Options, pool, **kwargs: Any) -> Any:
-    """Load a committed step directory through its manifest."""
+def load_step_dir(path: str, options: Options, pool, rank: Optional[int] = None, **kwargs: Any) -> Any:
+    """Load a committed step directory through its manifest.
+
+    With several saving ranks, rank ``r`` loads the state of saving rank
+    ``r % world_size`` (replicated entries and DTensor shards are gathered from
+    whichever files hold them). ``rank`` defaults to this process's rank.
+    """
     manifest_path = os.path.join(path, MANIFEST)
     raw = read_small_file(manifest_path, MAX_MANIFEST_BYTES)
     if raw is None:
         raise CheckpointNotFoundError(f"{path}: no committed checkpoint (no {MANIFEST})", path=path)
     manifest = parse_manifest(raw, manifest_path)
-    files = manifest["files"]
-    if len(files) != 1:
-        raise CheckpointError(f"{path}: written by {len(files)} ranks; multi-rank loading needs the "
-                              f"distributed loader", path=path)
-    return load_file(os.path.join(path, files[0]["name"]), options, pool, **kwargs)
+    if rank is None:
+        rank = _current_rank()
+    step = StepFiles(path, manifest, options)
+    return load_tree(step.file(rank % manifest["world_size"]), step, pool, **kwargs)
+
+
+def _current_rank() -> int:
+    try:
+        import torch.distributed as dist
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    except ImportError:
+        return 0
 
 
 def parse_manifest(raw: bytes, path: str) -> Dict[str, Any]:
@@ -463,10 +541,14 @@ def parse_manifest(raw: bytes, path: str) -> Dict[str, Any]:
         raise CorruptCheckpointError(f"{path}: manifest is not a JSON object", path=path)
     fmt.check_version(manifest.get("format_version"), path)
     files = manifest.get("files")
+    world = manifest.get("world_size")
     if not isinstance(files, list) or not files or not all(
             isinstance(f, dict) and isinstance(f.get("name"), str) and re.fullmatch(r"rank_\d{5}\.lzc", f["name"])
-            for f in files):
+            and type(f.get("rank")) is int and f["name"] == rank_filename(f["rank"]) for f in files):
         raise CorruptCheckpointError(f"{path}: manifest lists no valid data files", path=path)
+    if type(world) is not int or sorted(f["rank"] for f in files) != list(range(world)):
+        raise CorruptCheckpointError(f"{path}: manifest world_size {world!r} does not match its files",
+                                     path=path)
     return manifest
 
 

@@ -36,6 +36,10 @@ HEADER_BYTES = ALIGNMENT
 DATA_START = HEADER_BYTES
 CHECKSUM_ALGORITHM = "xxh3_64"
 
+#: "remote" entries hold no bytes: a replicated value written once, by the rank
+#: named in the entry, at the same entry index of that rank's file.
+ENTRY_KINDS = ("data", "pickle", "remote")
+
 _HEADER = struct.Struct("<8sII")
 _TRAILER = struct.Struct("<QQQ8s")
 TRAILER_BYTES = _TRAILER.size  # 32
@@ -109,15 +113,19 @@ def parse_trailer(data: bytes, file_size: int, path: str, max_footer_bytes: int)
 @dataclass(frozen=True)
 class Entry:
     """One run of bytes in the data region."""
-    kind: str            # "data" (raw bytes) or "pickle" (pickled object)
+    kind: str            # "data" (raw bytes), "pickle" (pickled object) or "remote"
     offset: int
     length: int
     checksums: List[int]  # one per checksum block the entry overlaps
     name: str = ""        # path in the state of the first value that uses it (for messages)
+    rank: Optional[int] = None  # "remote": the rank whose file holds this entry (same index)
 
     def to_json(self) -> Dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "offset": self.offset,
-                "length": self.length, "checksums": self.checksums}
+        doc = {"name": self.name, "kind": self.kind, "offset": self.offset,
+               "length": self.length, "checksums": self.checksums}
+        if self.rank is not None:
+            doc["rank"] = self.rank
+        return doc
 
 
 def block_spans(offset: int, length: int, block_bytes: int) -> List[tuple]:
@@ -202,15 +210,18 @@ def decode_footer(raw: bytes, footer_offset: int, path: str) -> Footer:
             raise bad("entry name is not a string", f"entry {i}")
         name = name or f"entry {i}"
         kind, offset, length, sums = e.get("kind"), e.get("offset"), e.get("length"), e.get("checksums")
-        if kind not in ("data", "pickle"):
+        if kind not in ENTRY_KINDS:
             raise bad(f"unknown entry kind {kind!r}", name)
+        rank = e.get("rank")
+        if kind == "remote" and not (_is_int(rank) and rank >= 0 and length == 0):
+            raise bad("remote entry without a valid rank", name)
         if not (_is_int(offset) and _is_int(length)) or length < 0 or offset < DATA_START \
                 or offset % ALIGNMENT or offset + length > footer_offset:
             raise bad(f"offset {offset!r} / length {length!r} outside the data region", name)
         if not isinstance(sums, list) or len(sums) != block_count(offset, length, block_bytes) \
                 or not all(_is_int(s) and 0 <= s < 1 << 64 for s in sums):
             raise bad("checksum list does not match the entry's blocks", name)
-        entries.append(Entry(kind, offset, length, sums, name))
+        entries.append(Entry(kind, offset, length, sums, name, rank if kind == "remote" else None))
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise bad("metadata is not an object")

@@ -4,11 +4,15 @@ device placement (map_location) and in-place filling (into=)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import math
+import os
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from .errors import CheckpointError, MissingKeyError, StateMismatchError, UnsafeObjectError
+from .errors import (CheckpointError, CorruptCheckpointError, MissingKeyError, StateMismatchError,
+                     UnsafeObjectError)
 from .knobs import Options
 from .providers import LoadContext, referenced_entries
 from .reader import CheckpointFile
@@ -105,19 +109,27 @@ def _storage_mapper(map_location: MapLocation) -> Callable[[torch.UntypedStorage
     return mapper
 
 
-def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, *,
+def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, **kwargs: Any) -> Any:
+    """Load one checkpoint file (written by a single rank)."""
+    return load_tree(CheckpointFile(path, options), None, pool, **kwargs)
+
+
+def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoolExecutor, *,
               map_location: MapLocation = None, keys: Optional[Iterable[KeySpec]] = None,
               into: Any = None, allow_pickle: bool = False) -> Any:
-    f = CheckpointFile(path, options)
+    """Rebuild the state described by ``f``'s tree. ``step`` resolves entries
+    held by other ranks' files and DTensor shards (multi-rank checkpoints)."""
+    path = f.path
     storages: Dict[int, torch.UntypedStorage] = {}
+    kinds: Dict[int, str] = {}
     mapped: Dict[int, torch.UntypedStorage] = {}
     mapper = _storage_mapper(map_location)
 
     def entry_value(e: Any, kind: str = "data") -> torch.UntypedStorage:
         if type(e) is not int or e not in storages:
             raise ctx.corrupt(f"reference to unknown entry {e!r}")
-        if f.entries[e].kind != kind:
-            raise ctx.corrupt(f"entry {e} is {f.entries[e].kind!r}, expected {kind!r}")
+        if kinds[e] != kind:
+            raise ctx.corrupt(f"entry {e} is {kinds[e]!r}, expected {kind!r}")
         return storages[e]
 
     def storage(e: Any, location: str) -> torch.UntypedStorage:
@@ -139,11 +151,146 @@ def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, *,
                 f"code from the file, so it is refused. Pass allow_pickle=True if you trust this file.",
                 path=path, entry=name)
     needed = [e for e in referenced_entries(tree) if 0 <= e < len(f.entries)]
-    storages.update(f.read_entries(needed, pool))
+    local = [e for e in needed if f.entries[e].kind != "remote"]
+    storages.update(f.read_entries(local, pool))
+    kinds.update({e: f.entries[e].kind for e in local})
+    remote: Dict[int, list] = {}
+    for e in needed:
+        if f.entries[e].kind == "remote":
+            remote.setdefault(f.entries[e].rank, []).append(e)
+    if remote and step is None:
+        raise CorruptCheckpointError(f"{path}: refers to other ranks' files; load the step directory",
+                                     path=path)
+    for rank, indices in remote.items():
+        other = step.file(rank)
+        for e in indices:
+            if e >= len(other.entries) or other.entries[e].kind == "remote":
+                raise CorruptCheckpointError(f"{other.path}: does not hold entry {e} that "
+                                             f"{path} says it holds", path=other.path, entry=str(e))
+            kinds[e] = other.entries[e].kind
+        storages.update(other.read_entries(indices, pool))
+    if step is not None:
+        ctx.dtensor_loader = step.dtensor_loader(into, pool, mapper)
     state = ctx.decode(tree)
     if into is not None:
         return fill_into(into, state, path)
     return state
+
+
+class StepFiles:
+    """The data files of one committed step and its manifest's shard index."""
+
+    def __init__(self, path: str, manifest: Dict[str, Any], options: Options):
+        self.path = path
+        self.manifest = manifest
+        self.options = options
+        self.world_size = manifest["world_size"]
+        self._names = {f["rank"]: f["name"] for f in manifest["files"]}
+        self._open: Dict[int, CheckpointFile] = {}
+        self.shards = manifest.get("shards", {})
+        if not isinstance(self.shards, dict):
+            raise CorruptCheckpointError(f"{path}: manifest shard index is not an object", path=path)
+
+    def file(self, rank: int) -> CheckpointFile:
+        if rank not in self._names:
+            raise CorruptCheckpointError(f"{self.path}: manifest lists no file of rank {rank}",
+                                         path=self.path)
+        if rank not in self._open:
+            self._open[rank] = CheckpointFile(os.path.join(self.path, self._names[rank]), self.options)
+        return self._open[rank]
+
+    def dtensor_loader(self, into: Any, pool: cf.ThreadPoolExecutor, mapper) -> Callable:
+        targets = _dtensor_targets(into)
+
+        def load(node: Dict[str, Any], ctx: LoadContext) -> Any:
+            key = json.dumps(list(ctx.trail))
+            info = self.shards.get(key)
+            if not isinstance(info, dict):
+                raise ctx.corrupt(f"no shard index for DTensor {key}")
+            return self._assemble(info, node, targets.get(key), ctx, pool)
+        return load
+
+    def _assemble(self, info: Dict[str, Any], node: Dict[str, Any], target: Any, ctx: LoadContext,
+                  pool: cf.ThreadPoolExecutor) -> Any:
+        from .providers import dtype_from_name
+        dtype = dtype_from_name(info["dtype"], ctx)
+        global_shape = info["global_shape"]
+        if target is not None:
+            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            if list(target.shape) != global_shape or target.dtype != dtype:
+                raise StateMismatchError(
+                    f"{self.path}: DTensor {'/'.join(ctx.trail)} is {dtype} {tuple(global_shape)} in the "
+                    f"checkpoint but {target.dtype} {tuple(target.shape)} in into=", path=self.path)
+            shape, origin = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                  target.placements)
+            local = torch.empty(list(shape), dtype=dtype, device=target.to_local().device)
+            self._fill_region(local, list(origin), info, ctx, pool)
+            return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
+                                      shape=target.shape, stride=target.stride())
+        full = torch.empty(global_shape, dtype=dtype)
+        self._fill_region(full, [0] * len(global_shape), info, ctx, pool)
+        return full
+
+    def _fill_region(self, out: torch.Tensor, origin: list, info: Dict[str, Any], ctx: LoadContext,
+                     pool: cf.ThreadPoolExecutor) -> None:
+        """Copy into ``out`` (the global region starting at ``origin``) every
+        overlapping piece of the saved shards, reading only the rows needed."""
+        from .providers import dtype_from_name
+        covered = 0
+        for piece in info["pieces"]:
+            offsets, t = piece["offsets"], piece["tensor"]
+            shape = t["shape"]
+            if not (isinstance(offsets, list) and len(offsets) == len(shape) == out.dim()):
+                raise ctx.corrupt("shard geometry does not match the tensor's rank")
+            lo = [max(o, r) for o, r in zip(offsets, origin)]
+            hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, shape, origin, out.shape)]
+            if any(a >= b for a, b in zip(lo, hi)) and out.dim() > 0:
+                continue
+            f = self.file(piece["rank"])
+            e = t["e"]
+            if type(e) is not int or not 0 <= e < len(f.entries) or f.entries[e].kind != "data":
+                raise ctx.corrupt(f"shard of rank {piece['rank']} refers to a bad entry {e!r}")
+            dtype = dtype_from_name(t["dtype"], ctx)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            contiguous = torch.empty(shape, dtype=dtype, device="meta").stride()
+            if out.dim() > 0 and list(contiguous) == t["stride"]:
+                # Rows [lo0, hi0) of a row-major shard are one contiguous byte range.
+                row = math.prod(shape[1:]) * itemsize
+                first, last = lo[0] - offsets[0], hi[0] - offsets[0]
+                start = t["offset"] * itemsize + first * row
+                data = f.read_range(e, start, start + (last - first) * row, pool)
+                src = data.view(dtype).reshape([last - first] + list(shape[1:]))
+                src = src[(slice(None),) + tuple(slice(a - o, b - o) for a, b, o in
+                                                  zip(lo[1:], hi[1:], offsets[1:]))]
+            else:
+                storage = f.read_entries([e], pool)[e]
+                whole = torch.empty((0,), dtype=dtype).set_(storage, t["offset"], shape, t["stride"])
+                src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
+            dst = out[tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, origin))]
+            dst.copy_(src)
+            covered += src.numel()
+        if covered < out.numel():
+            raise ctx.corrupt(f"the saved shards cover {covered} of the {out.numel()} elements needed")
+
+
+def _dtensor_targets(into: Any) -> Dict[str, Any]:
+    """DTensors in ``into`` by key path (as the loader names them)."""
+    targets: Dict[str, Any] = {}
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return targets
+    stack = [(into, [])]
+    while stack:
+        value, trail = stack.pop()
+        if isinstance(value, DTensor):
+            targets[json.dumps(trail)] = value
+        elif isinstance(value, dict):
+            stack.extend((v, trail + [str(k)]) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, trail + [str(i)]) for i, v in enumerate(value))
+    return targets
 
 
 def fill_into(dst: Any, src: Any, path: str, trail: str = "") -> Any:
@@ -159,6 +306,10 @@ def fill_into(dst: Any, src: Any, path: str, trail: str = "") -> Any:
             dst[i] = fill_into(dst[i], value, path, f"{trail}/{i}")
         return dst
     if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        if _is_dtensor(dst) and _is_dtensor(src):
+            with torch.no_grad():
+                dst.to_local().copy_(src.to_local())
+            return dst
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise StateMismatchError(
                 f"{path}: entry {trail or '<root>'} is {src.dtype} {tuple(src.shape)} in the checkpoint "
@@ -167,3 +318,11 @@ def fill_into(dst: Any, src: Any, path: str, trail: str = "") -> Any:
             dst.copy_(src)
         return dst
     return src
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(value, DTensor)

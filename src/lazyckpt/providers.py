@@ -42,11 +42,12 @@ class Source:
     capture stage. ``make_bytes`` serializes an object
     in the background (its length is unknown until then).
     """
-    kind: str                                   # "data" or "pickle"
+    kind: str                                   # "data", "pickle" or "remote"
     data: Any = None                            # flat uint8 tensor or memoryview, zero-copy
     make_bytes: Optional[Callable[[], bytes]] = None
     name: str = ""                              # state path, for error messages
     length: Optional[int] = None                # known up front for tensors
+    owner: Optional[int] = None                 # "remote": the rank that writes it
 
     @property
     def deferred(self) -> bool:
@@ -69,13 +70,32 @@ def _flat_bytes_of_storage(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SaveContext:
+    rank: int = 0
+    world_size: int = 1
+    #: True while walking replicated state: its sources are spread over the ranks.
+    replicated: bool = False
+    #: Geometry of the DTensor shards this rank writes (for the global shard index).
+    shards: List[Dict[str, Any]] = field(default_factory=list)
     sources: List[Source] = field(default_factory=list)
+    _bytes_per_rank: List[int] = field(default_factory=list)
     _storage_ids: Dict[Tuple[str, int], int] = field(default_factory=dict)
     path: List[str] = field(default_factory=list)
     _active: set = field(default_factory=set)   # ids of containers being walked (cycle check)
 
     def add(self, source: Source) -> int:
         source.name = self.path_name()
+        if self.replicated and self.world_size > 1:
+            # Every rank walks the same replicated state in the same order, so entry
+            # k is the same value everywhere: one rank writes it, the others record
+            # which.
+            # Spread the bytes evenly: each entry goes to the least-loaded rank so far
+            # (deterministic: every rank computes the same assignment).
+            if not self._bytes_per_rank:
+                self._bytes_per_rank = [0] * self.world_size
+            owner = min(range(self.world_size), key=self._bytes_per_rank.__getitem__)
+            self._bytes_per_rank[owner] += max(1, source.length or 0)
+            if owner != self.rank:
+                source = Source("remote", name=source.name, length=0, owner=owner)
         self.sources.append(source)
         return len(self.sources) - 1
 
@@ -115,6 +135,8 @@ class LoadContext:
     storage: Callable[[int, str], torch.UntypedStorage]         # entry, saved device -> mapped
     allow_pickle: bool
     path: str
+    #: Builds a DTensor node's value from the global shard index (multi-rank loads).
+    dtensor_loader: Optional[Callable[[Dict[str, Any], "LoadContext"], Any]] = None
     trail: List[str] = field(default_factory=list)
 
     def corrupt(self, why: str) -> CorruptCheckpointError:
@@ -438,6 +460,69 @@ class PickleProvider(Provider):
             raise ctx.corrupt(f"unpickling failed: {type(exc).__name__}: {exc}") from exc
 
 
+def _dtensor_type() -> Optional[type]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:     # torch built without distributed
+        return None
+    return DTensor
+
+
+class DTensorProvider(Provider):
+    """A shard of a larger logical tensor (FSDP2, tensor parallel).
+
+    The node records the global shape and this rank's offsets in it; the
+    local bytes are an ordinary tensor node. Where the tensor is replicated
+    over a mesh dimension, only the rank at coordinate 0 of that dimension
+    writes it (written once, not once per replica). Loading builds the piece
+    a target DTensor (from ``into=``) needs, reading only overlapping rows of
+    the saved shards, whatever the saving world size was; without a target it
+    assembles the full tensor.
+    """
+    tag = "dtensor"
+
+    def handles(self, value):
+        cls = _dtensor_type()
+        return cls is not None and isinstance(value, cls)
+
+    def save(self, value, ctx):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        mesh, placements = value.device_mesh, value.placements
+        for p in placements:
+            if not isinstance(p, (Shard, Replicate)):
+                raise CheckpointError(f"DTensor at {ctx.path_name()} has placement {p}; reduce it "
+                                      f"(redistribute to Shard/Replicate) before saving",
+                                      entry=ctx.path_name())
+        if ctx.replicated:
+            raise CheckpointError(f"DTensor at {ctx.path_name()} is sharded state: do not list its key "
+                                  f"in replicated= (replicated DTensors are detected)", entry=ctx.path_name())
+        local_shape, offsets = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+        coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+        writer = all(c == 0 for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
+        node = {"$": "dtensor", "dtype": dtype_name(value.dtype), "global_shape": list(value.shape),
+                "offsets": [int(o) for o in offsets], "local_shape": [int(n) for n in local_shape],
+                "local": None}
+        if value.requires_grad:
+            node["requires_grad"] = True
+        if writer:
+            local = value.to_local()
+            was = ctx.replicated
+            ctx.replicated = False          # a shard is this rank's own data
+            try:
+                node["local"] = ctx.encode(local.detach())
+            finally:
+                ctx.replicated = was
+            ctx.shards.append({"path": list(ctx.path), "global_shape": node["global_shape"],
+                               "offsets": node["offsets"], "local": node["local"]})
+        return node
+
+    def load(self, node, ctx):
+        if ctx.dtensor_loader is None:
+            raise ctx.corrupt("a DTensor shard can only be loaded from a committed step directory")
+        return ctx.dtensor_loader(node, ctx)
+
+
 class CustomProvider(Provider):
     """A user type turned into safe state by user-supplied functions."""
     tag = "custom"
@@ -491,6 +576,7 @@ class _Registry:
     def __init__(self) -> None:
         self.custom: Dict[str, CustomProvider] = {}
         self.builtin: List[Provider] = [ScalarProvider(), TensorProvider(), DictProvider(),
+                                        DTensorProvider(),
                                         SequenceProvider(), TorchMetaProvider(), NumpyProvider(),
                                         BytesProvider(), ComplexProvider(), PickleProvider()]
         self._tags: Dict[str, Provider] = {p.tag: p for p in self.builtin}
@@ -525,11 +611,57 @@ def register_provider(cls: type, to_state: Callable[[Any], Any], from_state: Cal
     _registry.register(CustomProvider(cls, name, to_state, from_state))
 
 
-def flatten(state: Any) -> Tuple[Any, List[Source]]:
-    """Walk ``state`` (on the caller's thread; no data is copied)."""
-    ctx = SaveContext()
-    tree = ctx.encode(state)
-    return tree, ctx.sources
+def _without_devices(node: Any) -> Any:
+    """Replicas live on different devices (cuda:0, cuda:1): compare without them."""
+    if isinstance(node, dict):
+        return {k: _without_devices(v) for k, v in node.items() if k != "device"}
+    if isinstance(node, list):
+        return [_without_devices(v) for v in node]
+    return node
+
+
+@dataclass
+class Flattened:
+    tree: Any
+    sources: List[Source]
+    shards: List[Dict[str, Any]]
+    #: Digest of the replicated part of the tree: must agree across ranks.
+    replicated_digest: str = ""
+
+
+def flatten(state: Any, rank: int = 0, world_size: int = 1,
+            replicated: Iterable[Any] = ()) -> Flattened:
+    """Walk ``state`` (on the caller's thread; no data is copied).
+
+    ``replicated`` names top-level keys whose values are identical on every
+    rank (DDP): they are walked first, so their entries have the same indices
+    on every rank, and each entry is written by one rank only.
+    """
+    ctx = SaveContext(rank=rank, world_size=world_size)
+    replicated = list(replicated)
+    if not replicated:
+        return Flattened(ctx.encode(state), ctx.sources, ctx.shards)
+    if type(state) not in (dict, collections.OrderedDict):
+        raise CheckpointError("replicated= needs the state to be a dict of top-level keys")
+    missing = [k for k in replicated if k not in state]
+    if missing:
+        raise CheckpointError(f"replicated keys {missing} are not in the state")
+    nodes = {}
+    ctx.replicated = True
+    for key in replicated:
+        nodes[key] = ctx.encode(state[key], key)
+    ctx.replicated = False
+    import hashlib
+    import json
+    digest = hashlib.sha256(json.dumps(_without_devices([nodes[k] for k in replicated]),
+                                       sort_keys=True).encode()).hexdigest()
+    with _walking(ctx, state):
+        keys = [ctx.encode(k) for k in state]
+        values = [nodes[k] if k in nodes else ctx.encode(v, k) for k, v in state.items()]
+    tree = {"$": "dict", "k": keys, "v": values}
+    if type(state) is collections.OrderedDict:
+        tree["ordered"] = True
+    return Flattened(tree, ctx.sources, ctx.shards, digest)
 
 
 def referenced_entries(node: Any, out: Optional[set] = None) -> set:
@@ -539,6 +671,8 @@ def referenced_entries(node: Any, out: Optional[set] = None) -> set:
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
+            if n.get("$") == "dtensor":
+                continue            # read through the shard index, not this rank's entry
             e = n.get("e")
             if type(e) is int:
                 out.add(e)

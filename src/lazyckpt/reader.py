@@ -80,7 +80,8 @@ class CheckpointFile:
                 # One read per checksum block: each piece is read and verified by one
                 # thread while other threads read the next pieces.
                 for lo, hi in fmt.block_spans(start, end - start, block):
-                    jobs.append(pool.submit(self._read_block, fd, view, start, lo, hi, run))
+                    jobs.append(pool.submit(self._read_block, fd, view, start, lo, hi,
+                                            [self.entries[i] for i in run]))
                 for i in run:
                     e = self.entries[i]
                     piece = view[e.offset - start:e.offset - start + e.length]
@@ -91,7 +92,8 @@ class CheckpointFile:
             os.close(fd)
         return out
 
-    def _read_block(self, fd: int, view: memoryview, run_start: int, lo: int, hi: int, run: List[int]) -> None:
+    def _read_block(self, fd: int, view: memoryview, run_start: int, lo: int, hi: int,
+                    entries: List[fmt.Entry]) -> None:
         """Read file range [lo, hi) of a run (padded to whole pages) and verify the
         checksums of the entry pieces inside it."""
         a, b = lo - run_start, min(fmt.align_up(hi) - run_start, len(view))
@@ -102,8 +104,7 @@ class CheckpointFile:
         if not self.options.verify_checksums:
             return
         block = self.footer.block_bytes
-        for i in run:
-            e = self.entries[i]
+        for e in entries:
             if e.offset + e.length <= lo or e.offset >= hi:
                 continue
             s, t = max(lo, e.offset), min(hi, e.offset + e.length)
@@ -128,6 +129,35 @@ class CheckpointFile:
                     continue
             runs.append([i])
         return runs
+
+    def read_range(self, index: int, start: int, end: int, pool: cf.ThreadPoolExecutor) -> torch.Tensor:
+        """Bytes [start, end) of one entry, as a uint8 tensor. Whole checksum
+        blocks around the range are read so that each can be verified."""
+        e = self.entries[index]
+        if not 0 <= start <= end <= e.length:
+            raise CorruptCheckpointError(f"{self.path}: range [{start}, {end}) outside entry {e.name!r} "
+                                         f"of {e.length} bytes", path=self.path, entry=e.name)
+        if start == end:
+            return torch.empty((0,), dtype=torch.uint8)
+        block = self.footer.block_bytes
+        lo = max(e.offset, (e.offset + start) // block * block)
+        hi = min(e.offset + e.length, -(-(e.offset + end) // block) * block)
+        # Checksums of the blocks covered, in order: the entry's list from the first one.
+        first = lo // block - e.offset // block
+        span = fmt.Entry(e.kind, lo, hi - lo, e.checksums[first:first + fmt.block_count(lo, hi - lo, block)],
+                         e.name)
+        fd, _direct = open_for_read(self.path, self.options.o_direct)
+        try:
+            buf = mmap.mmap(-1, fmt.align_up(hi - lo), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            view = memoryview(buf)
+            jobs = [pool.submit(self._read_block, fd, view, lo, a, b, [span])
+                    for a, b in fmt.block_spans(lo, hi - lo, block)]
+            for job in jobs:
+                job.result()
+        finally:
+            os.close(fd)
+        data = torch.frombuffer(view, dtype=torch.uint8)
+        return data[e.offset + start - lo:e.offset + end - lo]
 
     def verify_all(self, pool: cf.ThreadPoolExecutor) -> None:
         self.read_entries(range(len(self.entries)), pool)

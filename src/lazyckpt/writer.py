@@ -120,10 +120,13 @@ class FileWriteJob:
             self._file = OutputFile(self.path, self.options.o_direct)
             # Serialize objects in the background while tensors stream out.
             pickles = [(i, self.serializer.submit(s.make_bytes))
-                       for i, s in enumerate(self.sources) if s.deferred]
+                       for i, s in enumerate(self.sources) if s.deferred and s.kind != "remote"]
             offset = fmt.DATA_START
             items = []
             for i, s in enumerate(self.sources):
+                if s.kind == "remote":          # written by another rank
+                    self._offsets[i], self._lengths[i], self._sums[i] = fmt.DATA_START, 0, []
+                    continue
                 if s.deferred:
                     continue
                 items.append(_Item(i, offset, s.length, s.data))
@@ -270,7 +273,7 @@ class FileWriteJob:
         entries = []
         for i, source in enumerate(self.sources):
             entries.append(fmt.Entry(source.kind, self._offsets[i], self._lengths[i], self._sums[i],
-                                     source.name))
+                                     source.name, source.owner if source.kind == "remote" else None))
         footer = fmt.encode_footer(entries, self.tree, self.block, self.metadata)
         footer_offset = fmt.align_up(data_end)
         tail = footer + fmt.pack_trailer(footer_offset, footer)
