@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
 from .errors import CheckpointError
@@ -55,25 +55,26 @@ class RankInfo:
         self.store.set(key, json.dumps(value))
 
     def wait_for(self, keys: List[str], what: str, step: int) -> Dict[str, Dict[str, Any]]:
-        """Wait (bounded by ``timeout_s``) until every key is set; return their values."""
-        deadline = time.monotonic() + self.timeout_s
-        pending = list(keys)
-        values: Dict[str, Dict[str, Any]] = {}
-        delay = 0.001
-        while pending:
-            ready = [k for k in pending if self.store.check([k])]
-            for k in ready:
-                values[k] = json.loads(self.store.get(k).decode())
-                pending.remove(k)
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"step {step}: timed out after {self.timeout_s:.0f} s waiting for "
-                                      f"{what} ({len(pending)} of {len(keys)} missing: {pending[:4]}); "
-                                      f"a rank may have died", step=step)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        return values
+        """Wait (bounded by ``timeout_s``) until every key is set; return their values.
+
+        One blocking ``store.wait`` for all keys: the store answers when the last
+        one arrives, so the coordinator sends O(1) requests, not a poll per rank.
+        """
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as exc:        # the store raises on timeout (its own error types)
+            missing = [k for k in keys if not self.store.check([k])]
+            if not missing:
+                return self._get_all(keys)
+            raise CheckpointError(f"step {step}: timed out after {self.timeout_s:.0f} s waiting for "
+                                  f"{what} ({len(missing)} of {len(keys)} missing: {missing[:4]}); "
+                                  f"a rank may have died ({type(exc).__name__})", step=step) from None
+        return self._get_all(keys)
+
+    def _get_all(self, keys: List[str]) -> Dict[str, Dict[str, Any]]:
+        raw = self.store.multi_get(keys) if hasattr(self.store, "multi_get") else \
+            [self.store.get(k) for k in keys]
+        return {k: json.loads(bytes(v).decode()) for k, v in zip(keys, raw)}
 
     def delete(self, keys: List[str]) -> None:
         for k in keys:
