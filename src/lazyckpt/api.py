@@ -40,14 +40,14 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     path = os.fspath(path)
     opts = resolve(options, **knobs)
     metadata = _check_metadata(metadata)
-    tree, sources = flatten(state)
+    flat = flatten(state)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"{path}: directory {directory} does not exist", path=path)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with _shared_lock:
         res = _resources(opts)
-        job = FileWriteJob(tmp, tree, sources, {"user": metadata}, opts, res.cache,
+        job = FileWriteJob(tmp, flat.tree, flat.sources, {"user": metadata}, opts, res.cache,
                            res.writers, res.serializer)
         try:
             stats = job.run()
