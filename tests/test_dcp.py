@@ -1,0 +1,157 @@
+"""torch.distributed.checkpoint with lazyckpt's storage writer/reader:
+dcp.save / dcp.async_save / dcp.load in 1 and 2 gloo processes with FSDP2,
+and a reshard on load (DCP's planner does the resharding)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import lazyckpt
+from _dist import run_ranks
+from lazyckpt.integrations.dcp import LazyStorageReader, LazyStorageWriter
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _plain_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    return model, opt
+
+
+def _train(model, opt, steps, seed=0):
+    losses = []
+    for i in range(steps):
+        torch.manual_seed(seed + i)
+        loss = model(torch.randn(8, 32)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_single_process_save_load_resumes_identically(tmp_path, use_async):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model, opt = _plain_model()
+    _train(model, opt, 3)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "extra": {"epoch": 3}}
+    writer = LazyStorageWriter(tmp_path)
+    if use_async:
+        writer.attach(opt)
+        response = dcp.async_save(state, storage_writer=writer, no_dist=True)
+        reference = _train(model, opt, 2, seed=100)      # the pre-hook waits for staging first
+        response.upload_completion.result()
+        writer.close()
+    else:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        reference = _train(model, opt, 2, seed=100)
+    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0.lzc"]
+    assert lazyckpt.load(str(tmp_path / "__0.lzc"))          # a plain lazyckpt file underneath
+
+    model2, opt2 = _plain_model()
+    msd2, osd2 = get_state_dict(model2, opt2)
+    state2 = {"model": msd2, "optim": osd2, "extra": {"epoch": 0}}
+    dcp.load(state2, storage_reader=LazyStorageReader(tmp_path), no_dist=True)
+    set_state_dict(model2, opt2, model_state_dict=state2["model"], optim_state_dict=state2["optim"])
+    assert state2["extra"]["epoch"] == 3
+    assert _train(model2, opt2, 2, seed=100) == reference
+
+
+def test_async_staging_is_a_consistent_snapshot(tmp_path):
+    """Tensors mutated right after staging completes do not leak into the checkpoint."""
+    model, opt = _plain_model()
+    state = {"model": {k: v for k, v in model.state_dict().items()}}
+    before = {k: v.clone() for k, v in state["model"].items()}
+    writer = LazyStorageWriter(tmp_path)
+    response = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    response.staging_completion.result()
+    with torch.no_grad():
+        for t in state["model"].values():
+            t.add_(1.0)
+    response.upload_completion.result()
+    writer.close()
+    target = {"model": {k: torch.zeros_like(v) for k, v in before.items()}}
+    dcp.load(target, storage_reader=LazyStorageReader(tmp_path), no_dist=True)
+    assert all(torch.equal(target["model"][k], v) for k, v in before.items())
+
+
+def test_metadata_is_not_unpickled_blindly(tmp_path):
+    model, _ = _plain_model()
+    dcp.save({"model": model.state_dict()}, storage_writer=LazyStorageWriter(tmp_path), no_dist=True)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path}/pwned",))
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(BaseException) as info:     # DCP's CheckpointException is a BaseException
+        dcp.load({"model": model.state_dict()}, storage_reader=LazyStorageReader(tmp_path), no_dist=True)
+    # DCP wraps each rank's error in a CheckpointException carrying the originals.
+    assert "not plain checkpoint metadata" in str(info.value)
+    assert not (tmp_path / "pwned").exists()
+
+
+# ----------------------------------------------------------------------------- FSDP2, 2 ranks
+
+
+def _fsdp(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 37), torch.nn.ReLU(), torch.nn.Linear(37, 5))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _full(sd):
+    from torch.distributed.tensor import DTensor
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v.clone()) for k, v in sd.items()}
+
+
+def _fsdp_save(rank, world, directory, use_async):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model, opt = _fsdp(world)
+    for i in range(2):
+        torch.manual_seed(i)
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    writer = LazyStorageWriter(directory)
+    if use_async:
+        response = dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer)
+        response.upload_completion.result()
+    else:
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+    writer.close()
+    return _full(msd)
+
+
+def _fsdp_load(rank, world, directory):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model, opt = _fsdp(world)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=LazyStorageReader(directory))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _full(get_state_dict(model, opt)[0])
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_fsdp2_two_ranks_and_reshard_on_load(tmp_path, use_async):
+    ref = run_ranks(2, _fsdp_save, str(tmp_path), use_async)[0]
+    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0.lzc", "__1.lzc"]
+    for world in ((2, 3) if not use_async else (1,)):
+        for got in run_ranks(world, _fsdp_load, str(tmp_path)):
+            assert all(torch.equal(ref[k], got[k]) for k in ref), f"2 -> {world} ranks"
