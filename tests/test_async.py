@@ -115,13 +115,15 @@ def test_skip_policy_skips_with_a_warning(tmp_path):
     fileio.OutputFile.pwrite_all = slow_write
     try:
         with lazyckpt.Checkpointer(tmp_path, max_pending_saves=1, queue_policy="skip") as ckpt:
-            first = ckpt.save({"w": torch.ones(10)}, step=1)
-            with pytest.warns(RuntimeWarning, match="step 2 skipped"):
-                second = ckpt.save({"w": torch.ones(10)}, step=2)
-            assert second.skipped and second.done()
+            first = ckpt.save({"w": torch.ones(10)}, step=1)      # in flight (held at its write)
+            second = ckpt.save({"w": torch.ones(10)}, step=2)     # waits behind it
+            with pytest.warns(RuntimeWarning, match="step 3 skipped"):
+                third = ckpt.save({"w": torch.ones(10)}, step=3)
+            assert third.skipped and third.done() and not second.skipped
             gate.set()
             first.wait(30)
-            assert ckpt.steps() == [1]
+            second.wait(30)
+            assert ckpt.steps() == [1, 2]
     finally:
         fileio.OutputFile.pwrite_all = real
         gate.set()

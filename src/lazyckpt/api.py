@@ -16,18 +16,18 @@ from .loader import KeySpec, MapLocation, load_file
 from .providers import flatten
 from .writer import FileWriteJob
 
-_shared: Optional[Resources] = None
+_shared: Dict[Options, Resources] = {}
 _shared_lock = threading.Lock()
 
 
 def _resources(options: Options) -> Resources:
-    """A process-wide cache and pools for the functional API, created once."""
-    global _shared
-    if _shared is None or _shared.options != options:
-        if _shared is not None:
-            _shared.close()
-        _shared = Resources(options)
-    return _shared
+    """Process-wide caches and pools for the functional API, one set per distinct
+    Options, created once and never torn down under a concurrent caller."""
+    with _shared_lock:
+        res = _shared.get(options)
+        if res is None:
+            res = _shared[options] = Resources(options)
+        return res
 
 
 def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
@@ -45,8 +45,8 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"{path}: directory {directory} does not exist", path=path)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with _shared_lock:
-        res = _resources(opts)
+    res = _resources(opts)
+    with res.save_lock:         # one functional save at a time per cache
         job = FileWriteJob(tmp, flat.tree, flat.sources, {"user": metadata}, opts, res.cache,
                            res.writers, res.serializer)
         try:
@@ -82,8 +82,7 @@ def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[Ke
     path = os.fspath(path)
     opts = resolve(options, **knobs)
     kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle)
-    with _shared_lock:
-        pool = _resources(opts).readers
+    pool = _resources(opts).readers
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, MANIFEST)):
             return load_step_dir(path, opts, pool, **kwargs)

@@ -182,7 +182,8 @@ class Checkpointer:
             event.record(torch.cuda.current_stream())
         job = (handle, flat, self._seq, metadata, event)
         with self._lock:
-            while len(self._queue) >= self.options.max_pending_saves:
+            # The save in flight plus max_pending_saves waiting behind it.
+            while len(self._queue) > self.options.max_pending_saves:
                 if self.options.queue_policy == "skip":
                     warnings.warn(f"lazyckpt: step {step} skipped: {len(self._queue)} saves already "
                                   f"queued (queue_policy='skip')", RuntimeWarning, stacklevel=2)
@@ -266,7 +267,8 @@ class Checkpointer:
             finally:
                 del flat
                 handle.snapshot_done.set()
-                handle.flush_s = time.perf_counter() - handle._t0
+                if not handle.flush_s:
+                    handle.flush_s = time.perf_counter() - handle._t0
                 with self._lock:
                     self._queue.popleft()
                     if handle in self._inflight:
@@ -380,9 +382,14 @@ class Checkpointer:
             raise CheckpointError(f"step {handle.step} is already committed in {self.directory}")
         os.rename(tmp, final)
         fsync_dir(self.directory)
-        self._apply_retention()
-        # The newest committed step, which need not be this one (a lower step saved late).
-        write_file_atomic(os.path.join(self.directory, LATEST), f"{self.latest_step()}\n".encode())
+        handle.flush_s = time.perf_counter() - handle._t0      # committed and durable
+        try:
+            self._apply_retention()
+            # The newest committed step, which need not be this one (a lower step saved late).
+            write_file_atomic(os.path.join(self.directory, LATEST), f"{self.latest_step()}\n".encode())
+        except OSError as exc:
+            # The step is committed; failing to tidy up must not report it as lost.
+            log.warning("lazyckpt: step %d committed, but retention/latest failed: %s", handle.step, exc)
 
     def _watch_snapshot(self, handle: SaveHandle, job: FileWriteJob) -> None:
         job.snapshot_done.wait()

@@ -16,6 +16,7 @@ class Resources:
         self.options = options
         self._cache: Optional[HostCache] = None
         self._lock = threading.Lock()
+        self.save_lock = threading.Lock()
         self.writers = cf.ThreadPoolExecutor(options.writer_threads, thread_name_prefix="lazyckpt-writer")
         self.readers = cf.ThreadPoolExecutor(options.reader_threads, thread_name_prefix="lazyckpt-reader")
         self.serializer = cf.ThreadPoolExecutor(1, thread_name_prefix="lazyckpt-serializer")

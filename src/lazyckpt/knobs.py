@@ -30,7 +30,8 @@ class Options:
     verify_checksums: bool = True
     #: A reader refuses a footer larger than this (hostile-file guard).
     max_footer_bytes: int = 256 * MiB
-    #: Saves that may wait in the queue behind the one in flight.
+    #: Saves that may wait in the queue behind the one in flight (so at most
+    #: max_pending_saves + 1 checkpoints are pending at once).
     max_pending_saves: int = 2
     #: What save() does when the queue is full: "block" or "skip" (warns).
     queue_policy: str = "block"
