@@ -40,6 +40,9 @@ def _ddp_save(rank, world, directory):
 def _ddp_load(rank, world, directory):
     with lazyckpt.Checkpointer(directory) as ckpt:
         out = ckpt.load()
+        subset = ckpt.load(keys=["rank_state", ("model", "0.weight")])
+    assert set(subset) == {"rank_state", "model"} and list(subset["model"]) == ["0.weight"]
+    assert torch.equal(subset["model"]["0.weight"], out["model"]["0.weight"])
     return out["model"], out["rank_state"], out["optim"]["state"][0]["exp_avg"]
 
 
@@ -121,8 +124,11 @@ def _fsdp_train_and_save(rank, world, directory):
         opt.step()
         opt.zero_grad()
     msd, osd = get_state_dict(model, opt)
+    from torch.distributed.tensor import Replicate
+    replicated = torch.distributed.tensor.DTensor.from_local(
+        torch.arange(6.0), model[0].weight.device_mesh, [Replicate()], run_check=False)
     with lazyckpt.Checkpointer(directory) as ckpt:
-        ckpt.save({"model": msd, "optim": osd}, step=2).wait()
+        ckpt.save({"model": msd, "optim": osd, "rep": replicated}, step=2).wait()
     torch.manual_seed(99)
     loss = model(torch.randn(4, 16)).sum().item()      # the next step's loss, for the resume check
     return _full(msd), {k: _full(v) for k, v in osd["state"].items()}, loss
@@ -154,12 +160,15 @@ def test_fsdp2_sharded_save_and_resharding_load(tmp_path, saved_world, loaded_wo
     pieces = manifest["shards"]['["model", "0.weight"]']["pieces"]
     assert manifest["shards"]['["model", "0.weight"]']["global_shape"] == [33, 16]
     assert sorted(p["rank"] for p in pieces) == list(range(saved_world))
+    # A replicated DTensor is written once (by the rank at mesh coordinate 0).
+    assert [p["rank"] for p in manifest["shards"]['["rep"]']["pieces"]] == [0]
     for world in loaded_worlds:
         for got in run_ranks(world, _fsdp_load, str(tmp_path)):
             assert _same(ref, got), f"{saved_world} -> {world} ranks"
     # Without a sharded target, the full tensors are assembled.
     full = lazyckpt.load(str(tmp_path / "step_0000000002"))
     assert all(torch.equal(full["model"][k], v) for k, v in ref[0].items())
+    assert torch.equal(full["rep"], torch.arange(6.0))
 
 
 # ----------------------------------------------------------------------------- failures

@@ -47,7 +47,7 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     res = _resources(opts)
     with res.save_lock:         # one functional save at a time per cache
-        job = FileWriteJob(tmp, flat.tree, flat.sources, {"user": metadata}, opts, res.cache,
+        job = FileWriteJob(tmp, flat.tree, flat.sources, metadata, opts, res.cache,
                            res.writers, res.serializer)
         try:
             stats = job.run()
@@ -57,13 +57,10 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
                 os.unlink(tmp)
             except OSError:
                 pass
-            if isinstance(exc, CheckpointError):
-                raise
-            if isinstance(exc, (OSError, ValueError, TypeError, RuntimeError)) or \
-                    type(exc).__module__.startswith("pickle"):
-                raise CheckpointWriteError(f"{path}: save failed: {type(exc).__name__}: {exc}",
-                                           path=path) from exc
-            raise
+            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+                raise       # ours already, or KeyboardInterrupt/SystemExit
+            raise CheckpointWriteError(f"{path}: save failed: {type(exc).__name__}: {exc}",
+                                       path=path) from exc
     fsync_dir(directory)
     return stats.file_bytes
 

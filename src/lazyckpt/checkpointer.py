@@ -307,7 +307,7 @@ class Checkpointer:
             tmp = os.path.join(self.directory,
                                f".tmp-{step_dirname(handle.step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         filename = rank_filename(d.rank)
-        metadata = {"step": handle.step, "user": metadata}
+        metadata = {"step": handle.step, **metadata}
         try:
             if os.path.exists(final):
                 raise CheckpointError(f"step {handle.step} is already committed in {self.directory}")
@@ -331,8 +331,13 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         if not d.distributed:
-            self._commit(handle, tmp, final, {0: {"bytes": stats.file_bytes, "shards": flat.shards}},
-                         metadata)
+            try:
+                self._commit(handle, tmp, final, {0: {"bytes": stats.file_bytes, "shards": flat.shards}},
+                             metadata)
+            except BaseException:
+                if os.path.isdir(tmp):      # not renamed: nothing of this step may remain
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
             return
         d.publish(f"{seq}/done/{d.rank}", {"ok": True, "bytes": stats.file_bytes, "shards": flat.shards,
                                            "digest": flat.replicated_digest})
@@ -368,7 +373,7 @@ class Checkpointer:
         manifest = {"format_version": fmt.FORMAT_VERSION, "step": handle.step, "world_size": world,
                     "files": [{"rank": r, "name": rank_filename(r), "bytes": done[r]["bytes"]}
                               for r in range(world)],
-                    "created_unix": time.time(), "metadata": metadata["user"]}
+                    "created_unix": time.time(), "metadata": metadata}
         index = shard_index(done)
         if index:
             manifest["shards"] = index
@@ -579,4 +584,6 @@ def _check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         raise ValueError(f"metadata must be JSON-serializable: {exc}") from None
     if json.loads(text) != metadata:
         raise ValueError("metadata must round-trip through JSON (string keys, no tuples)")
+    if "step" in metadata:
+        raise ValueError("metadata key 'step' is reserved (the Checkpointer records the step)")
     return metadata

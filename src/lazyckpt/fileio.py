@@ -50,10 +50,12 @@ class OutputFile:
         done = 0
         total = len(data)
         while done < total:
+            # Read both together: another thread may switch to buffered between them.
+            fd, direct = self.fd, self.direct
             try:
-                n = os.pwrite(self.fd, data[done:], offset + done)
+                n = os.pwrite(fd, data[done:], offset + done)
             except OSError as exc:
-                if exc.errno == errno.EINVAL and self.direct:
+                if exc.errno == errno.EINVAL and (direct or fd != self.fd):
                     self._fall_back_to_buffered()
                     continue
                 raise
@@ -81,6 +83,49 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class InputFile:
+    """A file read at explicit offsets by several threads, O_DIRECT when asked
+    and accepted, falling back to buffered reads where O_DIRECT reads fail."""
+
+    def __init__(self, path: str, o_direct: bool):
+        self.path = path
+        self.fd, self.direct = open_for_read(path, o_direct)
+        self._lock = threading.Lock()
+        self._retired: list = []
+
+    def read_into(self, buf: memoryview, offset: int) -> int:
+        """Read into ``buf`` until full or end of file; return bytes read."""
+        done = 0
+        total = len(buf)
+        while done < total:
+            fd, direct = self.fd, self.direct
+            try:
+                n = os.preadv(fd, [buf[done:]], offset + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and (direct or fd != self.fd):
+                    self._fall_back_to_buffered()
+                    continue
+                raise
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def _fall_back_to_buffered(self) -> None:
+        with self._lock:
+            if not self.direct:
+                return
+            self._retired.append(self.fd)
+            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self.direct = False
+
+    def close(self) -> None:
+        for fd in self._retired + [self.fd]:
+            os.close(fd)
+        self._retired.clear()
+        self.fd = -1
 
 
 def open_for_read(path: str, o_direct: bool) -> tuple:

@@ -385,11 +385,13 @@ class NumpyProvider(Provider):
 
     def save(self, value, ctx):
         if isinstance(value, np.generic):
-            return {"$": "numpy", "t": "scalar", "dtype": value.dtype.str, "v": value.tobytes().hex()}
-        array = np.ascontiguousarray(value)
+            # Through a 0-d array: an empty np.str_ has itemsize 0 but tobytes() of 4.
+            scalar = np.asarray(value)
+            return {"$": "numpy", "t": "scalar", "dtype": scalar.dtype.str, "v": scalar.tobytes().hex()}
+        array = value if value.flags.c_contiguous else np.ascontiguousarray(value)
         flat = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
         index = ctx.add(Source("data", data=flat, length=array.nbytes))
-        return {"$": "numpy", "t": "array", "dtype": array.dtype.str, "shape": list(array.shape), "e": index}
+        return {"$": "numpy", "t": "array", "dtype": array.dtype.str, "shape": list(value.shape), "e": index}
 
     def load(self, node, ctx):
         dtype = np.dtype(node["dtype"]) if isinstance(node["dtype"], str) else None

@@ -18,7 +18,7 @@ import torch
 
 from . import format as fmt
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .fileio import open_for_read, pread_into
+from .fileio import InputFile
 from .knobs import Options
 
 
@@ -68,7 +68,7 @@ class CheckpointFile:
                 out[i] = torch.UntypedStorage(0)
         if not runs:
             return out
-        fd, _direct = open_for_read(self.path, self.options.o_direct)
+        fd = InputFile(self.path, self.options.o_direct)
         block = self.footer.block_bytes
         try:
             jobs = []
@@ -89,15 +89,15 @@ class CheckpointFile:
             for job in jobs:
                 job.result()
         finally:
-            os.close(fd)
+            fd.close()
         return out
 
-    def _read_block(self, fd: int, view: memoryview, run_start: int, lo: int, hi: int,
+    def _read_block(self, fd: InputFile, view: memoryview, run_start: int, lo: int, hi: int,
                     entries: List[fmt.Entry]) -> None:
         """Read file range [lo, hi) of a run (padded to whole pages) and verify the
         checksums of the entry pieces inside it."""
         a, b = lo - run_start, min(fmt.align_up(hi) - run_start, len(view))
-        got = pread_into(fd, view[a:b], lo, self.path)
+        got = fd.read_into(view[a:b], lo)
         if got < hi - lo:
             raise CorruptCheckpointError(f"{self.path}: truncated file (wanted {hi - lo} bytes at "
                                          f"offset {lo}, got {got})", path=self.path)
@@ -146,7 +146,7 @@ class CheckpointFile:
         first = lo // block - e.offset // block
         span = fmt.Entry(e.kind, lo, hi - lo, e.checksums[first:first + fmt.block_count(lo, hi - lo, block)],
                          e.name)
-        fd, _direct = open_for_read(self.path, self.options.o_direct)
+        fd = InputFile(self.path, self.options.o_direct)
         try:
             buf = mmap.mmap(-1, fmt.align_up(hi - lo), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             view = memoryview(buf)
@@ -155,7 +155,7 @@ class CheckpointFile:
             for job in jobs:
                 job.result()
         finally:
-            os.close(fd)
+            fd.close()
         data = torch.frombuffer(view, dtype=torch.uint8)
         return data[e.offset + start - lo:e.offset + end - lo]
 

@@ -1,0 +1,87 @@
+"""Shared fixtures for the lazyckpt test suite."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+import lazyckpt
+import lazyckpt.api
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_environment(monkeypatch):
+    """Tests choose their knobs explicitly: a LAZYCKPT_* variable set in the
+    developer's shell must not change what they exercise."""
+    for name in list(os.environ):
+        if name.startswith("LAZYCKPT_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def ckpt_file(tmp_path):
+    """Path of a (not yet written) single-file checkpoint."""
+    return str(tmp_path / "state.lzc")
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    """A fresh directory for a Checkpointer."""
+    d = tmp_path / "run"
+    d.mkdir()
+    return str(d)
+
+
+# Knob sets that drive distinct code paths: O_DIRECT on/off, one or several
+# writer threads, and chunks small enough that entries straddle many chunks
+# and end in unaligned tails.
+KNOB_SETS = {
+    "direct-1writer-defaults": dict(o_direct=True, writer_threads=1),
+    "buffered-4writers-defaults": dict(o_direct=False, writer_threads=4),
+    "direct-4writers-8k": dict(o_direct=True, writer_threads=4, chunk_bytes=8192, host_cache_bytes=32768),
+    "buffered-1writer-8k": dict(o_direct=False, writer_threads=1, chunk_bytes=8192, host_cache_bytes=16384),
+    "direct-1writer-4k-minimal-cache": dict(o_direct=True, writer_threads=1, chunk_bytes=8192,
+                                            host_cache_bytes=8192),
+}
+
+
+@pytest.fixture(params=list(KNOB_SETS.values()), ids=list(KNOB_SETS))
+def knobs(request):
+    """Keyword options accepted by lazyckpt.save/load and Checkpointer."""
+    return dict(request.param)
+
+
+def _functional_api_threads() -> set:
+    """Threads of the process-wide pools behind lazyckpt.save/load, which are
+    kept on purpose: those of any Resources object held by lazyckpt.api."""
+    from lazyckpt.engine import Resources
+    found = []
+    for value in vars(lazyckpt.api).values():
+        if isinstance(value, Resources):
+            found.append(value)
+        elif isinstance(value, dict):
+            found += [v for v in value.values() if isinstance(v, Resources)]
+    out = set()
+    for res in found:
+        for pool in (getattr(res, "writers", None), getattr(res, "readers", None),
+                     getattr(res, "serializer", None)):
+            out |= set(getattr(pool, "_threads", ()))
+    return out
+
+
+@pytest.fixture
+def no_leaked_threads():
+    """Fails the test if lazyckpt threads it started outlive it: after every
+    Checkpointer is closed no capture thread and no pool thread may remain
+    (the functional API's shared pools are allowed)."""
+    before = set(threading.enumerate())
+    yield
+    leaked = [t for t in threading.enumerate()
+              if t not in before and t.is_alive() and t.name.startswith("lazyckpt-")
+              and t not in _functional_api_threads()]
+    assert not leaked, f"lazyckpt threads left running: {sorted(t.name for t in leaked)}"
+    capture = [t for t in threading.enumerate()
+               if t not in before and t.is_alive() and t.name == "lazyckpt-capture"]
+    assert not capture
