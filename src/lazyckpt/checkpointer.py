@@ -15,7 +15,6 @@ complete, fsynced temporary directory: it exists only once committed.
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -117,6 +116,13 @@ class Checkpointer:
     every optimizer step by ``attach(optimizer)`` -- blocks until the pending
     captures have copied their data, so the optimizer may then update the
     tensors in place. See docs/ARCHITECTURE.md for the contract.
+
+    Under torch.distributed (an initialized default group) creating it and
+    every ``save()`` are collective: each rank writes its own file and the
+    step commits when all have (``commit_timeout_s`` bounds the wait for a
+    dead rank). ``replicated`` names top-level keys identical on every rank
+    (DDP), written once. ``process_group=False`` makes it local to this
+    process.
     """
 
     def __init__(self, directory: str, keep_last: Optional[int] = None,

@@ -26,7 +26,7 @@ import json
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from .errors import CheckpointError
 
@@ -88,8 +88,12 @@ def rank_info(directory: str, process_group: Any = None, timeout_s: float = 600.
     """This process's place in the job, and a store namespace agreed by all ranks.
 
     Collective when a process group is initialized: every rank must create
-    its Checkpointer for the same directory in the same order.
+    its Checkpointer for the same directory in the same order. Pass
+    ``process_group=False`` for a checkpointer local to this process (e.g. one
+    used on rank 0 only): no coordination at all.
     """
+    if process_group is False:
+        return RankInfo()
     try:
         import torch.distributed as dist
     except ImportError:

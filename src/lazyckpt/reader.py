@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import mmap
 import os
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List
 
 import torch
 

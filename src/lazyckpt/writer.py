@@ -20,10 +20,10 @@ name; committing it (rename, manifests) is the caller's job.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
+
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np

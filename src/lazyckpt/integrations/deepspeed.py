@@ -36,32 +36,18 @@ import logging
 import os
 import threading
 import time
-import uuid
 from typing import Any, List, Optional
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from .. import format as fmt
-from ..api import load as lazy_load
 from ..distributed import rank_info
-from ..engine import Resources
 from ..errors import CheckpointError, CheckpointWriteError
-from ..fileio import fsync_dir, write_file_atomic
+from ..fileio import write_file_atomic
 from ..knobs import resolve
-from ..providers import flatten
-from ..writer import FileWriteJob
+from ._async import AsyncFileWriter, PendingFile, is_lazyckpt_file
 
 log = logging.getLogger("lazyckpt.deepspeed")
-
-
-class _FileSave:
-    def __init__(self, path: str, flat: Any, event: Any):
-        self.path, self.flat, self.event = path, flat, event
-        self.snapshot_done = threading.Event()
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-        self.bytes = 0
 
 
 class _Group:
@@ -69,7 +55,7 @@ class _Group:
 
     def __init__(self, info: CheckpointCommitInfo, seq: int):
         self.info, self.seq = info, seq
-        self.files: List[_FileSave] = []
+        self.files: List[PendingFile] = []
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
         self.started = time.perf_counter()
@@ -84,11 +70,13 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.name = "LazyCheckpointEngine"
         self.allow_pickle = allow_pickle
         self.options = resolve(None, **knobs)
-        self._resources = Resources(self.options)
+        # Files are written by the shared single-file writer (its optimizer and
+        # buffer-owning-module pre-hooks also guard the capture); this engine
+        # adds the per-tag commit across ranks and the `latest` file.
+        self._writer = AsyncFileWriter(options=self.options)
         self._dist = rank_info("lazyckpt-deepspeed", None, commit_timeout_s)
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
-        self._pending_files: List[_FileSave] = []
         self._errors: List[BaseException] = []
         self._group: Optional[_Group] = None
         self._groups: List[_Group] = []
@@ -107,27 +95,14 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def save(self, state_dict: Any, path: str) -> None:
         self._raise_errors()
-        flat = flatten(state_dict)
-        event = None
-        if torch.cuda.is_available() and any(isinstance(s.data, torch.Tensor) and s.data.is_cuda
-                                             for s in flat.sources):
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream())
-        job = _FileSave(os.fspath(path), flat, event)
         if self._group is None:             # a save outside save_checkpoint (e.g. save_16bit_model)
-            self.create(CheckpointCommitInfo(tag="", save_dir=os.path.dirname(job.path), save_latest=False))
-        self._group.files.append(job)
-        with self._cond:
-            self._pending_files.append(job)
-            self._queue.append(("file", job))
-            self._cond.notify_all()
+            self.create(CheckpointCommitInfo(tag="", save_dir=os.path.dirname(os.fspath(path)),
+                                             save_latest=False))
+        self._group.files.append(self._writer.save(state_dict, path))
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        with open(path, "rb") as f:
-            head = f.read(len(fmt.MAGIC))
-        if head == fmt.MAGIC:
-            return lazy_load(path, map_location=map_location, allow_pickle=self.allow_pickle,
-                             options=self.options)
+        if is_lazyckpt_file(path):
+            return self._writer.load(path, map_location=map_location, allow_pickle=self.allow_pickle)
         # A checkpoint written by DeepSpeed's own engine (torch.save): keep loading it.
         return torch.load(path, map_location=map_location, weights_only=not self.allow_pickle)
 
@@ -171,10 +146,7 @@ class LazyCheckpointEngine(CheckpointEngine):
     # ------------------------------------------------------------------ extras
 
     def wait_for_snapshot(self) -> None:
-        with self._cond:
-            pending = list(self._pending_files)
-        for job in pending:
-            job.snapshot_done.wait()
+        self._writer.wait_for_snapshot()
         self._raise_errors()
 
     def wait(self) -> None:
@@ -194,7 +166,7 @@ class LazyCheckpointEngine(CheckpointEngine):
                 self._closed = True
                 self._cond.notify_all()
             self._thread.join()
-            self._resources.close()
+            self._writer.close(raise_errors=False)
 
     # ------------------------------------------------------------------ background
 
@@ -221,46 +193,20 @@ class LazyCheckpointEngine(CheckpointEngine):
                     self._cond.wait()
                 if not self._queue:
                     return
-                kind, item = self._queue.popleft()
-            if kind == "file":
-                self._write_file(item)
-            else:
-                self._commit_group(item)
-
-    def _write_file(self, job: _FileSave) -> None:
-        directory = os.path.dirname(os.path.abspath(job.path))
-        tmp = os.path.join(directory, f".{os.path.basename(job.path)}.tmp-{uuid.uuid4().hex[:8]}")
-        watcher = None
-        try:
-            os.makedirs(directory, exist_ok=True)
-            writer = FileWriteJob(tmp, job.flat.tree, job.flat.sources, {}, self.options,
-                                  self._resources.cache, self._resources.writers,
-                                  self._resources.serializer, capture_event=job.event)
-            watcher = threading.Thread(target=lambda: (writer.snapshot_done.wait(), job.snapshot_done.set()),
-                                       daemon=True)
-            watcher.start()
-            job.bytes = writer.run().file_bytes
-            os.replace(tmp, job.path)
-            fsync_dir(directory)
-        except BaseException as exc:
-            job.error = exc
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        finally:
-            job.snapshot_done.set()
-            if watcher is not None:
-                watcher.join()
-            job.flat = None
-            job.done.set()
-            with self._cond:
-                self._pending_files.remove(job)
+                _, group = self._queue.popleft()
+            self._commit_group(group)
 
     def _commit_group(self, group: _Group) -> None:
         d = self._dist
         try:
+            for f in group.files:
+                f.done.wait()
             failed = [f for f in group.files if f.error is not None]
+            if failed:
+                try:                        # reported through this group's error, once
+                    self._writer.raise_errors()
+                except CheckpointError:
+                    pass
             local_error = (f"{failed[0].path}: {type(failed[0].error).__name__}: {failed[0].error}"
                            if failed else None)
             if d.distributed:

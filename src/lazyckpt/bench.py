@@ -1,0 +1,993 @@
+"""Side-by-side checkpoint benchmark (``lazyckpt bench``).
+
+One state (a flat dict of tensors: ``--size`` bytes split into ``--tensors``
+tensors cycling through ``--dtypes``), saved and loaded in the same run by:
+
+=========================  ===============================================  =================
+row                        save / load                                      installed by
+=========================  ===============================================  =================
+raw O_DIRECT               aligned pwrite + fsync / pread (the ceiling)     --
+torch.save                 torch.save + fsync / torch.load(weights_only)    torch
+safetensors                save_file + fsync / load_file                    ``safetensors``
+dcp.save (1 thread)        FileSystemWriter(thread_count=1) / dcp.load      torch (distributed)
+dcp.save (2 threads)       FileSystemWriter(thread_count=2) / dcp.load      torch (distributed)
+dcp.async_save             future returned / future done / dcp.load         torch (distributed)
+torchsnapshot take         Snapshot.take / restore                          ``torchsnapshot``
+torchsnapshot async_take   Snapshot.async_take, wait() / restore            ``torchsnapshot``
+deepspeed save_checkpoint  engine.save_checkpoint + fsync / load_checkpoint ``lazyckpt[deepspeed]``
+lazyckpt.save (sync)       lazyckpt.save (durable on return) / load         --
+lazyckpt Checkpointer      save() returns / handle.wait() / load            --
+=========================  ===============================================  =================
+
+Figures per row (median over ``--reps``, with half the min-max range):
+
+* **save call s**: time inside the save call (what training waits for);
+* **durable s**: until the checkpoint is on stable storage. Methods that do
+  not fsync themselves (torch.save, safetensors, torchsnapshot, DeepSpeed)
+  are followed by an fsync of every file and directory they wrote, inside
+  the timing: without it a "save" is only a copy into the page cache;
+* **GB/s** = state bytes / durable s; **of raw write** = that over the raw
+  O_DIRECT ceiling measured in the same run (same bytes, same threads);
+* **load s**, **load GB/s**, **of raw read**: the same for loading back
+  (into freshly allocated memory; dcp/torchsnapshot/DeepSpeed restore into
+  preallocated tensors, allocation included in the timing). One byte of
+  every page of the loaded tensors is read inside the timing, so loaders
+  that only map the file (safetensors) pay for their reads like the others.
+
+``--drop-caches`` evicts the checkpoint from the page cache before each load:
+globally (``/proc/sys/vm/drop_caches``, root only) or else file by file
+(``posix_fadvise(DONTNEED)`` after fsync, permitted to any user). Without it,
+buffered loaders (torch, safetensors, dcp) may read from memory while
+O_DIRECT ones (raw, lazyckpt) always read the disk.
+
+``--timeline PNG`` also runs a short training loop with a lazyckpt
+Checkpointer and draws per iteration the forward/backward, optimizer step
+and the wait for the capture, and per checkpoint the save call, the capture
+(copy out of the live tensors; writing overlaps it), the remaining write and
+the commit, on one time axis.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import errno
+import json
+import logging
+import mmap
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import lazyckpt
+from .knobs import Options
+
+GB = 1e9
+CHUNK = 32 << 20
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp64": torch.float64, "float64": torch.float64,
+          "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
+          "int64": torch.int64}
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES["fp8"] = DTYPES["fp8_e4m3"] = torch.float8_e4m3fn
+
+
+def parse_size(text: str) -> int:
+    """'256M', '1G', '1.5GiB', '4096', '512k' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"bad size {text!r} (examples: 256M, 1G, 1.5GiB, 4096)")
+    value = float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2).lower() or " ")))
+    if value < 1:
+        raise ValueError(f"size must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def parse_dtypes(text: str) -> List[torch.dtype]:
+    out = []
+    for name in str(text).split(","):
+        name = name.strip().lower()
+        if not name:
+            continue
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(sorted(DTYPES))}")
+        out.append(DTYPES[name])
+    if not out:
+        raise ValueError("--dtypes is empty")
+    return out
+
+
+def make_state(size: int, tensors: int, dtypes: List[torch.dtype], seed: int = 0) -> Dict[str, torch.Tensor]:
+    """``tensors`` tensors of about ``size / tensors`` bytes each, dtypes cycled."""
+    g = torch.Generator().manual_seed(seed)
+    per = max(1, size // max(1, tensors))
+    state = {}
+    for i in range(tensors):
+        dtype = dtypes[i % len(dtypes)]
+        n = max(1, per // torch.empty((), dtype=dtype).element_size())
+        shape = (n // 1024, 1024) if n >= 1024 and n % 1024 == 0 else (n,)
+        if dtype.is_floating_point:
+            make = dtype if dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) else torch.float32
+            t = torch.randn(shape, generator=g, dtype=make).to(dtype)
+        elif dtype == torch.uint8:
+            t = torch.randint(0, 256, shape, generator=g, dtype=dtype)
+        else:
+            t = torch.randint(-100, 100, shape, generator=g, dtype=dtype)
+        state[f"layers.{i}.weight"] = t
+    return state
+
+
+def state_bytes(state: Dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+# --------------------------------------------------------------------------- I/O helpers
+
+
+def fsync_path(path: str) -> None:
+    """fsync every file and directory under ``path`` (and its parent directory)."""
+    def sync(p: str, directory: bool) -> None:
+        try:
+            fd = os.open(p, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if os.path.isdir(path):
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                sync(os.path.join(root, name), False)
+            sync(root, True)
+    elif os.path.exists(path):
+        sync(path, False)
+    sync(os.path.dirname(os.path.abspath(path)), True)
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _files(path: str) -> List[str]:
+    if os.path.isdir(path):
+        return [os.path.join(r, n) for r, _d, fs in os.walk(path) for n in fs]
+    return [path] if os.path.isfile(path) else []
+
+
+def drop_caches_global() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def evict(path: str) -> None:
+    """Evict the (clean, fsynced) pages of ``path``'s files from the page cache."""
+    advise = getattr(os, "posix_fadvise", None)
+    for p in _files(path):
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            if advise is not None:
+                advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _o_direct_flag() -> int:
+    return getattr(os, "O_DIRECT", 0)
+
+
+def raw_write(path: str, nbytes: int, threads: int) -> Tuple[float, bool]:
+    """Seconds to write ``nbytes`` of random data with aligned O_DIRECT pwrites
+    from ``threads`` threads, fsynced: the write ceiling. (buffered if refused)"""
+    total = (nbytes + 4095) // 4096 * 4096
+    piece = min(CHUNK, total)
+    buf = mmap.mmap(-1, piece * threads)
+    seed = os.urandom(min(piece, 1 << 20))
+    for off in range(0, piece * threads, len(seed)):
+        buf[off:off + len(seed)] = seed[:piece * threads - off]
+    view = memoryview(buf)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    direct = bool(_o_direct_flag())
+    try:
+        fd = os.open(path, flags | _o_direct_flag(), 0o644) if direct else os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        direct = False
+        fd = os.open(path, flags, 0o644)
+
+    def worker(k: int) -> None:
+        for off in range(k * piece, total, piece * threads):
+            n = min(piece, total - off)
+            os.pwrite(fd, view[k * piece:k * piece + n], off)
+
+    try:
+        t = time.perf_counter()
+        with cf.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(worker, range(threads)))
+        os.ftruncate(fd, nbytes)
+        os.fsync(fd)
+        elapsed = time.perf_counter() - t
+    finally:
+        os.close(fd)
+        view.release()
+        buf.close()
+    return elapsed, direct
+
+
+def raw_read(path: str, nbytes: int, threads: int) -> float:
+    """Seconds to read ``nbytes`` with O_DIRECT into fresh aligned memory: the read ceiling."""
+    total = (nbytes + 4095) // 4096 * 4096
+    try:
+        fd = os.open(path, os.O_RDONLY | _o_direct_flag())
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        t = time.perf_counter()
+        buf = mmap.mmap(-1, total)
+        view = memoryview(buf)
+        with cf.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda off: os.preadv(fd, [view[off:off + CHUNK]], off), range(0, total, CHUNK)))
+        elapsed = time.perf_counter() - t
+        view.release()
+        buf.close()
+    finally:
+        os.close(fd)
+    return elapsed
+
+
+def touch(obj: Any) -> None:
+    """Read one byte of every page of every tensor in ``obj``: a loader that maps
+    the file instead of reading it (safetensors, torch mmap) pays for its reads
+    inside the load timing too, like the loaders that copy."""
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.numel() and v.device.type == "cpu":
+                flat = torch.empty((0,), dtype=torch.uint8).set_(v.untyped_storage())
+                flat[::4096].sum()
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif hasattr(v, "state_dict") and callable(v.state_dict):
+            stack.append(v.state_dict())
+
+
+def filesystem_of(path: str) -> str:
+    path = os.path.realpath(path)
+    best, fstype = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1].replace("\\040", " ")
+                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                        best, fstype = mnt, parts[2]
+    except OSError:
+        pass
+    return fstype
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send what a peer library prints (banners, INFO logs) to stderr, keeping stdout for the table."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+# --------------------------------------------------------------------------- methods
+
+
+@dataclass
+class SaveTimes:
+    blocking: float
+    durable: float
+    extra: Dict[str, float] = field(default_factory=dict)
+
+
+class Method:
+    key = ""
+    label = ""
+    install: Optional[str] = None      # what installs the peer
+    isolated = False                    # run after the others (global side effects)
+    self_durable = True                 # fsyncs by itself
+    note = ""
+
+    def unavailable(self) -> Optional[str]:
+        return None
+
+    def setup(self, b: "Bench") -> None:
+        pass
+
+    def save(self, b: "Bench", path: str) -> SaveTimes:
+        raise NotImplementedError
+
+    def load(self, b: "Bench", path: str) -> Any:
+        raise NotImplementedError
+
+    def teardown(self, b: "Bench") -> None:
+        pass
+
+    def _timed_save(self, fn: Callable[[], Any], path: str) -> SaveTimes:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        fsync_path(path)
+        return SaveTimes(t1 - t0, time.perf_counter() - t0)
+
+
+def _have(module: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class Raw(Method):
+    key, label = "raw", "raw O_DIRECT"
+    note = "ceiling: aligned pwrite/pread of the same bytes from as many threads as lazyckpt uses"
+
+    def save(self, b, path):
+        s, direct = raw_write(path, b.nbytes, b.options.writer_threads)
+        if not direct:
+            self.label = "raw buffered (O_DIRECT refused)"
+        return SaveTimes(s, s)
+
+    def load(self, b, path):
+        return raw_read(path, b.nbytes, b.options.reader_threads)
+
+
+class TorchSave(Method):
+    key, label = "torch", "torch.save"
+    self_durable = False
+
+    def save(self, b, path):
+        return self._timed_save(lambda: torch.save(b.state, path), path)
+
+    def load(self, b, path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class Safetensors(Method):
+    key, label, install = "safetensors", "safetensors", "pip install safetensors  (or lazyckpt[bench])"
+    self_durable = False
+
+    def unavailable(self):
+        return None if _have("safetensors") else "not installed"
+
+    def save(self, b, path):
+        from safetensors.torch import save_file
+        return self._timed_save(lambda: save_file(b.state, path), path)
+
+    def load(self, b, path):
+        from safetensors.torch import load_file
+        return load_file(path)
+
+
+def _dcp_unavailable() -> Optional[str]:
+    import torch.distributed as dist
+    if not dist.is_available():
+        return "this torch is built without torch.distributed"
+    return None
+
+
+class DcpSave(Method):
+    install = "torch with torch.distributed"
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.key = f"dcp{threads}"
+        self.label = f"dcp.save ({threads} thread{'s' if threads > 1 else ''})"
+
+    def unavailable(self):
+        return _dcp_unavailable()
+
+    def save(self, b, path):
+        import torch.distributed.checkpoint as dcp
+        writer = dcp.FileSystemWriter(path, thread_count=self.threads)   # sync_files=True: fsyncs
+        return self._timed_save(lambda: dcp.save(b.state, storage_writer=writer, no_dist=True), path)
+
+    def load(self, b, path):
+        return _dcp_load(b, path)
+
+
+def _dcp_load(b: "Bench", path: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+    target = {k: torch.empty_like(v) for k, v in b.state.items()}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return target
+
+
+class DcpAsync(Method):
+    key, label, install = "dcp_async", "dcp.async_save", "torch with torch.distributed"
+    note = "default stager: the staging copy runs inside the call; durable when the future completes"
+
+    def unavailable(self):
+        return _dcp_unavailable()
+
+    def save(self, b, path):
+        import torch.distributed.checkpoint as dcp
+        writer = dcp.FileSystemWriter(path, thread_count=1)
+        t0 = time.perf_counter()
+        result = dcp.async_save(b.state, storage_writer=writer, no_dist=True)
+        t1 = time.perf_counter()
+        future = getattr(result, "upload_completion", result)
+        future.result()
+        fsync_path(path)
+        return SaveTimes(t1 - t0, time.perf_counter() - t0)
+
+    def load(self, b, path):
+        return _dcp_load(b, path)
+
+
+class TorchSnapshot(Method):
+    install = "pip install torchsnapshot"
+    self_durable = False
+
+    def __init__(self, asynchronous: bool):
+        self.asynchronous = asynchronous
+        self.key = "torchsnapshot_async" if asynchronous else "torchsnapshot"
+        self.label = "torchsnapshot async_take" if asynchronous else "torchsnapshot take"
+
+    def unavailable(self):
+        return None if _have("torchsnapshot") else "not installed"
+
+    def save(self, b, path):
+        from torchsnapshot import Snapshot, StateDict
+        app_state = {"state": StateDict(**b.state)}
+        t0 = time.perf_counter()
+        if self.asynchronous:
+            pending = Snapshot.async_take(path=path, app_state=app_state)
+            t1 = time.perf_counter()
+            pending.wait()
+        else:
+            Snapshot.take(path=path, app_state=app_state)
+            t1 = time.perf_counter()
+        fsync_path(path)
+        return SaveTimes(t1 - t0, time.perf_counter() - t0)
+
+    def load(self, b, path):
+        from torchsnapshot import Snapshot, StateDict
+        target = StateDict(**{k: torch.empty_like(v) for k, v in b.state.items()})
+        Snapshot(path=path).restore(app_state={"state": target})
+        return target
+
+
+class DeepSpeed(Method):
+    key, label, install = "deepspeed", "deepspeed save_checkpoint", "pip install 'lazyckpt[deepspeed]'"
+    isolated = True
+    self_durable = False
+    note = ("DeepSpeed engine (ZeRO stage 0, no optimizer) over the same tensors as parameters, 1-process "
+            "gloo group; its CPU shared-memory allreduce op is not built (unused by checkpointing)")
+
+    def __init__(self) -> None:
+        self.engine = None
+        self._env: Dict[str, Optional[str]] = {}
+        self._initialized_dist = False
+        self._patched: Optional[Tuple[Any, Any]] = None
+
+    def unavailable(self):
+        return None if _have("deepspeed") else "not installed"
+
+    def setup(self, b):
+        with stdout_to_stderr(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import deepspeed
+            import torch.distributed as dist
+            logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+            comm_torch = sys.modules.get("deepspeed.comm.torch")
+            if comm_torch is not None and hasattr(comm_torch, "build_shm_op"):
+                # A JIT C++ build of a CPU allreduce op, minutes long, that checkpointing never uses.
+                self._patched = (comm_torch, comm_torch.build_shm_op)
+                comm_torch.build_shm_op = lambda: None
+            if not dist.is_initialized():
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+                    self._env[k] = os.environ.get(k)
+                    os.environ[k] = v
+                deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+                self._initialized_dist = True
+            module = torch.nn.Module()
+            module.params = torch.nn.ParameterList(
+                [torch.nn.Parameter(t, requires_grad=False) for t in b.state.values()])
+            self.engine, *_ = deepspeed.initialize(
+                model=module, config={"train_batch_size": 1, "zero_optimization": {"stage": 0},
+                                      "steps_per_print": 1 << 30})
+
+    def save(self, b, path):
+        with stdout_to_stderr():
+            return self._timed_save(lambda: self.engine.save_checkpoint(path, tag="bench"), path)
+
+    def load(self, b, path):
+        with stdout_to_stderr():
+            self.engine.load_checkpoint(path, tag="bench", load_optimizer_states=False,
+                                        load_lr_scheduler_states=False, load_module_only=True)
+        return None                       # loaded into the engine's parameters
+
+    def teardown(self, b):
+        self.engine = None
+        try:
+            import torch.distributed as dist
+            if self._initialized_dist and dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            for k, v in self._env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            if self._patched is not None:
+                setattr(self._patched[0], "build_shm_op", self._patched[1])
+
+
+class LazySync(Method):
+    key, label = "lazyckpt", "lazyckpt.save (sync)"
+
+    def save(self, b, path):
+        t0 = time.perf_counter()
+        lazyckpt.save(b.state, path)
+        s = time.perf_counter() - t0
+        return SaveTimes(s, s)
+
+    def load(self, b, path):
+        return lazyckpt.load(path)
+
+
+class LazyAsync(Method):
+    key, label = "lazyckpt_async", "lazyckpt Checkpointer (async)"
+    note = "save() returns after walking the state; durable = handle.flush_s (capture, write, commit)"
+
+    def __init__(self) -> None:
+        self.ckpt: Optional[lazyckpt.Checkpointer] = None
+        self.step = 0
+
+    def setup(self, b):
+        self.root = os.path.join(b.workdir, "lazyckpt-async")
+        self.ckpt = lazyckpt.Checkpointer(self.root)
+
+    def save(self, b, path):
+        self.step += 1
+        handle = self.ckpt.save(b.state, step=self.step)
+        handle.wait()
+        b.paths[self.key] = self.ckpt.step_path(self.step)
+        return SaveTimes(handle.blocking_s, handle.flush_s, {"capture_s": handle.capture_s})
+
+    def load(self, b, path):
+        return lazyckpt.load(b.paths[self.key])
+
+    def teardown(self, b):
+        if self.ckpt is not None:
+            self.ckpt.close()
+            self.ckpt = None
+        remove(self.root)
+
+
+def all_methods() -> List[Method]:
+    return [Raw(), TorchSave(), Safetensors(), DcpSave(1), DcpSave(2), DcpAsync(), TorchSnapshot(False),
+            TorchSnapshot(True), DeepSpeed(), LazySync(), LazyAsync()]
+
+
+METHOD_KEYS = [m.key for m in all_methods()]
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class Bench:
+    state: Dict[str, torch.Tensor]
+    nbytes: int
+    workdir: str
+    options: Options
+    drop: str                  # "global", "fadvise" or "no"
+    paths: Dict[str, str] = field(default_factory=dict)
+
+
+def _summary(values: List[float]) -> Dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dtype]] = None, reps: int = 3,
+        drop_caches: bool = False, directory: Optional[str] = None, methods: Optional[List[str]] = None,
+        keep: bool = False, log: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
+    """Run the benchmark; return the results as JSON-able data."""
+    dtypes = dtypes or [torch.float32]
+    chosen = all_methods()
+    if methods:
+        unknown = set(methods) - set(METHOD_KEYS)
+        if unknown:
+            raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(METHOD_KEYS)}")
+        chosen = [m for m in chosen if m.key in methods or m.key == "raw"]
+    own_dir = directory is None
+    workdir = tempfile.mkdtemp(prefix=".lazyckpt-bench-", dir=os.getcwd() if own_dir else directory)
+    log(f"generating the state: {size} bytes in {tensors} tensors ({', '.join(map(str, dtypes))})")
+    state = make_state(size, tensors, dtypes)
+    nbytes = state_bytes(state)
+    drop = "no"
+    if drop_caches:
+        drop = "global" if drop_caches_global() else "fadvise"
+    b = Bench(state, nbytes, workdir, lazyckpt.Options(), drop)
+    rows: Dict[str, Dict[str, Any]] = {}
+    times: Dict[str, Dict[str, List[float]]] = {}
+    active: List[Method] = []
+    for m in chosen:
+        reason = m.unavailable()
+        if reason is not None:
+            rows[m.key] = {"key": m.key, "method": m.label, "status": "skipped", "reason": reason,
+                           "install": m.install}
+        else:
+            rows[m.key] = {"key": m.key, "method": m.label, "status": "ok"}
+            times[m.key] = {"blocking_s": [], "durable_s": [], "load_s": [], "capture_s": []}
+            active.append(m)
+
+    def fail(m: Method, exc: BaseException) -> None:
+        msg = (str(exc).strip().splitlines() or [""])[0][:300]
+        rows[m.key].update(status="failed", reason=f"{type(exc).__name__}: {msg}")
+        log(f"{m.label}: failed: {type(exc).__name__}: {msg}")
+
+    def one_rep(m: Method, rep: int) -> None:
+        path = os.path.join(workdir, f"{m.key}-{rep}")
+        b.paths[m.key] = path
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                st = m.save(b, path)
+                target = b.paths[m.key]
+                if b.drop == "global":
+                    drop_caches_global()
+                elif b.drop == "fadvise":
+                    evict(target)
+                t0 = time.perf_counter()
+                loaded = m.load(b, target)
+                touch(loaded)
+                load_s = time.perf_counter() - t0
+                del loaded
+        except Exception as exc:
+            fail(m, exc)
+            return
+        finally:
+            remove(b.paths.get(m.key, path))
+        times[m.key]["blocking_s"].append(st.blocking)
+        times[m.key]["durable_s"].append(st.durable)
+        times[m.key]["load_s"].append(load_s)
+        if "capture_s" in st.extra:
+            times[m.key]["capture_s"].append(st.extra["capture_s"])
+        log(f"{m.label}: rep {rep + 1}: save call {st.blocking:.4f} s, durable {st.durable:.4f} s, "
+            f"load {load_s:.4f} s")
+
+    def setup(m: Method) -> bool:
+        try:
+            m.setup(b)
+            return True
+        except Exception as exc:
+            fail(m, exc)
+            return False
+
+    def teardown(m: Method) -> None:
+        try:
+            m.teardown(b)
+        except Exception as exc:
+            log(f"{m.label}: teardown failed: {type(exc).__name__}: {exc}")
+
+    try:
+        shared = [m for m in active if not m.isolated and setup(m)]
+        for rep in range(reps):
+            for m in shared:                       # interleaved: drift spreads over every method
+                if rows[m.key]["status"] == "ok":
+                    one_rep(m, rep)
+        for m in shared:
+            teardown(m)
+        for m in active:
+            if m.isolated and setup(m):
+                for rep in range(reps):
+                    if rows[m.key]["status"] == "ok":
+                        one_rep(m, rep)
+                teardown(m)
+            elif m.isolated:
+                teardown(m)
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    for m in chosen:
+        row = rows[m.key]
+        row["method"] = m.label
+        if m.note:
+            row["note"] = m.note
+        if row["status"] != "ok":
+            continue
+        t = times[m.key]
+        row["blocking_s"] = _summary(t["blocking_s"])
+        row["durable_s"] = _summary(t["durable_s"])
+        row["load_s"] = _summary(t["load_s"])
+        if t["capture_s"]:
+            row["capture_s"] = _summary(t["capture_s"])
+        row["save_gbps"] = nbytes / row["durable_s"]["median"] / GB
+        row["load_gbps"] = nbytes / row["load_s"]["median"] / GB
+        row["fsync_added"] = not m.self_durable
+    raw = rows.get("raw")
+    for row in rows.values():
+        if row["status"] == "ok" and raw is not None and raw["status"] == "ok":
+            row["of_raw_write"] = row["save_gbps"] / raw["save_gbps"]
+            row["of_raw_read"] = row["load_gbps"] / raw["load_gbps"]
+    return {
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "lazyckpt": lazyckpt.__version__},
+        "config": {"size_bytes": nbytes, "tensors": len(state), "dtypes": [str(d).removeprefix("torch.")
+                                                                             for d in dtypes],
+                   "reps": reps, "directory": os.path.dirname(workdir) if own_dir else directory,
+                   "filesystem": filesystem_of(workdir if keep else os.path.dirname(workdir)),
+                   "drop_caches": drop, "writer_threads": b.options.writer_threads,
+                   "reader_threads": b.options.reader_threads},
+        "rows": [rows[m.key] for m in chosen],
+    }
+
+
+def _cell(summary: Optional[Dict[str, Any]]) -> str:
+    if not summary:
+        return "-"
+    med, lo, hi = summary["median"], summary["min"], summary["max"]
+    digits = 4 if med < 0.1 else 3
+    text = f"{med:.{digits}f}"
+    if len(summary["values"]) > 1:
+        text += f" ±{(hi - lo) / 2:.{digits}f}"
+    return text
+
+
+def format_table(result: Dict[str, Any]) -> str:
+    cfg, mach = result["config"], result["machine"]
+    lines = [f"machine: {mach['host']}, {mach['cpus']} cores, Linux {mach['kernel']}, Python {mach['python']}, "
+             f"torch {mach['torch']}, lazyckpt {mach['lazyckpt']}",
+             f"state: {cfg['size_bytes'] / GB:.3f} GB in {cfg['tensors']} tensors ({', '.join(cfg['dtypes'])}); "
+             f"reps {cfg['reps']} (median ±half-range); directory {cfg['directory']} ({cfg['filesystem']})",
+             {"global": "page cache dropped before every load (/proc/sys/vm/drop_caches)",
+              "fadvise": "page cache: checkpoint files evicted before every load (posix_fadvise DONTNEED)",
+              "no": "page cache NOT dropped: buffered loaders may read from memory (--drop-caches)"}[cfg["drop_caches"]],
+             ""]
+    headers = ["method", "save call s", "durable s", "GB/s", "of raw write", "load s", "load GB/s", "of raw read"]
+    body = []
+    for row in result["rows"]:
+        if row["status"] != "ok":
+            continue
+        body.append([row["method"] + (" *" if row.get("fsync_added") else ""), _cell(row["blocking_s"]),
+                     _cell(row["durable_s"]), f"{row['save_gbps']:.2f}",
+                     f"{row['of_raw_write']:.0%}" if "of_raw_write" in row else "-",
+                     _cell(row["load_s"]), f"{row['load_gbps']:.2f}",
+                     f"{row['of_raw_read']:.0%}" if "of_raw_read" in row else "-"])
+    if body:
+        widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
+        lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+        lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        for r in body:
+            lines.append("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                           for i, (c, w) in enumerate(zip(r, widths))) + " |")
+    if any(r.get("fsync_added") for r in result["rows"] if r["status"] == "ok"):
+        lines.append("* does not fsync by itself: an fsync of what it wrote is included in 'durable s'")
+    for row in result["rows"]:
+        if row["status"] == "ok" and row.get("capture_s"):
+            lines.append(f"{row['method']}: capture (bytes copied out of the live state) "
+                         f"{_cell(row['capture_s'])} s")
+    for row in result["rows"]:
+        if row["status"] == "skipped":
+            lines.append(f"skipped: {row['method']}: {row['reason']}"
+                         + (f" -- {row['install']}" if row.get("install") else ""))
+        elif row["status"] == "failed":
+            lines.append(f"failed: {row['method']}: {row['reason']}")
+    return "\n".join(lines)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        raise ImportError("drawing PNGs needs matplotlib: pip install 'lazyckpt[plot]'") from None
+
+
+def check_plotting() -> None:
+    _pyplot()
+
+
+def plot(result: Dict[str, Any], png: str) -> None:
+    plt = _pyplot()
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    names = [r["method"] for r in rows][::-1]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.0), sharey=True)
+    y = range(len(rows))
+    dur = [r["durable_s"]["median"] for r in rows][::-1]
+    blk = [r["blocking_s"]["median"] for r in rows][::-1]
+    load = [r["load_s"]["median"] for r in rows][::-1]
+    ax1.barh(y, dur, color="#9ecae1", label="to durable")
+    ax1.barh(y, blk, color="#08519c", height=0.45, label="save call (blocking)")
+    ax1.set_yticks(list(y), names)
+    ax1.set_xlabel("seconds")
+    ax1.set_title("save")
+    ax1.legend(loc="lower right", fontsize=8)
+    ax2.barh(y, load, color="#74c476")
+    ax2.set_xlabel("seconds")
+    ax2.set_title("load")
+    for ax, key in ((ax1, "durable_s"), (ax2, "load_s")):
+        raw = next((r for r in rows if r["key"] == "raw"), None)
+        if raw is not None:
+            ax.axvline(raw[key]["median"], color="k", lw=0.8, ls="--")
+    cfg = result["config"]
+    fig.suptitle(f"{cfg['size_bytes'] / GB:.2f} GB, {cfg['tensors']} tensors ({', '.join(cfg['dtypes'])}), "
+                 f"median of {cfg['reps']}; dashed: raw O_DIRECT ceiling", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- timeline
+
+
+def run_timeline(size: int, iters: int = 12, every: int = 3, directory: Optional[str] = None,
+                 log: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
+    """Train a small MLP with AdamW, checkpointing every ``every`` iterations with a
+    Checkpointer (``attach``-style barrier before each optimizer step, timed), and
+    record when each phase ran (seconds from the first timed iteration)."""
+    if iters < 2 or every < 1:
+        raise ValueError("--iters must be at least 2 and --every at least 1")
+    torch.manual_seed(0)
+    params = max(1024, size // 12)            # weights + two AdamW moments, fp32
+    width = 512 if params >= 8 * 512 * 512 else max(32, int((params / 4) ** 0.5))
+    layers = max(1, min(64, round(params / (width * width))))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(128, width)
+    for _ in range(2):                          # warm-up, untimed: first AdamW step allocates its state
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    own_dir = directory is None
+    workdir = tempfile.mkdtemp(prefix=".lazyckpt-timeline-", dir=os.getcwd() if own_dir else directory)
+    ckpt = lazyckpt.Checkpointer(workdir, keep_last=2)
+    start = time.perf_counter()
+    now = lambda: time.perf_counter() - start  # noqa: E731
+    iterations: List[Dict[str, float]] = []
+    waits: List[Tuple[float, float]] = []
+    commits: Dict[int, Tuple[float, float]] = {}
+
+    def barrier(_opt, _args, _kwargs):
+        t = now()
+        ckpt.wait_for_snapshot()
+        waits.append((t, now()))
+    hook = opt.register_step_pre_hook(barrier)
+    commit = getattr(ckpt, "_commit", None)
+    if commit is not None:
+        # No public hook marks the commit; time it around the Checkpointer's commit step.
+        def timed_commit(handle, *args, **kwargs):
+            t = now()
+            try:
+                return commit(handle, *args, **kwargs)
+            finally:
+                commits[handle.step] = (t, now())
+        ckpt._commit = timed_commit  # type: ignore[attr-defined]
+    saves = []
+    try:
+        for it in range(iters):
+            t0 = now()
+            loss = model(x).square().mean()
+            loss.backward()
+            t1 = now()
+            n_waits = len(waits)
+            opt.step()
+            t2 = now()
+            opt.zero_grad(set_to_none=True)
+            wait = waits[-1] if len(waits) > n_waits else (t1, t1)
+            iterations.append({"iter": it, "fwd_bwd": [t0, t1], "optimizer": [t1, t2], "wait": list(wait)})
+            if (it + 1) % every == 0 and it + 1 < iters:     # leave training after each to overlap with
+                ts = now()
+                handle = ckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "iter": it},
+                                   step=it + 1)
+                saves.append((ts, handle))
+        t_end_loop = now()
+        ckpt.wait()
+    finally:
+        hook.remove()
+        ckpt.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    checkpoints = []
+    for ts, h in saves:
+        end = ts + h.flush_s                 # committed and durable
+        c0, c1 = commits.get(h.step, (end, end))
+        c0 = min(c0, end)
+        checkpoints.append({"step": h.step, "save_call": [ts, ts + h.blocking_s],
+                            "capture": [ts, ts + h.capture_s], "write": [ts + h.capture_s, c0],
+                            # manifest, fsyncs, rename: until durable; then retention and `latest`
+                            "commit": [c0, end], "tidy": [end, max(end, c1)], "durable_at": end,
+                            "bytes": h.bytes, "blocking_s": h.blocking_s, "capture_s": h.capture_s,
+                            "flush_s": h.flush_s})
+    state_b = sum(p.numel() * 4 * 3 for p in model.parameters())
+    log(f"timeline: {layers} x Linear({width}, {width}), {state_b / 1e6:.1f} MB of model+optimizer state, "
+        f"{iters} iterations, a checkpoint every {every}")
+    return {"model": {"layers": layers, "width": width, "state_bytes": state_b}, "iters": iters,
+            "every": every, "iterations": iterations, "checkpoints": checkpoints, "loop_s": t_end_loop,
+            "total_wait_s": sum(b - a for a, b in waits),
+            "commit_timed": commit is not None}
+
+
+def format_timeline(tl: Dict[str, Any]) -> str:
+    lines = [f"timeline: {tl['iters']} iterations in {tl['loop_s']:.3f} s, a checkpoint every {tl['every']} "
+             f"({tl['model']['state_bytes'] / 1e6:.1f} MB each); training waited {tl['total_wait_s'] * 1e3:.1f} ms "
+             f"in total for captures"]
+    for c in tl["checkpoints"]:
+        lines.append(f"  step {c['step']}: save() {c['blocking_s'] * 1e3:.2f} ms, capture {c['capture_s'] * 1e3:.1f} ms, "
+                     f"commit {(c['commit'][1] - c['commit'][0]) * 1e3:.1f} ms, durable "
+                     f"{c['flush_s'] * 1e3:.1f} ms after save()")
+    return "\n".join(lines)
+
+
+def plot_timeline(tl: Dict[str, Any], png: str) -> None:
+    plt = _pyplot()
+    ms = 1e3
+    lanes = ["forward/backward", "optimizer step", "wait for capture", "save() call", "capture", "write",
+             "commit", "retention, latest"]
+    colors = ["#6baed6", "#74c476", "#de2d26", "#252525", "#fd8d3c", "#9e9ac8", "#8c6d31", "#cccccc"]
+    fig, ax = plt.subplots(figsize=(13, 4.6))
+
+    def bars(lane: int, spans: List[List[float]]) -> None:
+        spans = [(a * ms, max((b - a) * ms, 0.02)) for a, b in spans if b >= a]
+        ax.broken_barh(spans, (len(lanes) - 1 - lane - 0.38, 0.76), facecolors=colors[lane])
+
+    bars(0, [i["fwd_bwd"] for i in tl["iterations"]])
+    bars(1, [i["optimizer"] for i in tl["iterations"]])
+    bars(2, [i["wait"] for i in tl["iterations"] if i["wait"][1] > i["wait"][0]])
+    for lane, key in ((3, "save_call"), (4, "capture"), (5, "write"), (6, "commit"), (7, "tidy")):
+        bars(lane, [c[key] for c in tl["checkpoints"]])
+    for c in tl["checkpoints"]:
+        ax.axvline(c["save_call"][0] * ms, color="#bbbbbb", lw=0.6, zorder=0)
+    ax.set_yticks(range(len(lanes)), lanes[::-1])
+    ax.set_xlabel("ms since the first iteration")
+    ax.set_title(f"lazyckpt: {tl['model']['state_bytes'] / 1e6:.1f} MB checkpoint every {tl['every']} iterations; "
+                 f"training waited {tl['total_wait_s'] * ms:.1f} ms in total (capture overlaps forward/backward)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,426 @@
+"""Hugging Face ``Trainer`` checkpoints through lazyckpt, asynchronously.
+
+Use the mixin in front of ``Trainer`` (or any subclass of it), or the
+ready-made ``LazyCheckpointTrainer``::
+
+    from transformers import Trainer
+    from lazyckpt.integrations.huggingface import LazyCheckpointMixin
+
+    class MyTrainer(LazyCheckpointMixin, Trainer):
+        pass
+
+    trainer = MyTrainer(model=model, args=args, train_dataset=ds,
+                        lazyckpt_options={"host_cache_bytes": 2 << 30})
+    trainer.train()                                   # checkpoints every save_steps, asynchronously
+    trainer.train(resume_from_checkpoint=True)        # or a path: ".../checkpoint-500"
+
+**Why a mixin and not only a callback.** ``Trainer._save_checkpoint`` writes
+model, optimizer, scheduler and RNG files with ``torch.save`` and only then
+calls ``on_save``: a callback can add a second copy but cannot remove the
+synchronous one, and it cannot change how ``train(resume_from_checkpoint=...)``
+reads them back. The mixin overrides these methods of ``transformers.Trainer``
+(checked against transformers 5.x; 4.4x has the same names):
+
+* ``_save_checkpoint``: one lazyckpt file per checkpoint, queued and written
+  in the background (see below);
+* ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
+  ``_load_scaler``, ``_load_rng_state``, ``_load_best_model``: read that file
+  (a checkpoint directory without it, e.g. written by a plain ``Trainer``,
+  goes to ``Trainer``'s own loaders, so old checkpoints still resume);
+* ``_finalize_training`` and ``train``: drain pending saves (errors raised).
+
+**Layout.** ``output_dir/checkpoint-<step>/`` holds ``lazyckpt.lzc`` (model
+state dict, optimizer, scheduler, grad scaler, the RNG states of every
+process, the trainer state), ``trainer_state.json`` (read by ``Trainer``
+itself when resuming, and by people) and ``config.json``. The directory is
+assembled under a hidden temporary name and renamed into place only once the
+file and both JSON files are durable, so ``get_last_checkpoint``,
+``resume_from_checkpoint=True`` and ``save_total_limit`` rotation only ever
+see complete checkpoints, and a crash mid-save leaves the previous ones
+intact. Rotation (``save_total_limit``) runs right after that commit, in the
+background: an older checkpoint is never deleted before the newer one is
+durable. Weights are not in ``safetensors`` form here: use
+``trainer.save_model()`` for a ``from_pretrained`` export, or
+:func:`load_model_state` to read a checkpoint's weights.
+
+**Asynchronous semantics.** ``_save_checkpoint`` runs after the optimizer
+and scheduler steps of a training step; it walks the state (no tensor data
+copied), queues it and returns, and the training continues. A background
+thread copies the tensors into lazyckpt's host cache and writer threads
+flush it; the capture is guaranteed complete before anything modifies those
+tensors in place: a global optimizer step pre-hook (and, for training-mode
+modules with persistent buffers, a forward pre-hook) waits for it (see
+:mod:`lazyckpt.integrations.lightning`, whose ``AsyncFileWriter`` this
+uses). ``on_save`` callbacks therefore run when the save is *queued*; call
+``trainer.lazyckpt_wait()`` for durability. A background failure is raised
+at the next checkpoint or at the end of ``train()``; when ``train()`` returns
+every checkpoint is committed and durable.
+
+**Pickles.** Everything saved here is plain state (tensors, numbers,
+strings, lists, numpy arrays), so loading uses ``allow_pickle=False`` and
+runs no code from the file, like ``Trainer``'s own ``torch.load(...,
+weights_only=True)``. Pass ``lazyckpt_allow_pickle=True`` only if a custom
+scheduler or optimizer puts arbitrary objects into its state dict and you
+trust the checkpoints.
+
+**Distributed.** With several processes (DDP), every process calls
+``_save_checkpoint``; the RNG states of all processes are gathered (one small
+collective) and the process that ``Trainer`` lets save (``args.should_save``)
+writes the file, as ``Trainer`` itself saves model and optimizer from the
+main process only. Each process restores its own RNG state. DeepSpeed, FSDP,
+XLA and SageMaker model parallelism keep ``Trainer``'s own checkpointing
+(the mixin steps aside, with a warning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import threading
+import warnings
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from ..errors import MissingKeyError
+from ..fileio import fsync_dir, write_file_atomic
+from ..knobs import resolve
+from ._async import AsyncFileWriter, clean_temp_files, temp_name
+
+log = logging.getLogger("lazyckpt")
+
+__all__ = ["LazyCheckpointMixin", "LazyCheckpointTrainer", "CHECKPOINT_FILE", "load_model_state",
+           "load_checkpoint_state"]
+
+#: The lazyckpt file inside each ``checkpoint-<step>`` directory.
+CHECKPOINT_FILE = "lazyckpt.lzc"
+FORMAT_TAG = "lazyckpt-hf-trainer/1"
+
+
+def load_checkpoint_state(checkpoint_dir: str, keys: Optional[list] = None, map_location: Any = "cpu",
+                          allow_pickle: bool = False, **knobs: Any) -> Dict[str, Any]:
+    """The state saved in ``checkpoint_dir`` (or only its ``keys``: ``"model"``,
+    ``"optimizer"``, ``"scheduler"``, ``"scaler"``, ``"rng"``, ``"trainer_state"``)."""
+    import lazyckpt
+    return lazyckpt.load(os.path.join(checkpoint_dir, CHECKPOINT_FILE), map_location=map_location,
+                         keys=keys, allow_pickle=allow_pickle, **knobs)
+
+
+def load_model_state(checkpoint_dir: str, map_location: Any = "cpu") -> Dict[str, torch.Tensor]:
+    """The model's state dict saved in ``checkpoint_dir`` (reads only those bytes)."""
+    return load_checkpoint_state(checkpoint_dir, keys=["model"], map_location=map_location)["model"]
+
+
+class LazyCheckpointMixin:
+    """Put in front of ``transformers.Trainer``: ``class T(LazyCheckpointMixin, Trainer)``.
+
+    Extra keyword arguments of the constructor:
+
+    * ``lazyckpt_options``: lazyckpt knobs (``host_cache_bytes``,
+      ``writer_threads``, ``o_direct``, ``chunk_bytes``, ``max_pending_saves``).
+    * ``lazyckpt_allow_pickle``: allow pickled objects when loading (default False).
+    * ``lazyckpt_guard_buffers``: also wait for a pending capture before the
+      forward of a training-mode module with persistent buffers (default True).
+    """
+
+    def __init__(self, *args: Any, lazyckpt_options: Optional[Dict[str, Any]] = None,
+                 lazyckpt_allow_pickle: bool = False, lazyckpt_guard_buffers: bool = True,
+                 **kwargs: Any) -> None:
+        self.lazyckpt_options = dict(lazyckpt_options or {})
+        resolve(None, **self.lazyckpt_options)        # unknown or invalid knobs fail here
+        self.lazyckpt_allow_pickle = lazyckpt_allow_pickle
+        self.lazyckpt_guard_buffers = lazyckpt_guard_buffers
+        self._lazyckpt_writer: Optional[AsyncFileWriter] = None
+        self._lazyckpt_warned = False
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def lazyckpt_writer(self) -> AsyncFileWriter:
+        if getattr(self, "_lazyckpt_writer", None) is None:
+            self._lazyckpt_writer = AsyncFileWriter(guard_buffers=getattr(self, "lazyckpt_guard_buffers", True),
+                                                    **getattr(self, "lazyckpt_options", {}))
+        return self._lazyckpt_writer
+
+    def lazyckpt_wait(self) -> None:
+        """Block until every queued checkpoint is committed and durable; raise a failure."""
+        writer = getattr(self, "_lazyckpt_writer", None)
+        if writer is not None:
+            writer.wait()
+
+    def lazyckpt_close(self, raise_errors: bool = True) -> None:
+        """Drain, then release the host cache, the threads and the hooks."""
+        writer, self._lazyckpt_writer = getattr(self, "_lazyckpt_writer", None), None
+        if writer is not None:
+            writer.close(raise_errors=raise_errors)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            output = super().train(*args, **kwargs)
+        except BaseException:
+            self.lazyckpt_close(raise_errors=False)     # drain, but keep the original error
+            raise
+        self.lazyckpt_close()
+        return output
+
+    # ------------------------------------------------------------------ saving
+
+    def _lazyckpt_supported(self) -> bool:
+        from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+        unsupported = (getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
+                       or is_torch_xla_available() or is_sagemaker_mp_enabled())
+        if unsupported and not self._lazyckpt_warned:
+            self._lazyckpt_warned = True
+            warnings.warn("lazyckpt: DeepSpeed, FSDP, XLA and SageMaker MP keep Trainer's own checkpointing",
+                          RuntimeWarning, stacklevel=3)
+        return not unsupported
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if not self._lazyckpt_supported():
+            return super()._save_checkpoint(model, trial)
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        try:
+            from transformers.trainer_utils import rotate_checkpoints
+        except ImportError:                         # transformers 4.x: a Trainer method
+            rotate_checkpoints = None
+        try:
+            from transformers.trainer_utils import SaveStrategy
+            strategies = [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]
+        except ImportError:
+            from transformers.trainer_utils import IntervalStrategy
+            strategies = [IntervalStrategy.STEPS, IntervalStrategy.EPOCH]
+
+        writer = self.lazyckpt_writer
+        writer.raise_errors()                    # a failed earlier checkpoint stops the run here
+        args, state = self.args, self.state
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if getattr(self, "hp_search_backend", None) is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, folder)
+
+        best_step = getattr(state, "best_global_step", None)
+        if args.save_strategy in strategies and best_step:
+            best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+            # The checkpoint queued now (or earlier) counts although it is not committed yet.
+            if best_step == state.global_step or os.path.exists(best_dir) \
+                    or writer.pending(best_dir):
+                state.best_model_checkpoint = best_dir
+
+        rng = _rng_state()
+        if args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, rng)
+            rngs = {i: s for i, s in enumerate(gathered)}
+        else:
+            rngs = {args.process_index: rng}
+
+        if not args.should_save:
+            return
+        for cb in [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(state.stateful_callbacks[name], list):
+                state.stateful_callbacks[name].append(cb.state())
+            else:
+                state.stateful_callbacks[name] = cb.state()
+        trainer_state = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+
+        payload: Dict[str, Any] = {"format": FORMAT_TAG, "global_step": state.global_step,
+                                   "model": self.model.state_dict(), "rng": rngs,
+                                   "trainer_state": trainer_state}
+        if not args.save_only_model:
+            payload["optimizer"] = self.optimizer.state_dict()
+            if self.lr_scheduler is not None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")     # "please also save the optimizer state"
+                    payload["scheduler"] = self.lr_scheduler.state_dict()
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                payload["scaler"] = scaler.state_dict()
+        files = {"trainer_state.json": trainer_state}
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            files["config.json"] = config.to_json_string()
+
+        os.makedirs(run_dir, exist_ok=True)
+        if run_dir not in getattr(self, "_lazyckpt_cleaned", set()):
+            self._lazyckpt_cleaned = getattr(self, "_lazyckpt_cleaned", set()) | {run_dir}
+            clean_temp_files(run_dir)
+        staging = temp_name(output_dir)
+        os.makedirs(staging)
+        best = state.best_model_checkpoint
+        limit = args.save_total_limit
+
+        def rotate() -> None:
+            if rotate_checkpoints is not None:
+                rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best,
+                                   use_mtime=True)
+            else:                                   # transformers 4.x: a Trainer method
+                self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
+
+        def on_commit(_pending: Any) -> None:
+            _commit_directory(staging, output_dir, files)
+            # Rotate only now: an older checkpoint is never deleted before the new one
+            # is durable. A failure here leaves the new checkpoint committed: warn only.
+            try:
+                rotate()
+            except Exception as exc:
+                log.warning("lazyckpt: %s committed, but removing older checkpoints failed: %s: %s",
+                            output_dir, type(exc).__name__, exc)
+
+        pending = writer.save(payload, os.path.join(staging, CHECKPOINT_FILE),
+                              metadata={"global_step": state.global_step, "format": FORMAT_TAG},
+                              on_commit=on_commit, final_path=output_dir)
+        if args.push_to_hub:
+            pending.wait()
+            self._push_from_checkpoint(output_dir)
+
+    # ------------------------------------------------------------------ loading
+
+    def _lazyckpt_file(self, checkpoint: Optional[str]) -> Optional[str]:
+        if checkpoint is None or not self._lazyckpt_supported():
+            return None
+        writer = getattr(self, "_lazyckpt_writer", None)
+        if writer is not None:
+            writer.wait(raise_errors=False)       # resuming from a checkpoint still being written
+        path = os.path.join(checkpoint, CHECKPOINT_FILE)
+        return path if os.path.isfile(path) else None
+
+    def _lazyckpt_read(self, path: str, keys: list) -> Dict[str, Any]:
+        return self.lazyckpt_writer.load(path, keys=keys, map_location="cpu",
+                                         allow_pickle=getattr(self, "lazyckpt_allow_pickle", False))
+
+    def _lazyckpt_load_model(self, path: str, model: Any) -> None:
+        state = self._lazyckpt_read(path, ["model"])["model"]
+        result = model.load_state_dict(state, strict=False)
+        self._issue_warnings_after_load(result)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        path = self._lazyckpt_file(resume_from_checkpoint)
+        if path is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        log.info("lazyckpt: loading model from %s", path)
+        self._lazyckpt_load_model(path, self.model if model is None else model)
+
+    def _load_best_model(self) -> None:
+        path = self._lazyckpt_file(self.state.best_model_checkpoint)
+        if path is None:
+            return super()._load_best_model()
+        log.info("lazyckpt: loading best model from %s (score: %s)", path, self.state.best_metric)
+        self._lazyckpt_load_model(path, self.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        path = self._lazyckpt_file(checkpoint)
+        if path is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        try:
+            state = self._lazyckpt_read(path, ["optimizer"])
+        except MissingKeyError:
+            return                                  # saved with save_only_model
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None:
+            try:
+                scheduler = self._lazyckpt_read(path, ["scheduler"])["scheduler"]
+            except MissingKeyError:
+                return
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.lr_scheduler.load_state_dict(scheduler)
+
+    def _load_scaler(self, checkpoint: Optional[str]) -> None:
+        path = self._lazyckpt_file(checkpoint)
+        if path is None:
+            return super()._load_scaler(checkpoint)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None:
+            return
+        try:
+            scaler.load_state_dict(self._lazyckpt_read(path, ["scaler"])["scaler"])
+        except MissingKeyError:
+            pass
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        path = self._lazyckpt_file(checkpoint)
+        if path is None:
+            return super()._load_rng_state(checkpoint)
+        index = self.args.process_index
+        try:
+            rng = self._lazyckpt_read(path, [("rng", index)])["rng"][index]
+        except MissingKeyError:
+            log.info("lazyckpt: %s has no RNG state for process %d; reproducibility is not guaranteed",
+                     path, index)
+            return
+        from transformers.training_args import ParallelMode
+        _set_rng_state(rng, self.args.parallel_mode == ParallelMode.DISTRIBUTED)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # Best-model loading and the final rotation below need committed checkpoints.
+        self.lazyckpt_wait()
+        return super()._finalize_training(*args, **kwargs)
+
+
+def _rng_state() -> Dict[str, Any]:
+    """This process's RNG states, as ``Trainer._save_rng_state`` collects them."""
+    states: Dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                              "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    return states
+
+
+def _set_rng_state(states: Dict[str, Any], distributed: bool) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.random.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        cuda = states["cuda"]
+        if distributed or len(cuda) == torch.cuda.device_count():
+            torch.cuda.random.set_rng_state_all(cuda)
+        else:
+            torch.cuda.random.set_rng_state(cuda[0])
+
+
+def _commit_directory(staging: str, final: str, files: Dict[str, str]) -> None:
+    """Runs in the background once the data file is durable: add the JSON files,
+    then make the complete staging directory ``checkpoint-<step>``."""
+    for name, text in files.items():
+        write_file_atomic(os.path.join(staging, name), text.encode("utf-8"))
+    fsync_dir(staging)
+    parent = os.path.dirname(final)
+    old = None
+    if os.path.lexists(final):              # the same step saved again: replace it
+        old = temp_name(final + "-replaced")
+        os.rename(final, old)
+    os.rename(staging, final)
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+_trainer_class: Optional[type] = None
+_trainer_lock = threading.Lock()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LazyCheckpointTrainer":
+        global _trainer_class
+        with _trainer_lock:
+            if _trainer_class is None:
+                try:
+                    from transformers import Trainer
+                except ImportError as exc:
+                    raise ImportError("lazyckpt.integrations.huggingface.LazyCheckpointTrainer needs "
+                                      "transformers (pip install 'lazyckpt[hf]')") from exc
+                _trainer_class = type("LazyCheckpointTrainer", (LazyCheckpointMixin, Trainer),
+                                      {"__module__": __name__, "__qualname__": "LazyCheckpointTrainer",
+                                       "__doc__": "``transformers.Trainer`` with asynchronous lazyckpt "
+                                                  "checkpoints (see :class:`LazyCheckpointMixin`)."})
+            return _trainer_class
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
