@@ -1,0 +1,612 @@
+"""Training-loop overhead of checkpointing: lazyckpt vs torch.save vs torch.distributed.checkpoint.
+
+Trains a Llama-architecture model (transformers.LlamaForCausalLM built from a
+LlamaConfig, random weights, no download) with AdamW on random tokens, and in
+ONE invocation runs these modes in sequence, each on a freshly built model with
+the same config, seed and batches:
+
+    none              no checkpointing (the baseline; run again at the end as
+                      "none#2" to show drift; overheads are against their mean)
+    torch_save        torch.save({model, optim, step}) + fsync, blocking
+    dcp_save          torch.distributed.checkpoint.save(no_dist=True), blocking
+    dcp_async         dcp.async_save, default stager (staging copy inside the call),
+                      thread executor; the previous future is awaited before each save
+    dcp_async_stager  dcp.async_save + DefaultStager(use_async_staging=True): the copy
+                      runs in a background thread; an optimizer pre-step hook waits
+                      for staging_completion before the weights are updated
+    dcp_async_proc    dcp.async_save(async_checkpointer_type=PROCESS) + DefaultStager
+                      (async staging, shared memory); needs a 1-rank gloo group; the
+                      daemon process is spawned by a warm-up save outside the timing
+    lazyckpt          Checkpointer(keep_last=2).attach(optimizer); ckpt.save(state, step)
+
+Not measurable on a CPU-only machine (printed as notes): pinned staging memory
+(StagingOptions.use_pinned_memory is ignored without CUDA) and
+BlockingAsyncStager(cache_staged_state_dict=True) (it pins memory and raises).
+
+A checkpoint is taken after the optimizer step of every --every'th iteration;
+each mode keeps the 2 newest committed checkpoints on disk (lazyckpt:
+keep_last=2; others: older ones deleted, the deletion time excluded from the
+timing) and its directory is removed at the end unless --keep. Per mode:
+
+    s/iter          mean seconds per iteration, the first (warm-up) excluded
+    overhead %      vs the mean of the two baselines
+    blocking s      mean time in the save call, state_dict() included (dcp_async*:
+                    also the wait for the previous save, which DCP requires)
+    stall s/step    mean wait in the optimizer pre-step hook (lazyckpt's
+                    wait_for_snapshot, DCP's staging_completion)
+    to durable s    from the save call until fsynced on disk (lazyckpt: h.flush_s
+                    after h.wait(); DCP async: upload future's completion, taken by a
+                    done-callback; blocking modes: = blocking)
+    final drain s   waiting for the last checkpoint after the loop
+
+Means are over the saves after the first. With --repeat R the modes run R times
+interleaved and each figure is the median of the R per-round means (the machine
+is shared: repeat to average out other load). At the end the last lazyckpt
+checkpoint is loaded and compared bit-exactly with the model/optimizer state at
+that step (OK/FAIL), and the final losses of all modes are compared
+(checkpointing must not change training).
+
+Full size (~106M params, ~1.3 GB checkpoint per save), from the repository root:
+
+    cd /work/main && HF_HUB_OFFLINE=1 /work/main/.venv/bin/python benchmarks/bench_training.py \\
+        --hidden 768 --layers 8 --seq 128 --batch 1 --iters 8 --every 1 --repeat 2 \\
+        --dir ./bench-out/training --json bench-out/training.json
+
+Tiny smoke run (< 60 s):
+
+    cd /work/main && HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_training.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Dict, List, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lazyckpt  # noqa: E402
+from _common import fsync_file, machine_line, print_table, remove, state_bytes  # noqa: E402
+
+MODES = ["none", "torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_proc",
+         "lazyckpt", "none#2"]
+KEEP = 2
+
+
+# ----------------------------------------------------------------------------- model
+
+def build(args) -> tuple:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    heads = args.heads or max(1, args.hidden // 64)
+    inter = args.intermediate or (int(args.hidden * 8 / 3) + 63) // 64 * 64
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=inter, num_hidden_layers=args.layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, vocab_size=args.vocab,
+                      max_position_embeddings=max(args.seq, 128), tie_word_embeddings=False,
+                      attention_dropout=0.0)
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(4)]
+    return model, opt, batches
+
+
+def train_state(model, opt, step: int) -> Dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+
+def snapshot(state: Any) -> Any:
+    """A deep copy of the tensors of a state (for bit-exact verification)."""
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    return state
+
+
+def bit_equal(a: Any, b: Any, path: str = "") -> Optional[str]:
+    """None if equal bit for bit, else the first differing path."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{path}: tensor vs {type(b).__name__}"
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        if not torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                           b.contiguous().reshape(-1).view(torch.uint8)):
+            return f"{path}: values differ"
+        return None
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{path}: keys differ ({sorted(map(str, set(a) ^ set(b)))[:5]})"
+        for k in a:
+            why = bit_equal(a[k], b[k], f"{path}/{k}")
+            if why:
+                return why
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            why = bit_equal(x, y, f"{path}/{i}")
+            if why:
+                return why
+        return None
+    return None if a == b else f"{path}: {a!r} != {b!r}"
+
+
+# ----------------------------------------------------------------------------- savers
+
+class Saver:
+    """One checkpointing mode. save() is timed by the caller as the blocking time."""
+    name = "none"
+    uses_stall_hook = False
+
+    def __init__(self, directory: str, args):
+        self.dir = directory
+        self.args = args
+        self.excluded = 0.0                 # seconds to drop from the current iteration
+        self.durable: Dict[int, float] = {}  # step -> seconds from save() to durable
+        self.stall: List[float] = []
+        self.extra: Dict[str, Any] = {}
+        self.paths: List[str] = []
+
+    def attach(self, opt) -> None:
+        pass
+
+    def save(self, model, opt, step: int, t0: float) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Wait until every checkpoint is durable (timed as the final drain)."""
+
+    def close(self) -> None:
+        """Release resources (untimed)."""
+
+    def latest_path(self) -> str:
+        return self.paths[-1]
+
+    def _retire_old(self) -> None:
+        """Delete checkpoints beyond the newest KEEP; the time is excluded from the iteration."""
+        t = time.perf_counter()
+        while len(self.paths) > KEEP:
+            remove(self.paths.pop(0))
+        self.excluded += time.perf_counter() - t
+
+
+class TorchSave(Saver):
+    name = "torch_save"
+
+    def save(self, model, opt, step, t0):
+        path = os.path.join(self.dir, f"step_{step:010d}.pt")
+        torch.save(train_state(model, opt, step), path)
+        fsync_file(path)
+        self.durable[step] = time.perf_counter() - t0
+        self.paths.append(path)
+        self._retire_old()
+
+
+class DcpSave(Saver):
+    name = "dcp_save"
+
+    def save(self, model, opt, step, t0):
+        import torch.distributed.checkpoint as dcp
+        path = os.path.join(self.dir, f"step_{step:010d}")
+        dcp.save(train_state(model, opt, step), checkpoint_id=path, no_dist=True)
+        self.durable[step] = time.perf_counter() - t0
+        self.paths.append(path)
+        self._retire_old()
+
+
+class DcpAsync(Saver):
+    """dcp.async_save; the previous upload is awaited before the next save (DCP allows one)."""
+    name = "dcp_async"
+
+    def __init__(self, directory, args):
+        super().__init__(directory, args)
+        self.prev = None            # upload future of the previous save
+        self.staging = None         # staging future (AsyncSaveResponse only)
+        self.stager = None
+        self.kwargs: Dict[str, Any] = {"no_dist": True}
+
+    def _call(self, state, path):
+        import torch.distributed.checkpoint as dcp
+        return dcp.async_save(state, checkpoint_id=path, **self.kwargs)
+
+    def save(self, model, opt, step, t0):
+        if self.prev is not None:
+            self.prev.result()
+            self._retire_old()      # the previous upload is done: nothing is in flight now
+        path = os.path.join(self.dir, f"step_{step:010d}")
+        result = self._call(train_state(model, opt, step), path)
+        if hasattr(result, "upload_completion"):        # AsyncSaveResponse (async staging)
+            self.staging, upload = result.staging_completion, result.upload_completion
+        else:
+            upload = result
+
+        def done(_f, step=step, t0=t0):
+            self.durable[step] = time.perf_counter() - t0
+        upload.add_done_callback(done)
+        self.prev = upload
+        self.paths.append(path)
+
+    def attach(self, opt):
+        if not self.uses_stall_hook:
+            return
+
+        def pre_step(_opt, _args, _kwargs):
+            if self.staging is not None:
+                t = time.perf_counter()
+                self.staging.result()
+                self.stall.append(time.perf_counter() - t)
+                self.staging = None
+        opt.register_step_pre_hook(pre_step)
+
+    def finish(self):
+        if self.staging is not None:
+            self.staging.result()
+        if self.prev is not None:
+            self.prev.result()
+
+    def close(self):
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+
+class DcpAsyncStager(DcpAsync):
+    name = "dcp_async_stager"
+    uses_stall_hook = True
+
+    def __init__(self, directory, args):
+        super().__init__(directory, args)
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                   use_async_staging=True, use_non_blocking_copy=False))
+        self.kwargs["async_stager"] = self.stager
+
+
+class DcpAsyncProcess(DcpAsync):
+    name = "dcp_async_proc"
+    uses_stall_hook = True
+
+    def __init__(self, directory, args):
+        super().__init__(directory, args)
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        # The spawned daemon does not inherit warning filters; silence DCP's single-process warning.
+        os.environ.setdefault("PYTHONWARNINGS", "ignore:torch.distributed is disabled")
+        self.own_group = not dist.is_initialized()
+        if self.own_group:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                                   use_async_staging=True, use_non_blocking_copy=False))
+        self.kwargs.update(async_stager=self.stager, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        # Spawn the checkpoint daemon process with a tiny save, outside the timed loop.
+        import torch.distributed.checkpoint as dcp
+        t = time.perf_counter()
+        warm = os.path.join(directory, "warmup")
+        dcp.async_save({"x": torch.zeros(1)}, checkpoint_id=warm, no_dist=True,
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        self.extra["daemon_spawn_s"] = time.perf_counter() - t
+        remove(warm)
+
+    def close(self):
+        super().close()
+        import torch.distributed as dist
+        from torch.distributed.checkpoint import _async_process_executor as ape
+        with contextlib.suppress(Exception):
+            ape._CHECKPOINT_PROCESS = None     # its __del__ tells the daemon to exit
+            gc.collect()
+        if self.own_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Lazy(Saver):
+    name = "lazyckpt"
+
+    def __init__(self, directory, args):
+        super().__init__(directory, args)
+        self.ckpt = lazyckpt.Checkpointer(directory, keep_last=KEEP,
+                                          host_cache_bytes=args.cache_mib << 20,
+                                          writer_threads=args.writer_threads)
+        self.handles: List[Any] = []
+        self._t = 0.0
+
+    def attach(self, opt):
+        # Time lazyckpt's own pre-step hook (wait_for_snapshot) by bracketing it.
+        def before(*_):
+            self._t = time.perf_counter()
+
+        def after(*_):
+            self.stall.append(time.perf_counter() - self._t)
+        opt.register_step_pre_hook(before)
+        self.ckpt.attach(opt)
+        opt.register_step_pre_hook(after)
+
+    def save(self, model, opt, step, t0):
+        self.handles.append(self.ckpt.save(train_state(model, opt, step), step=step))
+
+    def finish(self):
+        self.ckpt.wait()
+        for h in self.handles:
+            h.wait()
+            self.durable[h.step] = h.flush_s
+        self.extra["lib_blocking_s"] = [h.blocking_s for h in self.handles]
+        self.extra["capture_s"] = [h.capture_s for h in self.handles]
+        self.extra["bytes"] = self.handles[-1].bytes if self.handles else 0
+
+    def close(self):
+        self.ckpt.close()
+
+    def latest_path(self):
+        return self.ckpt.step_path(self.handles[-1].step)
+
+
+SAVERS = {"torch_save": TorchSave, "dcp_save": DcpSave, "dcp_async": DcpAsync,
+          "dcp_async_stager": DcpAsyncStager, "dcp_async_proc": DcpAsyncProcess, "lazyckpt": Lazy}
+
+
+# ----------------------------------------------------------------------------- run
+
+def run_mode(mode: str, args, verify: bool) -> Dict[str, Any]:
+    model, opt, batches = build(args)
+    directory = os.path.join(args.dir, mode.replace("#", "_"))
+    saver = None
+    if mode in SAVERS:
+        remove(directory)
+        os.makedirs(directory, exist_ok=True)
+        saver = SAVERS[mode](directory, args)
+    if saver is not None:
+        saver.attach(opt)
+    try:
+        return _loop(saver, model, opt, batches, args, verify, directory)
+    except BaseException:
+        if saver is not None:
+            with contextlib.suppress(BaseException):
+                saver.finish()
+            with contextlib.suppress(BaseException):
+                saver.close()
+        raise
+    finally:
+        del model, opt, saver
+        gc.collect()
+
+
+def _loop(saver, model, opt, batches, args, verify: bool, directory: str) -> Dict[str, Any]:
+    save_steps = [i + 1 for i in range(args.iters) if (i + 1) % args.every == 0]
+    reference = None
+    iter_s, blocking, losses = [], [], []
+    gc.collect()
+    os.sync()
+    t_loop = time.perf_counter()
+    for i in range(args.iters):
+        t = time.perf_counter()
+        x = batches[i % len(batches)]
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        excluded = 0.0
+        step = i + 1
+        if saver is not None and step in save_steps:
+            saver.excluded = 0.0
+            t0 = time.perf_counter()
+            saver.save(model, opt, step, t0)
+            blocking.append(time.perf_counter() - t0 - saver.excluded)
+            excluded = saver.excluded
+            if verify and step == save_steps[-1] and step != args.iters:
+                tc = time.perf_counter()
+                reference = snapshot(train_state(model, opt, step))
+                excluded += time.perf_counter() - tc
+        iter_s.append(time.perf_counter() - t - excluded)
+    t_drain = time.perf_counter()
+    if saver is not None:
+        saver.finish()
+    drain = time.perf_counter() - t_drain
+    wall = time.perf_counter() - t_loop
+
+    out: Dict[str, Any] = {"iter_s": iter_s, "blocking_s": blocking, "final_loss": losses[-1],
+                           "drain_s": drain, "wall_s": wall}
+    if saver is not None:
+        out["durable_s"] = [saver.durable.get(s) for s in save_steps]
+        out["stall_s"] = saver.stall
+        out.update(saver.extra)
+        if verify:
+            if reference is None:
+                reference = train_state(model, opt, save_steps[-1])
+            try:
+                why = bit_equal(lazyckpt.load(saver.latest_path()), reference)
+            except Exception as exc:
+                why = f"load failed: {type(exc).__name__}: {exc}"
+            out["verify"] = "OK" if why is None else f"FAIL ({why})"
+        saver.close()
+        if not args.keep:
+            remove(directory)
+    return out
+
+
+def mean_after_first(values: List[Optional[float]]) -> Optional[float]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    vals = vals[1:] if len(vals) > 1 else vals
+    return statistics.fmean(vals)
+
+
+def aggregate(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One mode over --repeat rounds: per-round means, then the median across rounds."""
+    ok = [r for r in rs if "error" not in r]
+    if not ok:
+        return rs[-1] if rs else {"error": "not run"}
+
+    def med(key: str, drop_first: bool = True) -> Optional[float]:
+        vals = [mean_after_first(r[key]) if drop_first else r[key] for r in ok if r.get(key) is not None]
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    out = {"iter": med("iter_s"), "blocking": med("blocking_s"), "stall": med("stall_s"),
+           "durable": med("durable_s"), "drain": med("drain_s", False), "final_loss": ok[-1]["final_loss"],
+           "losses": sorted({r["final_loss"] for r in ok}), "rounds": ok, "failed_rounds": len(rs) - len(ok)}
+    verifies = [r["verify"] for r in ok if "verify" in r]
+    if verifies:
+        bad = [v for v in verifies if v != "OK"]
+        out["verify"] = bad[0] if bad else "OK"
+    spawn = [r["daemon_spawn_s"] for r in ok if "daemon_spawn_s" in r]
+    if spawn:
+        out["daemon_spawn_s"] = statistics.median(spawn)
+    return out
+
+
+def fmt(v: Optional[float], spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--heads", type=int, default=0, help="default hidden/64")
+    p.add_argument("--intermediate", type=int, default=0, help="default 8/3*hidden rounded to 64")
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--every", type=int, default=1, help="checkpoint every k iterations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-mib", type=int, default=512, help="lazyckpt host_cache_bytes in MiB")
+    p.add_argument("--writer-threads", type=int, default=4)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    p.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-out", "training"))
+    p.add_argument("--json", default=None, help="also write the JSON result to this file")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over all modes (interleaved); figures are medians across rounds")
+    p.add_argument("--keep", action="store_true", help="keep the last checkpoints of each mode")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke run: hidden 128, 2 layers, seq 32, vocab 1000, 4 iters")
+    args = p.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.seq, args.vocab, args.iters = 128, 2, 32, 1000, 4
+        args.cache_mib = min(args.cache_mib, 4)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        p.error(f"unknown modes {bad}; choose from {MODES}")
+    if args.repeat < 1 or args.iters < 2 or args.every < 1 or args.every > args.iters:
+        p.error("need --repeat >= 1, --iters >= 2 and 1 <= --every <= --iters")
+    os.makedirs(args.dir, exist_ok=True)
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*Ignoring pin_memory.*")
+    import logging
+    logging.getLogger().setLevel(logging.WARNING)
+
+    model, opt, batches = build(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    # AdamW state exists after the first step; size it without training.
+    ckpt_bytes = state_bytes({"m": model.state_dict()}) * 3 + 4 * len(list(model.parameters()))
+    del model, opt, batches
+    print(machine_line())
+    print(f"model: Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} seq={args.seq} "
+          f"batch={args.batch}: {n_params / 1e6:.1f}M params, checkpoint ~{ckpt_bytes / 1e9:.2f} GB "
+          f"(fp32 weights + AdamW moments); {args.iters} iters, save every {args.every}; "
+          f"torch threads={torch.get_num_threads()}; lazyckpt cache {args.cache_mib} MiB, "
+          f"{args.writer_threads} writers")
+    print("notes: pinned staging memory needs CUDA (ignored on CPU); "
+          "BlockingAsyncStager(cache_staged_state_dict=True) pins memory and raises on CPU: not run.")
+
+    runs: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes}
+    for rnd in range(args.repeat):
+        for mode in modes:
+            t = time.perf_counter()
+            try:
+                r = run_mode(mode, args, verify=(mode == "lazyckpt"))
+            except Exception as exc:  # keep going: one broken peer must not lose the others
+                runs[mode].append({"error": f"{type(exc).__name__}: {exc}"})
+                print(f"[{mode}] FAILED: {runs[mode][-1]['error']}", flush=True)
+                continue
+            runs[mode].append(r)
+            print(f"[{mode}{f' round {rnd + 1}' if args.repeat > 1 else ''}] done in "
+                  f"{time.perf_counter() - t:.1f} s, iter {statistics.fmean(r['iter_s'][1:]):.3f} s, "
+                  f"final loss {r['final_loss']:.6f}", flush=True)
+    results: Dict[str, Dict[str, Any]] = {m: aggregate(rs) for m, rs in runs.items()}
+
+    base_runs = [results[m]["iter"] for m in ("none", "none#2") if m in results and "iter" in results[m]]
+    base = statistics.fmean(base_runs) if base_runs else None
+    rows, summary = [], {}
+    for mode, r in results.items():
+        if "error" in r:
+            rows.append([mode, "error", "-", "-", "-", "-", "-", "-"])
+            continue
+        it = r["iter"]
+        s = {"iter_s": it, "overhead_pct": (it / base - 1) * 100 if base else None,
+             "blocking_s": r["blocking"], "stall_s": r["stall"], "durable_s": r["durable"],
+             "drain_s": r["drain"] if mode in SAVERS else None, "final_loss": r["final_loss"]}
+        summary[mode] = s
+        rows.append([mode, f"{it:.3f}", fmt(s["overhead_pct"], "+.1f"), fmt(s["blocking_s"], ".4f"),
+                     fmt(s["stall_s"], ".4f"), fmt(s["durable_s"]), fmt(s["drain_s"]),
+                     f"{r['final_loss']:.6f}"])
+    print()
+    print_table(["mode", "s/iter", "overhead %", "blocking s", "stall s/step", "to durable s",
+                 "final drain s", "final loss"], rows)
+    if len(base_runs) == 2:
+        print(f"baseline drift: none {base_runs[0]:.3f} s/iter, none#2 {base_runs[1]:.3f} s/iter "
+              f"({(base_runs[1] / base_runs[0] - 1) * 100:+.1f}%)")
+
+    ratios = {}
+    lz = summary.get("lazyckpt")
+    if lz and lz["blocking_s"]:
+        for peer in ("torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_proc"):
+            if peer in summary and summary[peer]["blocking_s"]:
+                ratios[f"blocking_lazyckpt/{peer}"] = lz["blocking_s"] / summary[peer]["blocking_s"]
+                pause_lz = lz["blocking_s"] + (lz["stall_s"] or 0)
+                pause_peer = summary[peer]["blocking_s"] + (summary[peer]["stall_s"] or 0)
+                ratios[f"pause_lazyckpt/{peer}"] = pause_lz / pause_peer
+        for key in ("torch_save", "dcp_async"):
+            k = f"blocking_lazyckpt/{key}"
+            if k in ratios:
+                print(f"lazyckpt blocking / {key} blocking: {ratios[k]:.4f} "
+                      f"({1 / ratios[k]:.0f}x less)")
+        pauses = [f"{k.split('/')[1]}: {v:.3f}" for k, v in ratios.items() if k.startswith("pause")]
+        if pauses:
+            print("lazyckpt pause (blocking + stall) / peer pause: " + ", ".join(pauses))
+    losses = {m: r["losses"] for m, r in results.items() if "losses" in r}
+    same_loss = len({x for v in losses.values() for x in v}) <= 1
+    print(f"final losses identical across modes: {'yes' if same_loss else 'NO ' + json.dumps(losses)}")
+    verify = results.get("lazyckpt", {}).get("verify")
+    if verify is not None:
+        print(f"lazyckpt last checkpoint bit-exact vs live state at that step: {verify}")
+    if "dcp_async_proc" in results and "daemon_spawn_s" in results["dcp_async_proc"]:
+        print(f"dcp_async_proc: daemon spawn (warm-up, untimed) {results['dcp_async_proc']['daemon_spawn_s']:.2f} s")
+
+    blob = {"machine": machine_line(), "config": {k: v for k, v in vars(args).items()},
+            "params": n_params, "checkpoint_bytes_est": ckpt_bytes, "summary": summary,
+            "ratios": ratios, "verify": verify, "same_final_loss": same_loss, "raw": results}
+    line = json.dumps(blob, default=float)
+    print("JSON " + line)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
