@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import __version__
 from .errors import CheckpointError, UnsafeObjectError
@@ -189,6 +189,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print("  " + line)
         if hidden:
             print(f"  ... {hidden} more (--max-rows 0 shows all, --json gives everything)")
+        if args.entries:
+            erows = [[str(e["index"]), e["kind"], str(e["offset"]), str(e["length"]), str(e["checksum_blocks"]),
+                      e["name"] + (f" (rank {e['rank']})" if e.get("rank") is not None else "")]
+                     for e in f["entries"]]
+            print()
+            for line in _table(["entry", "kind", "offset", "length", "blocks", "name"], erows,
+                               right=(0, 2, 3, 4)):
+                print("  " + line)
     if doc.get("shards"):
         print("\nsharded tensors (DTensor), from the manifest's shard index:")
         for s in doc["shards"]:
@@ -364,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path", metavar="PATH", help="a .lzc file, a step directory or a Checkpointer directory")
     sp.add_argument("--json", action="store_true", help="everything, machine-readable")
     sp.add_argument("--max-rows", type=int, default=200, metavar="N", help="rows per file (0: all; default 200)")
+    sp.add_argument("--entries", action="store_true", help="also list the raw entries (offsets, lengths)")
     sp.set_defaults(func=cmd_inspect)
 
     sp = sub.add_parser("verify", help="read everything and check every checksum (exit 1 if damaged)")

@@ -34,6 +34,7 @@ that are not tensors are left out (reported as skipped).
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import math
@@ -292,6 +293,10 @@ class LazySource(Source):
         for n in names:
             yield n, _as_tensor(_navigate(part, leaves[n]), n)
         del part
+        # lazyckpt.load's read buffers sit in a reference cycle (LoadContext <-> its
+        # closures) until the cycle collector runs: collect now, or every batch stays
+        # resident and memory is not bounded.
+        gc.collect()
 
 
 def _navigate(state: Any, leaf: Any) -> Any:
@@ -713,12 +718,6 @@ def convert(src: str, dst: str, src_format: Optional[str] = None, dst_format: Op
         raise CheckpointError(f"{dst}: is a directory; give a file name")
     if os.path.exists(dst) and not overwrite:
         raise CheckpointError(f"{dst}: already exists (pass --force to replace it)", path=dst)
-    if sfmt == "safetensors" or dfmt == "safetensors":
-        try:
-            import safetensors  # noqa: F401
-        except ImportError:
-            if sfmt == "safetensors" and dfmt == "safetensors":
-                raise CheckpointError("safetensors is not installed: pip install safetensors") from None
     t0 = time.perf_counter()
     source = SOURCES[sfmt](src, allow_pickle)
     result = ConvertResult(src, dst, sfmt, dfmt)

@@ -171,7 +171,13 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
         storages.update(other.read_entries(indices, pool))
     if step is not None:
         ctx.dtensor_loader = step.dtensor_loader(into, pool, mapper)
-    state = ctx.decode(tree)
+    try:
+        state = ctx.decode(tree)
+    finally:
+        # ctx and these closures refer to each other: drop the read buffers now
+        # rather than when the garbage collector finds the cycle.
+        storages.clear()
+        mapped.clear()
     if into is not None:
         return fill_into(into, state, path)
     return state

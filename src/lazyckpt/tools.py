@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import format as fmt
 from .checkpointer import LATEST, MANIFEST, MAX_MANIFEST_BYTES, STEP_DIR, parse_manifest, step_dirname
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
 from .fileio import fsync_dir, open_for_read, pread_into, read_small_file
 from .knobs import Options, resolve as resolve_options
 from .reader import CheckpointFile
@@ -604,10 +604,17 @@ def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecuto
                     progress(hi - lo)
     finally:
         os.close(fd)
+    users: Dict[int, List[str]] = {}
+    if damaged:
+        for leaf in walk(f.footer.tree):
+            if leaf.entry in damaged:
+                users.setdefault(leaf.entry, []).append(leaf.name)
     for i in sorted(damaged):
         e = f.entries[i]
+        others = [n for n in users.get(i, []) if n != e.name]
+        also = f" (also used by {', '.join(others[:4])}{', ...' if len(others) > 4 else ''})" if others else ""
         report.problems.append(Problem(
-            f.path, "entry", f"{f.path}: entry {i} {e.name!r}: {errors[i]} in {len(damaged[i])} of "
+            f.path, "entry", f"{f.path}: entry {i} {e.name!r}{also}: {errors[i]} in {len(damaged[i])} of "
             f"{len(e.checksums)} block(s), at file offset(s) {', '.join(map(str, damaged[i][:8]))}"
             f"{', ...' if len(damaged[i]) > 8 else ''}", e.name, i, damaged[i]))
 
