@@ -31,7 +31,7 @@ import torch
 from . import format as fmt
 from .engine import Resources
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
-from .fileio import fsync_dir, read_small_file, write_file_atomic
+from .fileio import fsync_dir, pid_alive, read_small_file, write_file_atomic
 from .knobs import Options, resolve
 from .loader import KeySpec, MapLocation, StepFiles, load_tree
 from .distributed import rank_info, shard_index
@@ -447,7 +447,7 @@ class Checkpointer:
             if name.startswith(".tmp-step_"):
                 parts = name.split("-")
                 pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
-                if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
+                if pid is not None and (pid == os.getpid() or pid_alive(pid)):
                     continue
                 if self._dist.distributed and f"-r{self._dist.run_id}-" in name:
                     continue        # this job's own save in progress
@@ -570,14 +570,6 @@ def parse_manifest(raw: bytes, path: str) -> Dict[str, Any]:
     return manifest
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:

@@ -54,7 +54,7 @@ import torch
 from . import api
 from .checkpointer import MANIFEST, STEP_DIR
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError
-from .fileio import fsync_dir
+from .fileio import fsync_dir, remove_quietly
 from .knobs import resolve as resolve_options
 from .reader import CheckpointFile
 from .tools import resolve as resolve_target, walk
@@ -662,10 +662,7 @@ def write_safetensors(dst: str, specs: List[TensorSpec], tensors: Iterator[Tuple
                 raise CheckpointError("the source yielded fewer tensors than it described")
         _commit(tmp, dst)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        remove_quietly(tmp)
         raise
     return os.path.getsize(dst)
 
@@ -676,10 +673,7 @@ def write_torch(dst: str, state: Any) -> int:
         torch.save(state, tmp)
         _commit(tmp, dst)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        remove_quietly(tmp)
         raise
     return os.path.getsize(dst)
 

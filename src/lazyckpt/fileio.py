@@ -175,3 +175,22 @@ def read_small_file(path: str, limit: int) -> Optional[bytes]:
             return f.read(limit + 1)
     except FileNotFoundError:
         return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_quietly(path: str) -> None:
+    """Remove a file that may not exist (cleanup after a failure)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

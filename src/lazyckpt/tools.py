@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from . import format as fmt
 from .checkpointer import LATEST, MANIFEST, MAX_MANIFEST_BYTES, STEP_DIR, parse_manifest, step_dirname
 from .errors import CheckpointError, CheckpointNotFoundError
-from .fileio import fsync_dir, open_for_read, pread_into, read_small_file
+from .fileio import fsync_dir, open_for_read, pid_alive, pread_into, read_small_file
 from .knobs import Options, resolve as resolve_options
 from .reader import CheckpointFile
 
@@ -377,14 +377,6 @@ def tree_bytes(path: str) -> int:
     return total
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -414,7 +406,7 @@ def classify_leftover(directory: str, name: str) -> Optional[Leftover]:
         pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
         if pid is None:
             return Leftover(name, "saving", tree_bytes(path))
-        alive = _pid_alive(pid)
+        alive = pid_alive(pid)
         return Leftover(name, "saving" if alive else "interrupted-save", tree_bytes(path), pid, alive)
     if name.startswith(".deleting-step_"):
         return Leftover(name, "deleting", tree_bytes(path))

@@ -29,7 +29,7 @@ import torch
 
 from ..engine import Resources
 from ..errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
-from ..fileio import fsync_dir
+from ..fileio import fsync_dir, pid_alive, remove_quietly
 from ..format import MAGIC
 from ..knobs import Options, resolve
 from ..loader import _find_pickle, load_file
@@ -74,7 +74,7 @@ def clean_temp_files(directory: str) -> List[str]:
         if not m or m.group("host") != _HOST:
             continue
         pid = int(m.group("pid"))
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         path = os.path.join(directory, name)
         try:
@@ -91,14 +91,6 @@ def clean_temp_files(directory: str) -> List[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class PendingFile:
@@ -321,10 +313,7 @@ class AsyncFileWriter:
             pending.bytes = stats.file_bytes
             os.replace(tmp, pending.path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            remove_quietly(tmp)
             raise
         fsync_dir(directory)
         if pending.on_commit is not None:
