@@ -137,6 +137,8 @@ def test_inspect_text_and_json(made, tmp_path):
              "device": "cpu", "e": 0}
     manifest["shards"] = {json.dumps(["model", "w"]): {"global_shape": [8, 8], "dtype": "float32", "pieces": [
         {"rank": 0, "offsets": [0, 0], "tensor": local}, {"rank": 1, "offsets": [4, 0], "tensor": local}]}}
+    from lazyckpt.checkpointer import manifest_checksum
+    manifest["checksum"] = manifest_checksum(manifest)     # a consistent edit, not damage
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
     r, rj = run_many([("inspect", made["file"]), ("inspect", "--json", run)])

@@ -109,10 +109,16 @@ def test_format_md_checkpointer_example(tmp_path):
     assert manifest["format_version"] == 1 and manifest["step"] == 100 and manifest["world_size"] == 1
     assert manifest["metadata"] == {"step": 100, "epoch": 1}
     data = (step_dir / "rank_00000.lzc").read_bytes()
-    assert data[8192:-32].endswith(b'"metadata":{"step":100,"epoch":1}}')
-    assert manifest["files"] == [{"rank": 0, "name": "rank_00000.lzc", "bytes": 8590}]
+    save_id = manifest["save_id"]
+    assert len(save_id) == 32
+    assert data[8192:-32].endswith(b'"metadata":{"step":100,"epoch":1,"lazyckpt":{"save_id":"'
+                                   + save_id.encode() + b'","rank":0,"world_size":1}}}')
+    assert manifest["files"] == [{"rank": 0, "name": "rank_00000.lzc", "bytes": 8672}]
     assert isinstance(manifest["created_unix"], float)
-    assert len(data) == 8590
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    assert manifest["checksum"] == xxhash.xxh3_64_intdigest(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    assert len(data) == 8672
 
 
 def _independent_layout_check(path, state_has_pickles=False):

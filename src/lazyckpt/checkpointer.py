@@ -31,7 +31,7 @@ import torch
 from . import format as fmt
 from .engine import Resources
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
-from .fileio import fsync_dir, pid_alive, read_small_file, write_file_atomic
+from .fileio import NotARegularFile, fsync_dir, pid_alive, read_small_file, write_file_atomic
 from .knobs import Options, resolve
 from .loader import KeySpec, MapLocation, StepFiles, load_tree
 from .distributed import rank_info, shard_index
@@ -158,6 +158,9 @@ class Checkpointer:
         self._thread: Optional[threading.Thread] = None
         if self._dist.coordinator:
             self.clean_leftovers()
+            # A crash between a commit and its retention deletes leaves one step too
+            # many: the newest is committed, so the extras can go now.
+            self._apply_retention()
 
     # ------------------------------------------------------------------ saving
 
@@ -313,7 +316,11 @@ class Checkpointer:
             tmp = os.path.join(self.directory,
                                f".tmp-{step_dirname(handle.step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         filename = rank_filename(d.rank)
-        metadata = {"step": handle.step, **metadata}
+        save_id = f"{d.run_id}-{seq}" if d.distributed else uuid.uuid4().hex
+        # Ties each data file to this save and rank: a file copied from another
+        # step or swapped with another rank's is refused at load.
+        metadata = {"step": handle.step, **metadata,
+                    "lazyckpt": {"save_id": save_id, "rank": d.rank, "world_size": d.world_size}}
         try:
             if os.path.exists(final):
                 raise CheckpointError(f"step {handle.step} is already committed in {self.directory}")
@@ -379,12 +386,14 @@ class Checkpointer:
         manifest = {"format_version": fmt.FORMAT_VERSION, "step": handle.step, "world_size": world,
                     "files": [{"rank": r, "name": rank_filename(r), "bytes": done[r]["bytes"]}
                               for r in range(world)],
-                    "created_unix": time.time(), "metadata": metadata}
+                    "created_unix": time.time(), "save_id": metadata["lazyckpt"]["save_id"],
+                    "metadata": {k: v for k, v in metadata.items() if k != "lazyckpt"}}
         index = shard_index(done)
         if index:
             manifest["shards"] = index
         if self.replicated:
             manifest["replicated"] = [str(k) for k in self.replicated]
+        manifest["checksum"] = manifest_checksum(manifest)
         write_file_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
         fsync_dir(tmp)
         if handle.cancelled and world == 1:
@@ -491,6 +500,8 @@ class Checkpointer:
         try:
             if cancel:
                 for handle in self._pending():
+                    if handle.done():
+                        continue
                     handle.cancelled = True
                     if handle._job is not None:
                         handle._job.cancel()
@@ -530,7 +541,10 @@ def load_step_dir(path: str, options: Options, pool, rank: Optional[int] = None,
     whichever files hold them). ``rank`` defaults to this process's rank.
     """
     manifest_path = os.path.join(path, MANIFEST)
-    raw = read_small_file(manifest_path, MAX_MANIFEST_BYTES)
+    try:
+        raw = read_small_file(manifest_path, MAX_MANIFEST_BYTES)
+    except NotARegularFile:
+        raise CorruptCheckpointError(f"{manifest_path}: not a regular file", path=manifest_path) from None
     if raw is None:
         raise CheckpointNotFoundError(f"{path}: no committed checkpoint (no {MANIFEST})", path=path)
     manifest = parse_manifest(raw, manifest_path)
@@ -564,10 +578,20 @@ def parse_manifest(raw: bytes, path: str) -> Dict[str, Any]:
             isinstance(f, dict) and isinstance(f.get("name"), str) and re.fullmatch(r"rank_\d{5}\.lzc", f["name"])
             and type(f.get("rank")) is int and f["name"] == rank_filename(f["rank"]) for f in files):
         raise CorruptCheckpointError(f"{path}: manifest lists no valid data files", path=path)
-    if type(world) is not int or sorted(f["rank"] for f in files) != list(range(world)):
+    if type(world) is not int or world != len(files) or \
+            sorted(f["rank"] for f in files) != list(range(world)):
         raise CorruptCheckpointError(f"{path}: manifest world_size {world!r} does not match its files",
                                      path=path)
+    expected = manifest.pop("checksum", None)
+    if expected != manifest_checksum(manifest):
+        raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (file damaged)", path=path)
     return manifest
+
+
+def manifest_checksum(manifest: Dict[str, Any]) -> int:
+    """xxh3-64 of the manifest's canonical JSON, without its own checksum field."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return fmt.checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 
@@ -582,6 +606,7 @@ def _check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         raise ValueError(f"metadata must be JSON-serializable: {exc}") from None
     if json.loads(text) != metadata:
         raise ValueError("metadata must round-trip through JSON (string keys, no tuples)")
-    if "step" in metadata:
-        raise ValueError("metadata key 'step' is reserved (the Checkpointer records the step)")
+    for reserved in ("step", "lazyckpt"):
+        if reserved in metadata:
+            raise ValueError(f"metadata key {reserved!r} is reserved (the Checkpointer records it)")
     return metadata

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 from typing import Optional
 
@@ -169,12 +170,39 @@ def write_file_atomic(path: str, data: bytes) -> None:
     fsync_dir(directory)
 
 
+class NotARegularFile(OSError):
+    """A path that should be a checkpoint file is a FIFO, a device, a directory..."""
+
+
+def open_regular(path: str) -> int:
+    """Open ``path`` for reading, refusing anything but a regular file (a FIFO
+    would block the reader forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotARegularFile(errno.EINVAL, "not a regular file", path)
+    return fd
+
+
 def read_small_file(path: str, limit: int) -> Optional[bytes]:
+    """The whole file if it exists; at most ``limit + 1`` bytes (so callers can
+    tell it is too large), allocating only what the file holds."""
     try:
-        with open(path, "rb") as f:
-            return f.read(limit + 1)
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
+    try:
+        size = min(os.fstat(fd).st_size, limit + 1)
+        chunks, done = [], 0
+        while done < size:
+            chunk = os.read(fd, size - done)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            done += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def pid_alive(pid: int) -> bool:

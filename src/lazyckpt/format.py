@@ -222,6 +222,13 @@ def decode_footer(raw: bytes, footer_offset: int, path: str) -> Footer:
                 or not all(_is_int(s) and 0 <= s < 1 << 64 for s in sums):
             raise bad("checksum list does not match the entry's blocks", name)
         entries.append(Entry(kind, offset, length, sums, name, rank if kind == "remote" else None))
+    # Overlapping entries would let a small file make the reader allocate one
+    # buffer per entry over the same bytes: refuse them.
+    previous_end, previous = DATA_START, None
+    for e in sorted((e for e in entries if e.length), key=lambda e: e.offset):
+        if e.offset < previous_end:
+            raise bad(f"entry overlaps entry {previous!r}", e.name)
+        previous_end, previous = e.offset + e.length, e.name
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise bad("metadata is not an object")

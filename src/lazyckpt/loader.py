@@ -11,8 +11,8 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from .errors import (CheckpointError, CorruptCheckpointError, MissingKeyError, StateMismatchError,
-                     UnsafeObjectError)
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError,
+                     StateMismatchError, UnsafeObjectError)
 from .knobs import Options
 from .providers import LoadContext, referenced_entries
 from .reader import CheckpointFile
@@ -140,7 +140,12 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     ctx = LoadContext(entry_value=entry_value, storage=storage, allow_pickle=allow_pickle, path=path)
     tree = f.footer.tree
     if keys is not None:
-        tree = select(tree, keys, ctx)
+        try:
+            tree = select(tree, keys, ctx)
+        except CheckpointError:
+            raise
+        except Exception as exc:     # a hostile tree
+            raise ctx.corrupt(f"{type(exc).__name__} while selecting keys: {exc}") from None
     if not allow_pickle:
         found = _find_pickle(tree, [])
         if found is not None:
@@ -202,8 +207,29 @@ class StepFiles:
             raise CorruptCheckpointError(f"{self.path}: manifest lists no file of rank {rank}",
                                          path=self.path)
         if rank not in self._open:
-            self._open[rank] = CheckpointFile(os.path.join(self.path, self._names[rank]), self.options)
+            path = os.path.join(self.path, self._names[rank])
+            try:
+                f = CheckpointFile(path, self.options)
+            except CheckpointNotFoundError:
+                # The step is committed, so a missing file is damage, not "no checkpoint".
+                raise CorruptCheckpointError(f"{path}: data file of rank {rank} is missing",
+                                             path=path) from None
+            self._check_belongs(f, rank)
+            self._open[rank] = f
         return self._open[rank]
+
+    def _check_belongs(self, f: CheckpointFile, rank: int) -> None:
+        """The file must be the one this manifest committed: same size, same save, same rank."""
+        listed = next(x for x in self.manifest["files"] if x["rank"] == rank)
+        if listed.get("bytes") is not None and listed["bytes"] != f.size:
+            raise CorruptCheckpointError(f"{f.path}: {f.size} bytes, the manifest says {listed['bytes']}",
+                                         path=f.path)
+        mine = f.footer.metadata.get("lazyckpt")
+        save_id = self.manifest.get("save_id")
+        if save_id is not None and (not isinstance(mine, dict) or mine.get("save_id") != save_id
+                                    or mine.get("rank") != rank):
+            raise CorruptCheckpointError(f"{f.path}: belongs to another save or rank than this step's "
+                                         f"manifest (file from another step, or swapped)", path=f.path)
 
     def dtensor_loader(self, into: Any, pool: cf.ThreadPoolExecutor, mapper) -> Callable:
         targets = _dtensor_targets(into)
@@ -221,6 +247,10 @@ class StepFiles:
         from .providers import dtype_from_name
         dtype = dtype_from_name(info["dtype"], ctx)
         global_shape = info["global_shape"]
+        if not (isinstance(global_shape, list) and all(type(n) is int and n >= 0 for n in global_shape)):
+            raise ctx.corrupt("bad global shape in the shard index")
+        if not isinstance(info.get("pieces"), list):
+            raise ctx.corrupt("shard index without pieces")
         if target is not None:
             from torch.distributed.tensor import DTensor
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -230,33 +260,69 @@ class StepFiles:
                     f"checkpoint but {target.dtype} {tuple(target.shape)} in into=", path=self.path)
             shape, origin = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
                                                                   target.placements)
+            pieces = self._cover(info, global_shape, list(shape), list(origin), dtype, ctx)
             local = torch.empty(list(shape), dtype=dtype, device=target.to_local().device)
-            self._fill_region(local, list(origin), info, ctx, pool)
+            self._fill_region(local, list(origin), pieces, ctx, pool)
             return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
                                       shape=target.shape, stride=target.stride())
+        # Everything is checked before the (possibly large) allocation.
+        pieces = self._cover(info, global_shape, list(global_shape), [0] * len(global_shape), dtype, ctx)
         full = torch.empty(global_shape, dtype=dtype)
-        self._fill_region(full, [0] * len(global_shape), info, ctx, pool)
+        self._fill_region(full, [0] * len(global_shape), pieces, ctx, pool)
         return full
 
-    def _fill_region(self, out: torch.Tensor, origin: list, info: Dict[str, Any], ctx: LoadContext,
-                     pool: cf.ThreadPoolExecutor) -> None:
-        """Copy into ``out`` (the global region starting at ``origin``) every
-        overlapping piece of the saved shards, reading only the rows needed."""
-        from .providers import dtype_from_name
-        covered = 0
+    def _cover(self, info: Dict[str, Any], global_shape: list, shape: list, origin: list,
+               dtype: torch.dtype, ctx: LoadContext) -> list:
+        """The pieces overlapping the region [origin, origin+shape), after checking
+        that they lie inside the tensor, have sound geometry, and cover the region
+        exactly once (no hole would be left as uninitialized memory, no overlap
+        could hide one)."""
+        from .providers import dtype_from_name, tensor_bytes_needed
+        boxes, chosen = [], []
         for piece in info["pieces"]:
-            offsets, t = piece["offsets"], piece["tensor"]
-            shape = t["shape"]
-            if not (isinstance(offsets, list) and len(offsets) == len(shape) == out.dim()):
-                raise ctx.corrupt("shard geometry does not match the tensor's rank")
-            lo = [max(o, r) for o, r in zip(offsets, origin)]
-            hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, shape, origin, out.shape)]
-            if any(a >= b for a, b in zip(lo, hi)) and out.dim() > 0:
-                continue
+            if not isinstance(piece, dict) or not isinstance(piece.get("tensor"), dict):
+                raise ctx.corrupt("malformed piece in the shard index")
+            offsets, t = piece.get("offsets"), piece["tensor"]
+            pshape = t.get("shape")
+            if not (isinstance(offsets, list) and isinstance(pshape, list)
+                    and len(offsets) == len(pshape) == len(global_shape)
+                    and all(type(x) is int and x >= 0 for x in offsets + pshape)
+                    and all(o + n <= g for o, n, g in zip(offsets, pshape, global_shape))):
+                raise ctx.corrupt("a shard piece lies outside the tensor or has a bad shape")
+            if dtype_from_name(t.get("dtype"), ctx) != dtype or type(piece.get("rank")) is not int:
+                raise ctx.corrupt("a shard piece has another dtype or no rank")
             f = self.file(piece["rank"])
-            e = t["e"]
+            e = t.get("e")
             if type(e) is not int or not 0 <= e < len(f.entries) or f.entries[e].kind != "data":
                 raise ctx.corrupt(f"shard of rank {piece['rank']} refers to a bad entry {e!r}")
+            if tensor_bytes_needed(t, dtype, ctx) > f.entries[e].length:
+                raise ctx.corrupt(f"shard of rank {piece['rank']} claims more bytes than its entry holds")
+            lo = [max(o, r) for o, r in zip(offsets, origin)]
+            hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, pshape, origin, shape)]
+            if all(a < b for a, b in zip(lo, hi)):
+                boxes.append((lo, hi))
+                chosen.append(piece)
+        volume = math.prod(shape)
+        covered = sum(math.prod(b - a for a, b in zip(lo, hi)) for lo, hi in boxes)
+        overlap = any(all(max(a1, a2) < min(b1, b2) for a1, b1, a2, b2 in zip(l1, h1, l2, h2))
+                      for i, (l1, h1) in enumerate(boxes) for (l2, h2) in boxes[i + 1:])
+        if volume and (covered != volume or overlap):
+            raise ctx.corrupt(f"the saved shards do not cover the needed region exactly "
+                              f"({covered} of {volume} elements{', overlapping' if overlap else ''})")
+        return chosen
+
+    def _fill_region(self, out: torch.Tensor, origin: list, pieces: list, ctx: LoadContext,
+                     pool: cf.ThreadPoolExecutor) -> None:
+        """Copy into ``out`` (the global region starting at ``origin``) every
+        piece (already checked by _cover), reading only the rows needed."""
+        from .providers import dtype_from_name
+        for piece in pieces:
+            offsets, t = piece["offsets"], piece["tensor"]
+            shape = t["shape"]
+            lo = [max(o, r) for o, r in zip(offsets, origin)]
+            hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, shape, origin, out.shape)]
+            f = self.file(piece["rank"])
+            e = t["e"]
             dtype = dtype_from_name(t["dtype"], ctx)
             itemsize = torch.empty((), dtype=dtype).element_size()
             contiguous = torch.empty(shape, dtype=dtype, device="meta").stride()
@@ -275,9 +341,6 @@ class StepFiles:
                 src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
             dst = out[tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, origin))]
             dst.copy_(src)
-            covered += src.numel()
-        if covered < out.numel():
-            raise ctx.corrupt(f"the saved shards cover {covered} of the {out.numel()} elements needed")
 
 
 def _dtensor_targets(into: Any) -> Dict[str, Any]:

@@ -350,11 +350,7 @@ class TensorProvider(Provider):
             tensor = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         else:
             storage = ctx.storage(node["e"], str(node.get("device", "cpu")))
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if any(s == 0 for s in shape):
-                needed = 0
-            else:
-                needed = (offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * itemsize
+            needed = tensor_bytes_needed(node, dtype, ctx)
             if needed > storage.nbytes():
                 raise ctx.corrupt(f"tensor needs {needed} bytes, storage has {storage.nbytes()}")
             tensor = torch.empty((0,), dtype=dtype, device=storage.device)
@@ -364,6 +360,19 @@ class TensorProvider(Provider):
         if node.get("requires_grad"):
             tensor.requires_grad_(True)
         return tensor
+
+
+def tensor_bytes_needed(node: Dict[str, Any], dtype: torch.dtype, ctx: "LoadContext") -> int:
+    """Bytes of storage a tensor node's geometry reaches (after checking it)."""
+    shape, stride, offset = node.get("shape"), node.get("stride"), node.get("offset")
+    if not (_int_list(shape) and _int_list(stride) and len(shape) == len(stride)
+            and type(offset) is int and offset >= 0
+            and all(s >= 0 for s in shape) and all(s >= 0 for s in stride)):
+        raise ctx.corrupt("bad tensor geometry")
+    if any(s == 0 for s in shape):
+        return 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * itemsize
 
 
 def _int_list(v: Any) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from . import format as fmt
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .fileio import InputFile
+from .fileio import InputFile, NotARegularFile, open_regular
 from .knobs import Options
 
 
@@ -29,12 +29,16 @@ class CheckpointFile:
         self.path = path
         self.options = options
         try:
-            self.size = os.stat(path).st_size
+            fd = open_regular(path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{path}: no such checkpoint file", path=path) from None
+        except NotARegularFile:
+            raise CorruptCheckpointError(f"{path}: not a regular file", path=path) from None
+        self.size = os.fstat(fd).st_size
         if self.size < fmt.HEADER_BYTES + fmt.TRAILER_BYTES:
+            os.close(fd)
             raise CorruptCheckpointError(f"{path}: truncated file ({self.size} bytes)", path=path)
-        with open(path, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
             self.version = fmt.check_header(f.read(fmt.HEADER_BYTES), path)
             f.seek(self.size - fmt.TRAILER_BYTES)
             trailer = fmt.parse_trailer(f.read(fmt.TRAILER_BYTES), self.size, path,
