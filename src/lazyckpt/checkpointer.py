@@ -43,7 +43,8 @@ log = logging.getLogger("lazyckpt")
 STEP_DIR = re.compile(r"^step_(\d{10})$")
 MANIFEST = "manifest.json"
 LATEST = "latest"
-MAX_MANIFEST_BYTES = 64 << 20
+#: A reader refuses larger manifests (hostile-file guard); writers refuse to commit them.
+MAX_MANIFEST_BYTES = 1 << 30
 
 
 def step_dirname(step: int) -> str:
@@ -352,11 +353,18 @@ class Checkpointer:
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
             return
-        d.publish(f"{seq}/done/{d.rank}", {"ok": True, "bytes": stats.file_bytes, "shards": flat.shards,
-                                           "digest": flat.replicated_digest})
+        done_value = {"ok": True, "bytes": stats.file_bytes, "digest": flat.replicated_digest}
+        if flat.shards:
+            # The store refuses large values (about 8 MiB): shard geometry travels
+            # through a side file in the temporary directory instead.
+            side = os.path.join(tmp, f".shards_{d.rank:05d}.json")
+            with open(side, "w") as f:
+                json.dump(flat.shards, f, separators=(",", ":"))
+            done_value["shards_file"] = os.path.basename(side)
+        d.publish(f"{seq}/done/{d.rank}", done_value)
         if d.coordinator:
+            keys = [f"{seq}/done/{r}" for r in range(d.world_size)]
             try:
-                keys = [f"{seq}/done/{r}" for r in range(d.world_size)]
                 values = d.wait_for(keys, "every rank's data", handle.step)
                 done = {r: values[k] for r, k in enumerate(keys)}
                 failed = {r: v["error"] for r, v in done.items() if not v.get("ok")}
@@ -365,13 +373,21 @@ class Checkpointer:
                 if len({v["digest"] for v in done.values()}) > 1:
                     raise CheckpointError(f"step {handle.step}: the replicated keys {self.replicated} differ "
                                           f"between ranks; they cannot be written once", step=handle.step)
+                for v in done.values():
+                    name = v.pop("shards_file", None)
+                    if name is not None:
+                        with open(os.path.join(tmp, name)) as f:
+                            v["shards"] = json.load(f)
+                        os.unlink(os.path.join(tmp, name))
                 self._commit(handle, tmp, final, done, metadata)
-                d.delete(keys)
             except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
                 d.publish(f"{seq}/outcome", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
                 raise
+            # Committed: let the other ranks go on before tidying up.
             d.publish(f"{seq}/outcome", {"ok": True})
+            self._after_commit(handle)
+            d.delete(keys + [f"{seq - 1}/outcome"])     # every rank has read the previous outcome
         else:
             outcome = d.wait_for([f"{seq}/outcome"], "the coordinator's commit", handle.step)
             result = outcome[f"{seq}/outcome"]
@@ -394,7 +410,13 @@ class Checkpointer:
         if self.replicated:
             manifest["replicated"] = [str(k) for k in self.replicated]
         manifest["checksum"] = manifest_checksum(manifest)
-        write_file_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
+        raw = json.dumps(manifest, separators=(",", ":")).encode()
+        if len(raw) > MAX_MANIFEST_BYTES:
+            # Never commit what the loader would refuse (and let retention delete the
+            # previous, loadable step).
+            raise CheckpointError(f"step {handle.step}: the manifest would be {len(raw)} bytes, over the "
+                                  f"loader's limit of {MAX_MANIFEST_BYTES}", step=handle.step)
+        write_file_atomic(os.path.join(tmp, MANIFEST), raw)
         fsync_dir(tmp)
         if handle.cancelled and world == 1:
             raise Aborted("cancelled by close()")
@@ -403,6 +425,11 @@ class Checkpointer:
         os.rename(tmp, final)
         fsync_dir(self.directory)
         handle.flush_s = time.perf_counter() - handle._t0      # committed and durable
+        if world == 1:
+            self._after_commit(handle)
+
+    def _after_commit(self, handle: SaveHandle) -> None:
+        """Retention and the `latest` marker, once the step is committed."""
         try:
             self._apply_retention()
             # The newest committed step, which need not be this one (a lower step saved late).
