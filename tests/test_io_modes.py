@@ -56,7 +56,9 @@ def test_round_trip_in_every_io_mode(tmp_path, knobs):
     assert_same(state, out)
     assert_same_aliasing(state, out)
     if "chunk_bytes" in knobs:
-        assert p.doc["block_bytes"] == lazyckpt.Options(**knobs).effective_chunk_bytes
+        opts = lazyckpt.Options(**knobs)
+        from lazyckpt.api import SYNC_HOST_CACHE_BYTES
+        assert p.doc["block_bytes"] == opts.chunk_bytes_for(opts.host_cache_bytes or SYNC_HOST_CACHE_BYTES)
     # The same bytes as the simplest path (buffered, one thread) with the same chunking.
     simple = dict(knobs, o_direct=False, writer_threads=1)
     reference = tmp_path / "ref.lzc"

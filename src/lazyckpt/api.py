@@ -57,7 +57,7 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     res = _resources(opts)
     with res.save_lock:         # one functional save at a time per cache
-        job = FileWriteJob(tmp, flat.tree, flat.sources, metadata, opts, res.cache,
+        job = FileWriteJob(tmp, flat.tree, flat.sources, metadata, opts, res.cache_for(flat.sources),
                            res.writers, res.serializer)
         try:
             stats = job.run()

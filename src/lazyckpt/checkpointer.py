@@ -327,7 +327,7 @@ class Checkpointer:
                 raise CheckpointError(f"step {handle.step} is already committed in {self.directory}")
             os.makedirs(tmp, exist_ok=d.distributed)
             job = FileWriteJob(os.path.join(tmp, filename), flat.tree, flat.sources, metadata, self.options,
-                               self._resources.cache, self._resources.writers,
+                               self._resources.cache_for(flat.sources), self._resources.writers,
                                self._resources.serializer, capture_event=event)
             handle._job = job
             watcher = threading.Thread(target=self._watch_snapshot, args=(handle, job), daemon=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 from .hostcache import HostCache
 from .knobs import Options
@@ -21,12 +21,14 @@ class Resources:
         self.readers = cf.ThreadPoolExecutor(options.reader_threads, thread_name_prefix="lazyckpt-reader")
         self.serializer = cf.ThreadPoolExecutor(1, thread_name_prefix="lazyckpt-serializer")
 
-    @property
-    def cache(self) -> HostCache:
-        """Allocated on first use, then reused for every save."""
+    def cache_for(self, sources: Iterable[Any]) -> HostCache:
+        """The host cache: allocated on first use (sized by ``options``, or by the
+        first state's bytes when automatic), then reused for every save."""
         with self._lock:
             if self._cache is None:
-                self._cache = HostCache(self.options.host_cache_bytes, self.options.effective_chunk_bytes)
+                state_bytes = sum(s.length or 0 for s in sources)
+                size = self.options.cache_bytes_for(state_bytes)
+                self._cache = HostCache(size, self.options.chunk_bytes_for(size))
             return self._cache
 
     def close(self) -> None:

@@ -12,6 +12,9 @@ import os
 from typing import Any, Optional
 
 MiB = 1 << 20
+#: Bounds of the automatically sized host cache.
+AUTO_CACHE_MIN = 64 * MiB
+AUTO_CACHE_MAX = 4096 * MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +27,11 @@ class Options:
     o_direct: bool = True
     #: Size of one host-cache chunk: the unit of copy, write and checksum.
     chunk_bytes: int = 32 * MiB
-    #: Size of the reused host cache that stages data on its way to disk.
-    host_cache_bytes: int = 512 * MiB
+    #: Size of the reused host cache that stages data on its way to disk. 0 (the
+    #: default) sizes it once, at the first save, to that state's bytes clamped to
+    #: [AUTO_CACHE_MIN, AUTO_CACHE_MAX] and a quarter of the machine's memory: a
+    #: cache that holds the whole state lets the capture finish at memory speed.
+    host_cache_bytes: int = 0
     #: Verify per-block checksums when loading.
     verify_checksums: bool = True
     #: A reader refuses a footer larger than this (hostile-file guard).
@@ -42,16 +48,27 @@ class Options:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
-        if self.host_cache_bytes < 2 * 4096:
-            raise ValueError(f"host_cache_bytes must be at least 8192, got {self.host_cache_bytes}")
+        if self.host_cache_bytes != 0 and self.host_cache_bytes < 2 * 4096:
+            raise ValueError(f"host_cache_bytes must be 0 (auto) or at least 8192, "
+                             f"got {self.host_cache_bytes}")
         if self.queue_policy not in ("block", "skip"):
             raise ValueError(f"queue_policy must be 'block' or 'skip', got {self.queue_policy!r}")
 
-    @property
-    def effective_chunk_bytes(self) -> int:
+    def cache_bytes_for(self, state_bytes: int) -> int:
+        """The host cache size to allocate, given the first state saved."""
+        if self.host_cache_bytes:
+            return self.host_cache_bytes
+        try:
+            quarter_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        except (ValueError, OSError, AttributeError):
+            quarter_ram = AUTO_CACHE_MAX
+        wanted = max(AUTO_CACHE_MIN, min(state_bytes, AUTO_CACHE_MAX, quarter_ram))
+        return -(-wanted // self.chunk_bytes) * self.chunk_bytes
+
+    def chunk_bytes_for(self, cache_bytes: int) -> int:
         """The chunk size actually used: at most half the cache, so two chunks
         are always in flight (one being copied while the other is written)."""
-        half = (self.host_cache_bytes // 2) // 4096 * 4096
+        half = (cache_bytes // 2) // 4096 * 4096
         return max(4096, min(self.chunk_bytes, half))
 
 

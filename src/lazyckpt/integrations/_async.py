@@ -303,7 +303,7 @@ class AsyncFileWriter:
         res = self._get_resources()
         tmp = temp_name(pending.path)
         job = FileWriteJob(tmp, pending.flat.tree, pending.flat.sources, {"user": pending.metadata},
-                           self.options, res.cache, res.writers, res.serializer,
+                           self.options, res.cache_for(pending.flat.sources), res.writers, res.serializer,
                            capture_event=pending.event)
         pending.job = job
         pending.started.set()
