@@ -7,8 +7,8 @@ model, same run, 2 gloo processes on this machine:
   LazyStorageWriter, and ``dcp.load`` with FileSystemReader versus
   LazyStorageReader.
 
-For each: blocking time of the save call, time until durable, load time
-(median over --reps, max over the ranks).
+For each: blocking time of the save call, time until durable, load time with
+the page cache dropped (median over --reps, max over the ranks).
 
     DS_ACCELERATOR=cpu python benchmarks/bench_integrations.py --mib 256 --reps 3
 """
@@ -50,6 +50,16 @@ def _sync(path: str) -> None:
             os.close(fd)
 
 
+def _cold(rank: int) -> None:
+    """Loads read from the disk: the buffered writers' files would otherwise be
+    read back from the page cache, lazyckpt's (written with O_DIRECT) would not."""
+    import torch.distributed as dist
+    from _common import drop_caches
+    if rank == 0:
+        drop_caches()
+    dist.barrier()
+
+
 def _deepspeed(rank, world, directory, mib, reps, lazy):
     import logging
 
@@ -82,6 +92,7 @@ def _deepspeed(rank, world, directory, mib, reps, lazy):
             _sync(os.path.join(directory, tag))
         dist.barrier()
         out["durable"].append(time.perf_counter() - t0)
+        _cold(rank)
         t0 = time.perf_counter()
         engine.load_checkpoint(directory, tag=tag)
         dist.barrier()
@@ -136,6 +147,7 @@ def _dcp(rank, world, directory, mib, reps, mode):
             _sync(path)
         dist.barrier()
         out["durable"].append(time.perf_counter() - t0)
+        _cold(rank)
         t0 = time.perf_counter()
         reader = LazyStorageReader(path) if lazy else dcp.FileSystemReader(path)
         dcp.load(state, storage_reader=reader)
