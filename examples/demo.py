@@ -34,12 +34,14 @@ class TinyLM(nn.Module):
         block = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
                                            norm_first=True)
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight            # tied embeddings: saved once
+        nn.init.normal_(self.embed.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
-        return self.head(self.blocks(self.embed(tokens), mask=mask, is_causal=True))
+        return self.head(self.norm(self.blocks(self.embed(tokens), mask=mask, is_causal=True)))
 
 
 def batch(step: int, args) -> torch.Tensor:
