@@ -88,3 +88,23 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 120.0,
                 raise RuntimeError(f"rank {r} failed:\n{value}")
             results.append(value if not allow_failure else ("ok", value))
         return results
+
+
+def fsdp_model(world: int, hidden: int, out: int):
+    """A small MLP sharded with FSDP2 (fully_shard) on a CPU mesh, and AdamW."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, out))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def full_state(sd: dict) -> dict:
+    """Every DTensor gathered into a full tensor (others cloned), for comparisons."""
+    from torch.distributed.tensor import DTensor
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v.clone()) for k, v in sd.items()}

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import lazyckpt
-from _dist import run_ranks
+from _dist import fsdp_model, full_state, run_ranks
 from lazyckpt.integrations.dcp import LazyStorageReader, LazyStorageWriter
 
 pytestmark = pytest.mark.timeout(600)
@@ -103,20 +103,10 @@ def test_metadata_is_not_unpickled_blindly(tmp_path):
 
 
 def _fsdp(world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
-    model = torch.nn.Sequential(torch.nn.Linear(16, 37), torch.nn.ReLU(), torch.nn.Linear(37, 5))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+    return fsdp_model(world, hidden=37, out=5)
 
 
-def _full(sd):
-    from torch.distributed.tensor import DTensor
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v.clone()) for k, v in sd.items()}
+_full = full_state
 
 
 def _fsdp_save(rank, world, directory, use_async):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lazyckpt
-from _dist import run_ranks
+from _dist import fsdp_model, full_state, run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -99,20 +99,10 @@ def _mismatched_shapes(rank, world, directory):
 
 
 def _fsdp_build(world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
-    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 7))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+    return fsdp_model(world, hidden=33, out=7)
 
 
-def _full(sd):
-    from torch.distributed.tensor import DTensor
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v.clone()) for k, v in sd.items()}
+_full = full_state
 
 
 def _fsdp_train_and_save(rank, world, directory):

@@ -171,6 +171,7 @@ def _files(path: str) -> List[str]:
 
 
 def drop_caches_global() -> bool:
+    """Drop the whole machine's page cache (root only); False where not permitted."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
