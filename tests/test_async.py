@@ -264,3 +264,29 @@ def test_errors_for_bad_arguments(tmp_path):
             ckpt.save({"a": 2}, step=1).wait()
     with pytest.raises(lazyckpt.CheckpointError, match="closed"):
         ckpt.save({"a": 3}, step=2)
+
+
+def test_barrier_raises_a_capture_failure_instead_of_passing(tmp_path):
+    """wait_for_snapshot() guards the optimizer step: after a failed capture it
+    must raise that failure, not return as if the snapshot were taken."""
+    with lazyckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"w": torch.ones(4), "obj": _Unpicklable()}, step=2)
+        with pytest.raises(lazyckpt.CheckpointError, match="step 2"):
+            ckpt.wait_for_snapshot()
+        ckpt.wait()                                   # reported once, not again
+        ckpt.save({"w": torch.ones(4)}, step=3).wait()
+        assert ckpt.steps() == [3]
+
+
+def test_async_file_writer_reports_each_failure_once(tmp_path):
+    from lazyckpt.integrations._async import AsyncFileWriter
+    writer = AsyncFileWriter(host_cache_bytes=1 << 20, chunk_bytes=4096)
+    try:
+        failed = writer.save({"obj": _Unpicklable()}, str(tmp_path / "a.ckpt"))
+        with pytest.raises(lazyckpt.CheckpointWriteError):
+            failed.wait(30)
+        writer.save({"w": torch.ones(2)}, str(tmp_path / "b.ckpt")).wait(30)   # not raised again
+        writer.wait()
+    finally:
+        writer.close()
+    assert torch.equal(lazyckpt.load(str(tmp_path / "b.ckpt"))["w"], torch.ones(2))

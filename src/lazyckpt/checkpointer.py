@@ -441,6 +441,8 @@ class Checkpointer:
     def _watch_snapshot(self, handle: SaveHandle, job: FileWriteJob) -> None:
         job.snapshot_done.wait()
         handle.capture_s = time.perf_counter() - handle._t0
+        if job.failed:
+            return      # released by _run once the failure is recorded, so the barrier raises it
         handle.snapshot_done.set()
 
     def _apply_retention(self) -> None:

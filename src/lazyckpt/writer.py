@@ -102,6 +102,10 @@ class FileWriteJob:
     def cancel(self) -> None:
         self._cancel.set()
 
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
     def _stopping(self) -> bool:
         return self._cancel.is_set() or self._failure is not None
 
@@ -143,6 +147,8 @@ class FileWriteJob:
             self.snapshot_done.set()
             self._stream_region(tensor_end, offset, objects)
             self._drain()
+            if self._cancel.is_set():       # writers skip chunks once cancelled: never finish the file
+                raise Aborted("cancelled")
             self._write_footer(offset)
             self.stats.flush_s = time.perf_counter() - self._start
             return self.stats

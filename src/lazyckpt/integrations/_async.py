@@ -109,6 +109,7 @@ class PendingFile:
         self.started = threading.Event()      # the capture thread took it (or it ended)
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
+        self.reported = False                 # its error was raised to the caller
         self.job: Optional[FileWriteJob] = None
         self.t0 = time.perf_counter()
         self.capture_s = 0.0
@@ -130,6 +131,7 @@ class PendingFile:
         if not self.done.wait(timeout):
             raise CheckpointError(f"{self.path}: not committed within {timeout} s", path=self.path)
         if self.error is not None:
+            self.reported = True      # raised here: the writer will not raise it again
             raise self.error
         return self
 
@@ -229,9 +231,13 @@ class AsyncFileWriter:
             self.raise_errors()
 
     def raise_errors(self) -> None:
+        """Raise the oldest failure not yet raised (by this or by ``PendingFile.wait``)."""
         with self._lock:
-            if self._errors:
-                raise self._errors.pop(0)
+            while self._errors:
+                error = self._errors.pop(0)
+                if not getattr(error, "_pending").reported:
+                    error._pending.reported = True
+                    raise error
 
     def close(self, raise_errors: bool = True) -> None:
         """Drain every pending save, stop the thread, free the cache and remove the hooks."""
@@ -280,6 +286,7 @@ class AsyncFileWriter:
                 error = CheckpointWriteError(f"{pending.path}: checkpoint save failed: {cause}",
                                              path=pending.path)
                 error.__cause__ = exc
+                error._pending = pending      # type: ignore[attr-defined]
                 pending.error = error
                 with self._lock:
                     self._errors.append(error)

@@ -114,6 +114,9 @@ class LazyCheckpointEngine(CheckpointEngine):
             if group.info == info:
                 group.done.wait()
                 if group.error is not None:
+                    with self._cond:        # raised here: not again at the next call
+                        if group.error in self._errors:
+                            self._errors.remove(group.error)
                     raise group.error
         return True
 
@@ -202,11 +205,8 @@ class LazyCheckpointEngine(CheckpointEngine):
             for f in group.files:
                 f.done.wait()
             failed = [f for f in group.files if f.error is not None]
-            if failed:
-                try:                        # reported through this group's error, once
-                    self._writer.raise_errors()
-                except CheckpointError:
-                    pass
+            for f in failed:
+                f.reported = True           # reported through this group's error, once
             local_error = (f"{failed[0].path}: {type(failed[0].error).__name__}: {failed[0].error}"
                            if failed else None)
             if d.distributed:
