@@ -64,10 +64,11 @@ def _deepspeed(rank, world, directory, mib, reps, lazy):
     import logging
 
     import deepspeed
-    import deepspeed.comm.torch as ds_torch_comm
+    import importlib
     import torch
     import torch.distributed as dist
-    ds_torch_comm.build_shm_op = lambda: None       # skip a minutes-long JIT build we do not need
+    # `import deepspeed.comm.torch as m` would bind the real torch (deepspeed.comm imports it).
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None       # skip a minutes-long JIT build we do not need
     deepspeed.utils.logger.setLevel(logging.WARNING)
     model = _model(mib)
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 6}

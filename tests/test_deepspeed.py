@@ -19,11 +19,12 @@ pytestmark = pytest.mark.timeout(900)
 
 def _engine(stage, seed):
     import deepspeed
-    import deepspeed.comm.torch as ds_torch_comm
+    import importlib
     import torch
     # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op on first
     # use (minutes on 2 cores); gloo alone is what we test with, so skip building it.
-    ds_torch_comm.build_shm_op = lambda: None
+    # `import deepspeed.comm.torch as m` would bind the real torch (deepspeed.comm imports it).
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
