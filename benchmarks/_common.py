@@ -4,8 +4,7 @@ same run, because absolute figures on this machine drift between runs."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import mmap
+import json
 import os
 import platform
 import statistics
@@ -34,42 +33,23 @@ def remove(path: str) -> None:
 
 def raw_write(path: str, nbytes: int, threads: int = 4) -> float:
     """Seconds to write ``nbytes`` with O_DIRECT from an aligned buffer, fsynced: the ceiling."""
-    buf = mmap.mmap(-1, CHUNK * threads)
-    buf.write(os.urandom(1 << 20) * (CHUNK * threads >> 20))
-    view = memoryview(buf)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    total = (nbytes + 4095) // 4096 * 4096
-
-    def worker(k: int) -> None:
-        for off in range(k * CHUNK, total, CHUNK * threads):
-            n = min(CHUNK, total - off)
-            os.pwrite(fd, view[k * CHUNK:k * CHUNK + n], off)
-
-    t = time.perf_counter()
-    with cf.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(worker, range(threads)))
-    os.fsync(fd)
-    elapsed = time.perf_counter() - t
-    os.close(fd)
-    view.release()
-    buf.close()
-    return elapsed
+    from lazyckpt.bench import raw_write as measure     # one implementation, shared with `lazyckpt bench`
+    return measure(path, nbytes, threads)[0]
 
 
 def raw_read(path: str, nbytes: int, threads: int = 2) -> float:
     """Seconds to read ``nbytes`` with O_DIRECT into fresh aligned memory: the ceiling."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    total = (nbytes + 4095) // 4096 * 4096
-    t = time.perf_counter()
-    buf = mmap.mmap(-1, total)
-    view = memoryview(buf)
-    with cf.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda off: os.preadv(fd, [view[off:off + CHUNK]], off), range(0, total, CHUNK)))
-    elapsed = time.perf_counter() - t
-    os.close(fd)
-    view.release()
-    buf.close()
-    return elapsed
+    from lazyckpt.bench import raw_read as measure
+    return measure(path, nbytes, threads)
+
+
+def emit_json(blob: dict, path: str = None, **dumps_kwargs) -> None:
+    """Print the results as one ``JSON {...}`` line, and write them to ``path`` if given."""
+    line = json.dumps(blob, **dumps_kwargs)
+    print("JSON " + line)
+    if path:
+        with open(path, "w") as f:
+            f.write(line + "\n")
 
 
 def fsync_file(path: str) -> None:

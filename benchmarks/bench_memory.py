@@ -205,7 +205,7 @@ def main() -> None:
         child(args)
         return
     sys.path.insert(0, HERE)
-    from _common import machine_line, print_table
+    from _common import emit_json, machine_line, print_table
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in cases if c not in CASES]
     if bad:
@@ -243,11 +243,7 @@ def main() -> None:
                  "extra/cache", "extra after saves MiB", "after close() MiB", "s/save"], rows)
     if any(not r.get("peak_exact", True) for r in results):
         print("note: /proc/self/clear_refs refused: peaks from a 1 ms RSS sampler (may miss short spikes)")
-    line = json.dumps({"machine": machine_line(), "gib": args.gib, "saves": args.saves, "results": results})
-    print("JSON " + line)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(line + "\n")
+    emit_json({"machine": machine_line(), "gib": args.gib, "saves": args.saves, "results": results}, args.json)
 
 
 if __name__ == "__main__":

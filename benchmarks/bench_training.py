@@ -78,7 +78,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lazyckpt  # noqa: E402
-from _common import fsync_file, machine_line, print_table, remove, state_bytes  # noqa: E402
+from _common import emit_json, fsync_file, machine_line, print_table, remove, state_bytes  # noqa: E402
 
 MODES = ["none", "torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_proc",
          "lazyckpt", "none#2"]
@@ -601,11 +601,7 @@ def main() -> None:
     blob = {"machine": machine_line(), "config": {k: v for k, v in vars(args).items()},
             "params": n_params, "checkpoint_bytes_est": ckpt_bytes, "summary": summary,
             "ratios": ratios, "verify": verify, "same_final_loss": same_loss, "raw": results}
-    line = json.dumps(blob, default=float)
-    print("JSON " + line)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(line + "\n")
+    emit_json(blob, args.json, default=float)
 
 
 if __name__ == "__main__":

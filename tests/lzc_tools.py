@@ -155,3 +155,14 @@ def assert_same_aliasing(original: Any, loaded: Any) -> None:
             shared_after = storage_key(b[p1]) == storage_key(b[p2])
             assert shared_before == shared_after, \
                 f"{p1} and {p2}: shared storage before={shared_before}, after={shared_after}"
+
+
+def assert_same_model_and_optim(a, b):
+    """Two (model state dict, optimizer per-parameter state) pairs are bit-identical."""
+    (ma, oa), (mb, ob) = a, b
+    assert ma.keys() == mb.keys() and oa.keys() == ob.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+    for i in oa:
+        for k in oa[i]:
+            assert torch.equal(torch.as_tensor(oa[i][k]), torch.as_tensor(ob[i][k])), (i, k)

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from lzc_tools import assert_same_model_and_optim
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -48,14 +49,7 @@ def _snapshot(model, optimizer):
              for i, s in optimizer.state_dict()["state"].items()})
 
 
-def _assert_same(a, b):
-    (ma, oa), (mb, ob) = a, b
-    assert ma.keys() == mb.keys() and oa.keys() == ob.keys()
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
-    for i in oa:
-        for k in oa[i]:
-            assert torch.equal(oa[i][k], ob[i][k]), (i, k)
+_assert_same = assert_same_model_and_optim
 
 
 class _Record(transformers.TrainerCallback):

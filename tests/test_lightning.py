@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from lzc_tools import assert_same_model_and_optim
 
 import lazyckpt
 from lazyckpt.integrations import lightning as lzl
@@ -65,14 +66,7 @@ def _snapshot(module, optimizer):
             {i: {k: clone(v) for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()})
 
 
-def _assert_equal_states(a, b):
-    (ma, oa), (mb, ob) = a, b
-    assert ma.keys() == mb.keys() and oa.keys() == ob.keys()
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
-    for i in oa:
-        for k in oa[i]:
-            assert torch.equal(torch.as_tensor(oa[i][k]), torch.as_tensor(ob[i][k])), (i, k)
+_assert_equal_states = assert_same_model_and_optim
 
 
 def _recorder(L, record):
