@@ -5,8 +5,10 @@ Each trial is one child process (forked from this parent, which has imported
 torch but never runs it, so the child starts in milliseconds). The child
 
 1. lists the leftovers the previous (killed) child left in the directory,
-   opens a ``Checkpointer`` (which must clean them), and checks that no
-   leftover is listed by ``steps()`` nor survives the open;
+   waits until their leases have expired (``LEASE_EXPIRY_S``: the killed
+   process no longer holds their locks nor refreshes their heartbeats), opens
+   a ``Checkpointer`` (which must clean them, being provably dead), and checks
+   that no leftover is listed by ``steps()`` nor survives the open;
 2. loads EVERY committed step and compares each tensor's sha256 (and each
    scalar) with the reference log, written and fsynced before that step's
    ``save()``; restores the model and AdamW from the latest committed step and
@@ -49,7 +51,6 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from typing import Any, Dict, List, Optional, Tuple
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -57,8 +58,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402  (imported once here, inherited by every forked child)
 
 import lazyckpt  # noqa: E402
+import lazyckpt.layout  # noqa: E402
 
 KEEP_LAST = 2
+#: Short leases, so that a killed child's leftovers are provably dead soon.
+LEASE_EXPIRY_S = 0.3
 TRAILER_MAGIC = b"LZCKFOOT"
 SIZES = {
     # hidden width -> Linear(h, 2h), Linear(2h, h): params ~ 4 h^2; checkpoint ~ 3 x params x 4 bytes
@@ -245,7 +249,7 @@ def verify_directory(directory: str, log_path: str, size: int, ckpt_kwargs: Dict
     if before:
         # With the leftovers still there: they are never listed, and the
         # functional loader (which cleans nothing) picks the latest committed step.
-        listed_before = lazyckpt.Checkpointer.steps(types.SimpleNamespace(directory=directory))
+        listed_before = lazyckpt.layout.CheckpointDir(directory).steps()
         expected = [int(n[5:]) for n in committed_dirs(directory)]
         if listed_before != expected:
             problems.append(f"with leftovers {before}, steps() = {listed_before}, committed = {expected}")
@@ -257,6 +261,8 @@ def verify_directory(directory: str, log_path: str, size: int, ckpt_kwargs: Dict
                                     f"{expected[-1]}: {bad[:5]}")
             except lazyckpt.CheckpointError as exc:
                 problems.append(f"lazyckpt.load(dir) with leftovers present failed: {exc}")
+    if before:
+        time.sleep(LEASE_EXPIRY_S * 1.2)        # the killed child's leases run out
     ckpt = lazyckpt.Checkpointer(directory, keep_last=KEEP_LAST, **ckpt_kwargs)
     after = leftovers(directory)
     report["leftovers_after_open"] = after
@@ -509,7 +515,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     base = args.dir or tempfile.mkdtemp(prefix="lazyckpt-crash-")
     directory = os.path.join(base, "run") if args.dir is None else args.dir
-    kwargs = dict(host_cache_bytes=args.host_cache_bytes, max_pending_saves=2)
+    kwargs = dict(host_cache_bytes=args.host_cache_bytes, max_pending_saves=2, lease_expiry_s=LEASE_EXPIRY_S)
     print(f"stress_crash: {args.trials} trials, size {args.size} (hidden {SIZES[args.size]}), seed {seed}, "
           f"dir {directory}, host cache {args.host_cache_bytes} B, keep_last={KEEP_LAST}", flush=True)
     try:

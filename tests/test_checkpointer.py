@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -62,11 +63,12 @@ def test_latest_file_content(ckpt_dir):
         assert open(latest, "rb").read() == b"1\n"
         ckpt.save(state_for(12345), step=12345).wait()
         assert open(latest, "rb").read() == b"12345\n"
-        # A lower step saved late is committed but is not the newest.
+        # A lower step saved later supersedes the higher one (a rollback): the
+        # latest step is always the most recently committed one.
         ckpt.save(state_for(7), step=7).wait()
-        assert ckpt.steps() == [1, 7, 12345]
-        assert open(latest, "rb").read() == b"12345\n"
-        assert ckpt.load()["step"] == 12345
+        assert ckpt.steps() == [1, 7]
+        assert open(latest, "rb").read() == b"7\n"
+        assert ckpt.load()["step"] == 7
 
 
 def test_context_manager_drains_and_closes(ckpt_dir, no_leaked_threads):
@@ -92,16 +94,19 @@ def test_exception_in_context_cancels_and_leaks_nothing(ckpt_dir, no_leaked_thre
     assert not [n for n in os.listdir(ckpt_dir) if n.startswith(".tmp-")]
 
 
-def test_saving_a_committed_step_again_fails(ckpt_dir, no_leaked_threads):
+def test_saving_a_committed_step_again_supersedes_it(ckpt_dir, no_leaked_threads):
     with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
-        with pytest.raises(lazyckpt.CheckpointError, match="already committed"):
-            ckpt.save(state_for(99), step=1).wait()
-        ckpt.wait()                                   # reported once, through the handle
+        ckpt.save(state_for(99), step=1).wait()
         assert ckpt.steps() == [1]
-        assert_same(state_for(1), ckpt.load(step=1))  # the committed step is untouched
-        ckpt.save(state_for(2), step=2).wait()        # and the checkpointer still works
+        assert_same(state_for(99), ckpt.load(step=1))
+        ckpt.save(state_for(2), step=2).wait()        # and the checkpointer goes on
         assert ckpt.steps() == [1, 2]
+    # Without retention the superseded step is kept aside, never listed.
+    hidden = [n for n in os.listdir(ckpt_dir) if n.startswith(".")]
+    assert len(hidden) == 1 and hidden[0].startswith(".abandoned-step_0000000001-")
+    with lazyckpt.Checkpointer(ckpt_dir, keep_last=2, **SMALL) as ckpt:
+        ckpt.save(state_for(3), step=3).wait()        # retention removes abandoned steps too
     assert not [n for n in os.listdir(ckpt_dir) if n.startswith(".")]
 
 
@@ -120,7 +125,7 @@ def test_bad_arguments(ckpt_dir):
 def _fail_commit_step(monkeypatch, which):
     """Inject an I/O error into one step of the commit protocol (FORMAT.md 11.3)."""
     import errno
-    import lazyckpt.checkpointer as cp
+    import lazyckpt.commit as cp
     enospc = OSError(errno.ENOSPC, "No space left on device")
     if which == "manifest":
         real = cp.write_file_atomic
@@ -242,29 +247,35 @@ def test_steps_ignores_everything_but_committed_steps(ckpt_dir):
     assert lazyckpt.load(ckpt_dir)["step"] == 5
 
 
-def _dead_pid():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def test_leftovers_are_cleaned_but_live_saves_are_kept(ckpt_dir):
+def test_leftovers_are_cleaned_only_once_provably_dead(ckpt_dir):
+    from lazyckpt import layout
     with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
-    dead, live = _dead_pid(), os.getppid()
-    names = {f".tmp-step_0000000002-{dead}-0123abcd": False, f".tmp-step_0000000003-{live}-89abcdef": True,
-             ".deleting-step_0000000000-deadbeef": False, ".tmp-step_0000000004-notapid-00000000": False}
+    names = {".tmp-step_0000000002-0123abcd4567": False,        # old, unlocked: dead
+             ".tmp-step_0000000003-89abcdef0123": True,         # leased (locked) below: live
+             ".tmp-step_0000000004-fresh0000000": True,         # unlocked but fresh: may be starting
+             ".deleting-step_0000000000-deadbeef": False,
+             ".abandoned-step_0000000009-abcdef12": True}       # data, never removed on open
     for name in names:
         os.mkdir(os.path.join(ckpt_dir, name))
         with open(os.path.join(ckpt_dir, name, "rank_00000.lzc"), "wb") as f:
             f.write(b"partial")
-    with open(os.path.join(ckpt_dir, f"latest.tmp-{dead}"), "w") as f:
+    lease = layout.Lease(os.path.join(ckpt_dir, ".tmp-step_0000000003-89abcdef0123", "rank_00000.lzc"))
+    old = time.time() - 3600
+    with open(os.path.join(ckpt_dir, "latest.tmp-1234"), "w") as f:
         f.write("2\n")
-    with lazyckpt.Checkpointer(ckpt_dir) as ckpt:
-        for name, kept in names.items():
-            assert os.path.exists(os.path.join(ckpt_dir, name)) == kept, name
-        assert not os.path.exists(os.path.join(ckpt_dir, f"latest.tmp-{dead}"))
-        assert ckpt.steps() == [1]
+    for name in [n for n in names if "fresh" not in n] + ["latest.tmp-1234"]:
+        for root in (os.path.join(ckpt_dir, name),):
+            for sub in ([os.path.join(root, "rank_00000.lzc")] if os.path.isdir(root) else []) + [root]:
+                os.utime(sub, (old, old))
+    try:
+        with lazyckpt.Checkpointer(ckpt_dir) as ckpt:
+            for name, kept in names.items():
+                assert os.path.exists(os.path.join(ckpt_dir, name)) == kept, name
+            assert not os.path.exists(os.path.join(ckpt_dir, "latest.tmp-1234"))
+            assert ckpt.steps() == [1]
+    finally:
+        lease.release()
 
 
 CHILD = textwrap.dedent("""
@@ -286,10 +297,15 @@ CHILD = textwrap.dedent("""
     writes = []
     stall = threading.Event()
 
+    lock = threading.Lock()
+
     def stalling_pwrite_all(self, data, offset):
-        writes.append(offset)
+        with lock:
+            writes.append(offset)
+            first_stall = len(writes) == 4
         if len(writes) > 3:
-            print("STALLED", flush=True)
+            if first_stall:            # once: several writer threads stall together
+                print("STALLED", flush=True)
             stall.wait()
         return real(self, data, offset)
 
@@ -309,7 +325,7 @@ def test_sigkill_mid_write_leaves_the_last_commit_intact(ckpt_dir, tmp_path):
     try:
         assert proc.stdout.readline().strip() == "COMMITTED", proc.stderr.read()
         assert proc.stdout.readline().strip() == "STALLED", proc.stderr.read()
-        tmp_dirs = [n for n in os.listdir(ckpt_dir) if n.startswith(f".tmp-step_0000000002-{proc.pid}-")]
+        tmp_dirs = [n for n in os.listdir(ckpt_dir) if n.startswith(".tmp-step_0000000002-")]
         assert len(tmp_dirs) == 1
         data_file = os.path.join(ckpt_dir, tmp_dirs[0], "rank_00000.lzc")
         assert os.path.getsize(data_file) > 0
@@ -325,8 +341,11 @@ def test_sigkill_mid_write_leaves_the_last_commit_intact(ckpt_dir, tmp_path):
     # Readers ignore the leftover, even before any cleanup.
     assert os.path.isdir(os.path.join(ckpt_dir, tmp_dirs[0]))
     assert_same(state_for(1), lazyckpt.load(ckpt_dir))
-    # A fresh Checkpointer lists only step 1, loads it bit-exactly and removes the leftover.
-    with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+    # A fresh Checkpointer lists only step 1, loads it bit-exactly and removes the
+    # leftover once its lease has expired (the dead process no longer holds its lock
+    # nor refreshes its heartbeat).
+    time.sleep(0.6)
+    with lazyckpt.Checkpointer(ckpt_dir, lease_expiry_s=0.5, **SMALL) as ckpt:
         assert ckpt.steps() == [1] and ckpt.latest_step() == 1
         assert_same(state_for(1), ckpt.load())
         assert _listing(ckpt_dir) == ["latest", "step_0000000001"]

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -75,12 +76,6 @@ def assert_same_tensors(a, b) -> None:
         assert torch.equal(fa[name], fb[name]), name
 
 
-def dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """A single file and a Checkpointer directory (steps 10, 20, 30) with the same
@@ -92,9 +87,12 @@ def made(tmp_path_factory):
     with lazyckpt.Checkpointer(str(run)) as ckpt:
         for step in (10, 20, 30):
             ckpt.save(state, step=step, metadata={"epoch": step // 10}).wait()
-    leftover = run / f".tmp-step_0000000040-{dead_pid()}-0123abcd"
+    leftover = run / ".tmp-step_0000000040-0123abcd4567"
     leftover.mkdir()
     (leftover / "rank_00000.lzc").write_bytes(b"\0" * 100)
+    old = time.time() - 3600                # no lease held, no heartbeat for an hour: dead
+    for p in (leftover / "rank_00000.lzc", leftover):
+        os.utime(p, (old, old))
     return {"root": root, "file": root / "state.lzc", "run": run, "state": state,
             "leftover": leftover.name}
 
@@ -137,7 +135,7 @@ def test_inspect_text_and_json(made, tmp_path):
              "device": "cpu", "e": 0}
     manifest["shards"] = {json.dumps(["model", "w"]): {"global_shape": [8, 8], "dtype": "float32", "pieces": [
         {"rank": 0, "offsets": [0, 0], "tensor": local}, {"rank": 1, "offsets": [4, 0], "tensor": local}]}}
-    from lazyckpt.checkpointer import manifest_checksum
+    from lazyckpt.manifest import checksum as manifest_checksum
     manifest["checksum"] = manifest_checksum(manifest)     # a consistent edit, not damage
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)

@@ -10,7 +10,9 @@ import os
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")      # inherited by the spawned ranks
-pytest.importorskip("deepspeed")
+from _frameworks import require  # noqa: E402
+
+require("deepspeed")
 
 from _dist import run_ranks  # noqa: E402
 
@@ -26,7 +28,9 @@ def _engine(stage, seed):
     # `import deepspeed.comm.torch as m` would bind the real torch (deepspeed.comm imports it).
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4))
+    # BatchNorm: its running statistics (buffers) must come back bit-exact too.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.BatchNorm1d(48), torch.nn.ReLU(),
+                                torch.nn.Linear(48, 4))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10_000}
     engine, *_ = deepspeed.initialize(model=model, config=config,
@@ -68,7 +72,10 @@ def _save_then_resume(rank, world, directory, stage):
     restored = None
     if snapshot is not None:
         state = fresh.module.state_dict()
-        restored = all(torch.equal(state[k], v) for k, v in snapshot.items())
+        # DeepSpeed saves the module (BatchNorm buffers included) from rank 0 only:
+        # another rank's running statistics, from its own batches, are not restored.
+        restored = all(torch.equal(state[k], v) for k, v in snapshot.items()
+                       if rank == 0 or not k.split(".")[-1].startswith(("running_", "num_batches")))
     resumed = [_step(fresh, i, rank) for i in range(3, 6)]
     lds.wait(fresh)
     with open(os.path.join(directory, "step3", sorted(os.listdir(os.path.join(directory, "step3")))[0]),

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import lazyckpt
-import lazyckpt.checkpointer
+import lazyckpt.commit
 from lazyckpt import fileio
 from lzc_tools import assert_same
 
@@ -492,11 +492,11 @@ def test_fsync_failure_of_the_data_file(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("what", ["manifest", "dir-fsync"])
 def test_commit_failure_before_the_rename_removes_the_step(tmp_path, monkeypatch, what):
-    """FORMAT.md 11.3: if any of steps 1 to 5 fails, the writer removes the
+    """FORMAT.md 11.3: if any of steps 1 to 6 fails, the writer removes the
     temporary directory. (Without this, a disk that fills at the manifest keeps
     the whole data file until another process opens the directory.)"""
     d = tmp_path / "run"
-    real_write, real_fsync = lazyckpt.checkpointer.write_file_atomic, lazyckpt.checkpointer.fsync_dir
+    real_write, real_fsync = lazyckpt.commit.write_file_atomic, lazyckpt.commit.fsync_dir
 
     def write(path, data):
         if what == "manifest" and os.path.basename(path) == "manifest.json":
@@ -509,8 +509,8 @@ def test_commit_failure_before_the_rename_removes_the_step(tmp_path, monkeypatch
         return real_fsync(path)
     with lazyckpt.Checkpointer(d, **INJECT_KNOBS) as ckpt:
         ckpt.save({"a": torch.ones(2)}, step=1).wait(WAIT_S)
-        monkeypatch.setattr(lazyckpt.checkpointer, "write_file_atomic", write)
-        monkeypatch.setattr(lazyckpt.checkpointer, "fsync_dir", fsync)
+        monkeypatch.setattr(lazyckpt.commit, "write_file_atomic", write)
+        monkeypatch.setattr(lazyckpt.commit, "fsync_dir", fsync)
         with pytest.raises(lazyckpt.CheckpointWriteError) as info:
             ckpt.save(tensor_state(50_000, 14), step=2).wait(WAIT_S)
         monkeypatch.undo()

@@ -267,8 +267,8 @@ def test_manifest_that_is_not_a_manifest(two_rank, tmp_path, raw):
 
 def test_manifest_over_the_size_limit_is_refused(two_rank, tmp_path, monkeypatch):
     # The real limit is 1 GiB; a smaller one keeps the test light, same code path.
-    import lazyckpt.checkpointer
-    monkeypatch.setattr(lazyckpt.checkpointer, "MAX_MANIFEST_BYTES", 1 << 20)
+    import lazyckpt.manifest
+    monkeypatch.setattr(lazyckpt.manifest, "MAX_MANIFEST_BYTES", 1 << 20)
     step = _copy(two_rank["ddp2"], tmp_path)
     doc = json.loads((step / "manifest.json").read_text())
     doc["padding"] = "x" * (2 << 20)

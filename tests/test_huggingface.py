@@ -12,8 +12,10 @@ import torch
 from lzc_tools import assert_same_model_and_optim
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from _frameworks import require  # noqa: E402
+
+transformers = require("transformers")
+require("accelerate")
 
 import lazyckpt  # noqa: E402
 from lazyckpt.integrations import huggingface as lzhf  # noqa: E402

@@ -93,9 +93,11 @@ def spy_open(monkeypatch):
 def _data_opens(calls):
     """Opens of checkpoint data files for bulk I/O (not directories, not
     manifests, not the small buffered header/footer read, which opens the file
-    non-blocking to refuse FIFOs)."""
+    non-blocking to refuse FIFOs, not the save's lease, which opens it
+    read-write only to lock it)."""
     return [(p, f) for p, f in calls
-            if (p.endswith(".lzc") or ".lzc.tmp-" in p) and not f & os.O_NONBLOCK]
+            if (p.endswith(".lzc") or ".lzc.tmp-" in p) and not f & os.O_NONBLOCK
+            and f & os.O_ACCMODE != os.O_RDWR]
 
 
 def test_o_direct_is_really_used_and_really_avoided(tmp_path, spy_open):
@@ -277,7 +279,7 @@ def test_many_saves_reuse_the_host_cache(tmp_path):
 
 def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     """lazyckpt.save replaces the file atomically: a failed save leaves the old
-    content and no temporary file (FORMAT.md 11.7)."""
+    content and no temporary file (FORMAT.md 11.8)."""
     path = tmp_path / "keep.lzc"
     old = {"w": torch.arange(10_000)}
     lazyckpt.save(old, path, chunk_bytes=8192, host_cache_bytes=32768)

@@ -3,14 +3,15 @@
 Public surface::
 
     lazyckpt.save(state, path)            # one file, synchronous, durable on return
-    lazyckpt.load(path, map_location=None, keys=None, into=None, allow_pickle=False)
+    lazyckpt.load(path, map_location=None, keys=None, into=None, allow_pickle=False, strict=True)
     lazyckpt.Checkpointer(directory, keep_last=None, host_cache_bytes=None, ...)
     lazyckpt.register_provider(cls, to_state, from_state)
 """
 
 from .api import load, save
-from .checkpointer import Checkpointer, SaveHandle
-from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError,
+from .checkpointer import Checkpointer
+from .engine import SaveHandle
+from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError, CheckpointWriteError,
                      CorruptCheckpointError, MissingKeyError, StateMismatchError,
                      UnsafeObjectError, UnsupportedVersionError)
 from .format import FORMAT_VERSION, SUPPORTED_VERSIONS
@@ -22,6 +23,6 @@ __version__ = "0.1.0"
 __all__ = [
     "save", "load", "Checkpointer", "SaveHandle", "Options", "register_provider",
     "CheckpointError", "CorruptCheckpointError", "CheckpointNotFoundError",
-    "UnsupportedVersionError", "UnsafeObjectError", "CheckpointWriteError",
+    "UnsupportedVersionError", "UnsafeObjectError", "CheckpointWriteError", "CheckpointReadError",
     "MissingKeyError", "StateMismatchError", "FORMAT_VERSION", "SUPPORTED_VERSIONS",
 ]

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from typing import Any, Dict, Iterable, Optional
 
-from .checkpointer import MANIFEST, STEP_DIR, _check_metadata, load_step_dir
-from .engine import Resources
-from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
-from .fileio import fsync_dir
+from .commit import FileCommit
+from .engine import FilePart, run_now
+from .errors import CheckpointNotFoundError
 from .knobs import Options, resolve
-from .loader import KeySpec, MapLocation, load_file
+from .layout import CheckpointDir, MANIFEST
+from .loader import KeySpec, MapLocation, load_file, load_step_dir
+from .manifest import check_metadata
 from .providers import flatten
-from .writer import FileWriteJob
+from .resources import Resources
 
 #: Host cache of the synchronous functional save (the Checkpointer's default is larger:
 #: there a cache that holds the whole state lets the capture finish at memory speed).
@@ -40,6 +40,8 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
 
     The file is written under a temporary name and renamed into place, so
     ``path`` holds either its old content or the complete new checkpoint.
+    Modifying the state's tensors from another thread during the call makes
+    the file hold a mix of old and new values.
     """
     path = os.fspath(path)
     if options is None and knobs.get("host_cache_bytes") is None \
@@ -49,53 +51,39 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
         # O_DIRECT ceiling with 128 MiB against 76-84% with 256 MiB-1 GiB.
         knobs["host_cache_bytes"] = SYNC_HOST_CACHE_BYTES
     opts = resolve(options, **knobs)
-    metadata = _check_metadata(metadata)
+    metadata = check_metadata(metadata)
     flat = flatten(state)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"{path}: directory {directory} does not exist", path=path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    res = _resources(opts)
-    with res.save_lock:         # one functional save at a time per cache
-        job = FileWriteJob(tmp, flat.tree, flat.sources, metadata, opts, res.cache_for(flat.sources),
-                           res.writers, res.serializer)
-        try:
-            stats = job.run()
-            os.replace(tmp, path)
-        except BaseException as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
-                raise       # ours already, or KeyboardInterrupt/SystemExit
-            raise CheckpointWriteError(f"{path}: save failed: {type(exc).__name__}: {exc}",
-                                       path=path) from exc
-    fsync_dir(directory)
-    return stats.file_bytes
+    strategy = FileCommit(path, opts.lease_heartbeat_s, message="save failed")
+    handle = run_now(strategy, [FilePart(flat, metadata)], _resources(opts), opts, name=path)
+    return handle.bytes
 
 
 def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[KeySpec]] = None,
-         into: Any = None, allow_pickle: bool = False, *, options: Optional[Options] = None,
-         **knobs: Any) -> Any:
+         into: Any = None, allow_pickle: bool = False, strict: bool = True, *,
+         options: Optional[Options] = None, **knobs: Any) -> Any:
     """Load a checkpoint file, a committed step directory, or the latest step of
     a Checkpointer directory.
 
     ``keys`` loads only those entries (a top-level key, or a tuple path into
     nested dicts) and reads only their bytes. ``into`` fills an existing state
-    in place and returns it. ``map_location`` works as in ``torch.load``.
-    Pickled objects are refused unless ``allow_pickle=True``.
+    in place and returns it; every tensor of ``into`` (under ``keys``) must get
+    a value, else ``MissingKeyError`` lists what the checkpoint lacks and
+    nothing is filled (``strict=False`` fills what it can and warns).
+    ``map_location`` works as in ``torch.load``. Pickled objects are refused
+    unless ``allow_pickle=True``.
     """
     path = os.fspath(path)
     opts = resolve(options, **knobs)
-    kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle)
+    kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
     pool = _resources(opts).readers
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, MANIFEST)):
             return load_step_dir(path, opts, pool, **kwargs)
-        steps = sorted(int(m.group(1)) for m in map(STEP_DIR.match, os.listdir(path)) if m
-                       and os.path.isfile(os.path.join(path, m.group(0), MANIFEST)))
-        if not steps:
+        latest = CheckpointDir(path).latest()
+        if latest is None:
             raise CheckpointNotFoundError(f"{path}: no committed checkpoint in this directory", path=path)
-        return load_step_dir(os.path.join(path, f"step_{steps[-1]:010d}"), opts, pool, **kwargs)
+        return load_step_dir(CheckpointDir(path).step_path(latest), opts, pool, **kwargs)
     return load_file(path, opts, pool, **kwargs)

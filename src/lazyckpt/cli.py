@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import __version__
 from .errors import CheckpointError, UnsafeObjectError
+from .knobs import parse_size
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 
@@ -290,9 +291,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from . import _bench as bench   # private: the peers' harness, loaded only here
     try:
-        size = bench.parse_size(args.size) if args.size else (4 << 20 if args.quick else 256 << 20)
+        size = parse_size(args.size) if args.size else (4 << 20 if args.quick else 256 << 20)
         dtypes = bench.parse_dtypes(args.dtypes)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -342,7 +343,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _size_arg(text: str) -> int:
-    from .bench import parse_size
     try:
         return parse_size(text)
     except ValueError as exc:
@@ -403,14 +403,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep", type=int, required=True, metavar="N", help="committed steps to keep (newest)")
     sp.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     sp.add_argument("--force", action="store_true",
-                    help="also remove .tmp-* directories whose owner process cannot be determined")
+                    help="also remove saves whose lease is not held, however recent their heartbeat")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_prune)
 
-    from .bench import METHOD_KEYS
     sp = sub.add_parser("bench", help="side-by-side save/load benchmark against the raw disk and peers",
                         description="Saves and loads one state with every method in the same run. See "
-                        "lazyckpt/bench.py for what each column means.")
+                        "lazyckpt/_bench.py for what each column means.")
     sp.add_argument("--size", help="state size, e.g. 256M, 1G (default 256M; --quick: 4M)")
     sp.add_argument("--dtypes", default="fp32", help="comma-separated mix, e.g. fp32,bf16 (default fp32)")
     sp.add_argument("--tensors", type=int, help="number of tensors (default 16; --quick: 8)")
@@ -419,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="evict the checkpoint from the page cache before each load (globally if permitted, "
                          "else per file)")
     sp.add_argument("--dir", help="where to write (default: a temporary directory under the current one)")
-    sp.add_argument("--methods", help=f"comma-separated subset of: {', '.join(METHOD_KEYS)}")
+    sp.add_argument("--methods", help="comma-separated subset of the methods (an unknown name lists them)")
     sp.add_argument("--json", metavar="FILE", help="write the results as JSON")
     sp.add_argument("--png", metavar="FILE", help="draw the results (needs matplotlib: lazyckpt[plot])")
     sp.add_argument("--timeline", metavar="PNG",

@@ -44,7 +44,6 @@ import pickle
 import re
 import struct
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -52,7 +51,7 @@ import numpy as np
 import torch
 
 from . import api
-from .checkpointer import MANIFEST, STEP_DIR
+from .layout import MANIFEST, STEP_DIR, sibling_temp
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError
 from .fileio import fsync_dir, remove_quietly
 from .knobs import resolve as resolve_options
@@ -613,7 +612,7 @@ def _atomic_output(dst: str) -> str:
     directory = os.path.dirname(os.path.abspath(dst)) or "."
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"{dst}: directory {directory} does not exist", path=dst)
-    return os.path.join(directory, f".{os.path.basename(dst)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return sibling_temp(dst)
 
 
 def _commit(tmp: str, dst: str) -> None:

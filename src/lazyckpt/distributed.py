@@ -4,19 +4,26 @@ Coordination goes through the torch.distributed *store* (the key-value store
 every process group is built on), never through a process group: commits
 run on a background thread and must not issue collectives that could
 interleave with (or deadlock against) the training's own NCCL/gloo calls.
-Every wait polls with a deadline, so a dead rank turns into a
-``CheckpointError`` on the others instead of a hang.
+Every wait has a deadline, so a dead rank turns into a ``CheckpointError`` on
+the others instead of a hang.
 
-Commit protocol for one save (sequence number ``seq``, the same on every
-rank because every rank calls ``save()`` in the same order)::
+Keys. Every collective call (``Checkpointer.save``, a DeepSpeed tag) gets a
+*call key*: a counter that advances on every call, accepted or refused, so it
+is the same on every rank as long as every rank makes the same calls in the
+same order -- even when an argument check refuses a call on one rank only.
+A refused call publishes its failure under its key at once, so the step it
+was for fails on every rank without waiting for a deadline, and the next call
+commits normally.
 
-    all ranks:    write and fsync DIR/.tmp-step_N-<run>/rank_<r>.lzc
-                  set  <seq>/done/<r> = {"ok": true, bytes, shards, digest} (or the error)
-    coordinator:  wait for every done/<r> (deadline); check digests agree
-                  write manifest.json (with the global shard index), fsync,
-                  rename the directory to DIR/step_N, fsync DIR, retention, latest
-                  set  <seq>/outcome = "committed"   (or "failed: why", and remove the directory)
-    other ranks:  wait for <seq>/outcome (deadline); committed -> handle done
+Two-phase commit of one call (:func:`agree`)::
+
+    all ranks:    write and fsync their data (into a shared temporary place)
+                  set  <key>/done/<rank> = {"ok": true, ...report} (or the error)
+    coordinator:  wait for every done/<rank> (deadline), check them,
+                  make the checkpoint visible (``on_all_done``: manifest,
+                  rename, fsyncs), then set <key>/outcome = {"ok": true}
+                  (or the error; nothing becomes visible)
+    other ranks:  wait for <key>/outcome (deadline); ok -> committed
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import json
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from .errors import CheckpointError
 
@@ -54,7 +61,7 @@ class RankInfo:
     def publish(self, key: str, value: Dict[str, Any]) -> None:
         self.store.set(key, json.dumps(value))
 
-    def wait_for(self, keys: List[str], what: str, step: int) -> Dict[str, Dict[str, Any]]:
+    def wait_for(self, keys: List[str], what: str, step: Any) -> Dict[str, Dict[str, Any]]:
         """Wait (bounded by ``timeout_s``) until every key is set; return their values.
 
         One blocking ``store.wait`` for all keys: the store answers when the last
@@ -66,9 +73,9 @@ class RankInfo:
             missing = [k for k in keys if not self.store.check([k])]
             if not missing:
                 return self._get_all(keys)
-            raise CheckpointError(f"step {step}: timed out after {self.timeout_s:.0f} s waiting for "
+            raise CheckpointError(f"{_what(step)}: timed out after {self.timeout_s:.0f} s waiting for "
                                   f"{what} ({len(missing)} of {len(keys)} missing: {missing[:4]}); "
-                                  f"a rank may have died ({type(exc).__name__})", step=step) from None
+                                  f"a rank may have died ({type(exc).__name__})", step=_step(step)) from None
         return self._get_all(keys)
 
     def _get_all(self, keys: List[str]) -> Dict[str, Dict[str, Any]]:
@@ -82,6 +89,57 @@ class RankInfo:
                 self.store.delete_key(k)
             except Exception:   # some stores cannot delete; the keys are tiny
                 pass
+
+
+def agree(d: RankInfo, key: str, report: Dict[str, Any], step: Any,
+          on_all_done: Callable[[Dict[int, Dict[str, Any]]], None], forget: List[str] = ()) -> None:
+    """Publish this rank's ``report`` for ``key``; the coordinator waits for
+    every rank's, calls ``on_all_done`` with them (rank -> report) and publishes
+    the outcome; the others wait for it. Raises ``CheckpointError`` if any rank
+    failed, the coordinator's action failed, or a deadline passed. The
+    coordinator then deletes this call's reports and the keys in ``forget``
+    (outcomes of earlier calls, which every rank has read by now)."""
+    d.publish(f"{key}/done/{d.rank}", report)
+    if not d.coordinator:
+        outcome = d.wait_for([f"{key}/outcome"], "the coordinator's commit", step)[f"{key}/outcome"]
+        if not outcome.get("ok"):
+            raise CheckpointError(f"{_what(step)}: not committed: {outcome.get('error')}", step=_step(step))
+        return
+    keys = [f"{key}/done/{r}" for r in range(d.world_size)]
+    try:
+        values = d.wait_for(keys, "every rank's data", step)
+        done = {r: values[k] for r, k in enumerate(keys)}
+        failed = {r: v.get("error") for r, v in done.items() if not v.get("ok")}
+        if failed:
+            raise CheckpointError(f"{_what(step)}: " + "; ".join(f"rank {r} failed: {e}"
+                                                                 for r, e in sorted(failed.items())),
+                                  step=_step(step))
+        on_all_done(done)
+    except BaseException as exc:
+        d.publish(f"{key}/outcome", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    d.publish(f"{key}/outcome", {"ok": True})
+    d.delete(keys + list(forget))
+
+
+def refuse(d: RankInfo, key: str, error: BaseException) -> None:
+    """A call refused on this rank: fail its key on every rank now (never raises)."""
+    value = {"ok": False, "error": f"refused: {type(error).__name__}: {error}"}
+    try:
+        d.publish(f"{key}/done/{d.rank}", value)
+        if d.coordinator:
+            d.publish(f"{key}/outcome", value)
+    except Exception as exc:            # the store may be gone; the deadline still bounds the wait
+        import logging
+        logging.getLogger("lazyckpt").warning("lazyckpt: could not publish a refused call: %s", exc)
+
+
+def _what(step: Any) -> str:
+    return f"step {step}" if isinstance(step, int) else str(step)
+
+
+def _step(step: Any) -> Any:
+    return step if isinstance(step, int) else None
 
 
 def rank_info(directory: str, process_group: Any = None, timeout_s: float = 600.0) -> RankInfo:

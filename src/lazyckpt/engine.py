@@ -1,40 +1,609 @@
-"""The resources a checkpointer reuses across saves: the host cache, the
-writer and reader thread pools and the serializer thread."""
+"""The save engine: every background save of lazyckpt runs here.
+
+``Checkpointer``, the integrations (DeepSpeed, DCP staging, Lightning, the
+Hugging Face Trainer) and the synchronous ``lazyckpt.save`` all hand their
+work to this module, so a rule about ordering, barriers, errors, leases or
+shutdown is written once.
+
+A *job* is one checkpoint: one or more *parts* (a file to write, or a
+staging copy) and a :class:`CommitStrategy` that says where the parts are
+written and how they become a checkpoint (single file: temp + rename; a
+step directory, with the multi-rank two-phase commit; a DeepSpeed tag; no
+commit for a DCP staging copy). One :class:`SaveEngine` has
+
+* one FIFO queue of jobs, bounded by ``max_pending_saves`` (or skipping, with
+  a warning, under ``queue_policy="skip"``);
+* one capture thread that runs the jobs in order and exits when the queue is
+  empty (the next save starts it again), so an idle engine holds no thread
+  and an unreferenced one is garbage-collected, freeing its host cache;
+* one handle type, :class:`SaveHandle`, and one error rule: a failure is
+  stored, logged, and raised once -- by ``handle.wait()`` or by the next
+  ``save()``/``wait()``/``wait_for_snapshot()`` -- as a ``CheckpointWriteError``
+  naming the checkpoint and the cause;
+* the capture barrier (:mod:`lazyckpt.barrier`): optimizer pre-step hooks and
+  a forward guard for persistent buffers that a training-mode forward mutates;
+* an interpreter-exit policy: pending saves are drained before the
+  interpreter's thread pools shut down (``exit_policy="drain"``), or cancelled
+  with a warning naming them (``"warn"``); never silently dropped.
+"""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import collections
+import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
+import logging
 import threading
-from typing import Any, Iterable, Optional
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional
 
-from .hostcache import HostCache
+import torch
+
+from .barrier import CaptureBarrier
+from .capture import DeviceCopier, device_guard
+from .errors import CheckpointError, CheckpointWriteError
 from .knobs import Options
+from .layout import Lease
+from .providers import Flattened
+from .resources import Resources
+from .writer import Aborted, FileWriteJob, WriteStats
+
+log = logging.getLogger("lazyckpt")
 
 
-class Resources:
-    def __init__(self, options: Options):
+# --------------------------------------------------------------------------- handles
+
+
+class SaveHandle:
+    """One requested checkpoint. ``wait()`` returns once it is committed and durable."""
+
+    def __init__(self, name: str, step: Optional[int] = None, path: Optional[str] = None,
+                 t0: Optional[float] = None):
+        #: What the checkpoint is called in messages ("step 5", a path, a tag).
+        self.name = name
+        self.step = step
+        #: Where the checkpoint appears once committed (a file or a directory), if known.
+        self.path = path
+        self.snapshot_done = threading.Event()
+        self._done = threading.Event()
+        self.error: Optional[CheckpointError] = None
+        self.skipped = False
+        self.cancelled = False
+        self.reported = False
+        #: Seconds the caller spent inside save().
+        self.blocking_s = 0.0
+        #: Seconds from save() until every byte was copied out of the live state.
+        self.capture_s = 0.0
+        #: Seconds from save() until committed and durable.
+        self.flush_s = 0.0
+        #: Bytes in the checkpoint's data file(s).
+        self.bytes = 0
+        self._t0 = time.perf_counter() if t0 is None else t0
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.flush_s / 1e9 if self.flush_s else 0.0
+
+    def wait(self, timeout: Optional[float] = None) -> "SaveHandle":
+        """Block until committed and durable; raise its error if it failed."""
+        if not self._done.wait(timeout):
+            raise CheckpointError(f"{self.name}: not committed within {timeout} s", step=self.step)
+        if self.error is not None:
+            self.reported = True            # raised here: the engine will not raise it again
+            raise self.error
+        return self
+
+    def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
+        if not self.snapshot_done.wait(timeout):
+            raise CheckpointError(f"{self.name}: capture not finished within {timeout} s", step=self.step)
+
+    def stats(self) -> Dict[str, Any]:
+        return {"step": self.step, "blocking_s": self.blocking_s, "capture_s": self.capture_s,
+                "flush_s": self.flush_s, "bytes": self.bytes, "gbps": self.gbps}
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else "committed" if self.done() else "pending"
+        return f"SaveHandle({self.name}, {state})"
+
+
+# --------------------------------------------------------------------------- parts
+
+
+class Part:
+    """One unit of a job's work, run on the capture thread."""
+
+    def __init__(self) -> None:
+        self.captured = threading.Event()
+        #: Storage addresses this part reads from the live state (for the forward guard).
+        self.pointers: frozenset = frozenset()
+
+    def run(self, job: "Job", engine_resources: Resources, options: Options) -> None:
+        raise NotImplementedError
+
+
+class FilePart(Part):
+    """A file of flattened state, written through the host cache."""
+
+    def __init__(self, flat: Flattened, metadata: Dict[str, Any], events: Optional[Dict[Any, Any]] = None,
+                 final_path: Optional[str] = None):
+        super().__init__()
+        self.flat: Optional[Flattened] = flat
+        self.metadata = metadata
+        self.events = events or {}
+        self.final_path = final_path
+        self.shards = flat.shards
+        self.digest = flat.replicated_digest
+        self.path: Optional[str] = None
+        self.stats: Optional[WriteStats] = None
+        self.pointers = frozenset(p for p in (s.data.data_ptr() for s in flat.sources
+                                              if isinstance(s.data, torch.Tensor)) if p)
+
+    def run(self, job: "Job", resources: Resources, options: Options) -> None:
+        flat = self.flat
+        self.path = job.strategy.part_path(job, self)
+        writer = FileWriteJob(self.path, flat.tree, flat.sources, self.metadata, options,
+                              resources.cache_for(flat.sources), resources.writers, resources.serializer,
+                              capture_events=self.events, on_captured=lambda: job.captured(self))
+        job.current = writer
+        try:
+            self.stats = writer.run()
+        finally:
+            job.current = None
+            self.flat = None            # the live state is no longer needed
+        job.handle.bytes += self.stats.file_bytes
+
+
+class CopyPart(Part):
+    """Copies (host destination, live source) tensor pairs of equal shape and
+    dtype: a staging copy."""
+
+    def __init__(self, pairs: List[tuple], events: Optional[Dict[Any, Any]] = None):
+        super().__init__()
+        self.pairs = pairs
+        self.events = events or {}
+        self.pointers = frozenset(src.untyped_storage().data_ptr() for _, src in pairs)
+
+    def run(self, job: "Job", resources: Resources, options: Options) -> None:
+        copier = DeviceCopier(self.events)
+        try:
+            for dst, src in self.pairs:
+                if job.cancelled:
+                    raise Aborted("cancelled")
+                if src.is_contiguous() and src.numel():
+                    flat = dst.reshape(-1).view(torch.uint8)
+                    copier.copy(flat.numpy(), flat, src.reshape(-1).view(torch.uint8))
+                elif src.numel():
+                    with device_guard(src.device):
+                        dst.copy_(src)  # strided: torch's copy, synchronous
+                job.handle.bytes += dst.numel() * dst.element_size()
+        finally:
+            copier.synchronize()        # on every path: no copy in flight into the buffer
+            self.pairs = []
+        job.captured(self)
+
+
+# --------------------------------------------------------------------------- commit strategies
+
+
+class CommitStrategy:
+    """How a job's parts become a checkpoint. Runs on the thread running the
+    job. Call order: ``begin``; per part ``part_path`` (before writing) and
+    ``part_done``; then ``commit``, or ``abort`` on any failure; then
+    ``after_commit`` (its errors are only logged: the checkpoint is committed)."""
+
+    #: Where the checkpoint lives, for error messages.
+    path: Optional[str] = None
+
+    def begin(self, job: "Job") -> None:
+        pass
+
+    def part_path(self, job: "Job", part: FilePart) -> str:
+        raise NotImplementedError
+
+    def part_done(self, job: "Job", part: Part) -> None:
+        pass
+
+    def commit(self, job: "Job") -> None:
+        pass
+
+    def abort(self, job: "Job", error: BaseException) -> None:
+        pass
+
+    def after_commit(self, job: "Job") -> None:
+        pass
+
+    def failure_message(self, job: "Job", cause: str) -> str:
+        return f"{job.handle.name}: checkpoint save failed: {cause}"
+
+
+class NoCommit(CommitStrategy):
+    """For parts that only capture (a staging copy): nothing to commit."""
+
+
+@dataclass
+class Job:
+    handle: SaveHandle
+    strategy: CommitStrategy
+    parts: List[Part]
+    sealed: bool = True
+    cancelled: bool = False
+    current: Optional[FileWriteJob] = None
+    leases: List[Lease] = field(default_factory=list)
+    engine: Any = None                 # weak: the engine tracking captures, if any
+    #: Called once the job ended (its handle is done), on the job's thread.
+    on_end: Optional[Callable[["Job"], None]] = None
+
+    def captured(self, part: Part) -> None:
+        part.captured.set()
+        if self.sealed and all(p.captured.is_set() for p in self.parts):
+            self.handle.capture_s = time.perf_counter() - self.handle._t0
+        engine = self.engine() if self.engine is not None else None
+        if engine is not None:
+            engine._untrack(part)
+
+    def lease(self, path: str, heartbeat_s: float) -> Lease:
+        lease = Lease(path, heartbeat_s)
+        self.leases.append(lease)
+        return lease
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        writer = self.current
+        if writer is not None:
+            writer.cancel()
+
+
+def run_job(job: Job, resources: Resources, options: Options,
+            next_part: Optional[Callable[[Job, int], Optional[Part]]] = None) -> None:
+    """Run ``job`` to its end on the calling thread: parts, commit, tidy-up. A
+    failure is recorded on the handle (never raised here) before the barrier
+    lets the caller go on, so the barrier can raise it."""
+    handle = job.handle
+    next_part = next_part or (lambda j, i: j.parts[i] if i < len(j.parts) else None)
+    committed = False
+    try:
+        job.strategy.begin(job)
+        i = 0
+        while True:
+            part = next_part(job, i)
+            if part is None:
+                break
+            i += 1
+            if job.cancelled:
+                raise Aborted("cancelled by close()")
+            part.run(job, resources, options)
+            job.strategy.part_done(job, part)
+        if job.cancelled:
+            raise Aborted("cancelled by close()")
+        job.strategy.commit(job)
+        handle.flush_s = time.perf_counter() - handle._t0
+        committed = True
+    except BaseException as exc:
+        _record_failure(job, exc)
+        try:
+            job.strategy.abort(job, exc)
+        except Exception as cleanup:
+            log.warning("lazyckpt: %s: cleaning up after the failure failed too: %s", handle.name, cleanup)
+    finally:
+        for part in job.parts:
+            if not part.captured.is_set():
+                job.captured(part)
+        handle.snapshot_done.set()
+        if not handle.flush_s:
+            handle.flush_s = time.perf_counter() - handle._t0
+        for lease in job.leases:
+            lease.release()
+        job.leases.clear()
+    if committed:
+        try:
+            job.strategy.after_commit(job)
+        except Exception as exc:
+            # Committed: failing to tidy up must not report it as lost.
+            log.warning("lazyckpt: %s committed, but tidying up after it failed: %s: %s", handle.name,
+                        type(exc).__name__, exc)
+        if not isinstance(job.strategy, NoCommit):
+            log.info("lazyckpt: %s committed: %.1f MB, blocking %.2f ms, capture %.3f s, durable %.3f s "
+                     "(%.2f GB/s)", handle.name, handle.bytes / 1e6, handle.blocking_s * 1e3,
+                     handle.capture_s, handle.flush_s, handle.gbps)
+
+
+def _record_failure(job: Job, exc: BaseException) -> None:
+    handle = job.handle
+    if isinstance(exc, Aborted) or job.cancelled:
+        handle.cancelled = True
+        handle.error = CheckpointError(f"{handle.name}: save cancelled by close()", step=handle.step,
+                                       path=job.strategy.path)
+        handle.reported = True          # a cancellation the caller asked for is not a failure
+        return
+    cause = f"{type(exc).__name__}: {exc}"
+    error = CheckpointWriteError(job.strategy.failure_message(job, cause), step=handle.step,
+                                 path=job.strategy.path)
+    error.__cause__ = exc
+    error.handle = handle               # type: ignore[attr-defined]
+    handle.error = error
+    engine = job.engine() if job.engine is not None else None
+    if engine is not None:
+        engine._add_error(error)        # before the barrier lets anyone go on, so it raises this
+    log.error("lazyckpt: %s", error)
+
+
+def run_now(strategy: CommitStrategy, parts: List[Part], resources: Resources, options: Options,
+            name: str) -> SaveHandle:
+    """Run a job synchronously on the caller's thread (the functional save, DCP's
+    write_data); raise its failure. KeyboardInterrupt and SystemExit pass through."""
+    handle = SaveHandle(name, path=strategy.path)
+    job = Job(handle, strategy, parts)
+    with resources.save_lock:
+        run_job(job, resources, options)
+    if handle.error is not None:
+        cause = handle.error.__cause__
+        if cause is not None and not isinstance(cause, Exception):
+            raise cause
+        handle.reported = True
+        raise handle.error
+    handle._done.set()
+    return handle
+
+
+# --------------------------------------------------------------------------- the engine
+
+_LIVE: "weakref.WeakSet[SaveEngine]" = weakref.WeakSet()
+
+
+class SaveEngine:
+    """A queue of jobs, one capture thread, the barrier, and the error rule."""
+
+    def __init__(self, options: Options, *, guard_buffers: bool = True):
         self.options = options
-        self._cache: Optional[HostCache] = None
-        self._lock = threading.Lock()
-        self.save_lock = threading.Lock()
-        self.writers = cf.ThreadPoolExecutor(options.writer_threads, thread_name_prefix="lazyckpt-writer")
-        self.readers = cf.ThreadPoolExecutor(options.reader_threads, thread_name_prefix="lazyckpt-reader")
-        self.serializer = cf.ThreadPoolExecutor(1, thread_name_prefix="lazyckpt-serializer")
+        self.resources = Resources(options)
+        self.barrier = CaptureBarrier(self, guard_buffers)
+        self._cond = threading.Condition()
+        self._jobs: Deque[Job] = collections.deque()
+        self._errors: List[CheckpointError] = []        # failures not raised yet, oldest first
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self._tracked: Dict[int, int] = {}              # storage address -> parts capturing it
+        #: Storage addresses of the live state that pending captures still read.
+        self.capturing: frozenset = frozenset()
+        _LIVE.add(self)
+        # An engine dropped without close() (its owner was collected) frees its cache
+        # and removes its hooks once idle: nothing of it keeps it alive but its thread.
+        self._finalizer = weakref.finalize(self, _release, self.resources, self.barrier)
 
-    def cache_for(self, sources: Iterable[Any]) -> HostCache:
-        """The host cache: allocated on first use (sized by ``options``, or by the
-        first state's bytes when automatic), then reused for every save."""
-        with self._lock:
-            if self._cache is None:
-                state_bytes = sum(s.length or 0 for s in sources)
-                size = self.options.cache_bytes_for(state_bytes)
-                self._cache = HostCache(size, self.options.chunk_bytes_for(size))
-            return self._cache
+    # ---------------------------------------------------------------- submitting
 
-    def close(self) -> None:
-        for pool in (self.writers, self.readers, self.serializer):
-            pool.shutdown(wait=True, cancel_futures=True)
-        with self._lock:
-            if self._cache is not None:
-                self._cache.close()
-                self._cache = None
+    def submit(self, strategy: CommitStrategy, parts: List[Part], *, name: str, step: Optional[int] = None,
+               sealed: bool = True, t0: Optional[float] = None,
+               on_end: Optional[Callable[[Job], None]] = None) -> Job:
+        """Queue a job; returns it at once (``job.handle`` is its handle). An
+        unsealed job takes more parts (``add_part``) until ``seal``."""
+        handle = SaveHandle(name, step, strategy.path, t0)
+        job = Job(handle, strategy, list(parts), sealed, engine=weakref.ref(self), on_end=on_end)
+        with self._cond:
+            self._check_open()
+            # The job in flight plus max_pending_saves waiting behind it.
+            while len(self._jobs) > self.options.max_pending_saves:
+                if self.options.queue_policy == "skip":
+                    warnings.warn(f"lazyckpt: {name} skipped: {len(self._jobs)} saves already queued "
+                                  f"(queue_policy='skip')", RuntimeWarning, stacklevel=3)
+                    handle.skipped = True
+                    handle.snapshot_done.set()
+                    handle._done.set()
+                    handle.blocking_s = time.perf_counter() - handle._t0
+                    return job
+                self._cond.wait(0.1)
+                self._raise_errors_locked()
+            for part in job.parts:
+                self._track(part)
+            self._jobs.append(job)
+            self._ensure_thread()
+            self._cond.notify_all()
+        self.barrier.arm()
+        handle.blocking_s = time.perf_counter() - handle._t0
+        return job
+
+    def add_part(self, job: Job, part: Part) -> None:
+        with self._cond:
+            if job.sealed:
+                raise CheckpointError(f"{job.handle.name}: no part can be added after it was sealed")
+            self._track(part)
+            job.parts.append(part)
+            self._cond.notify_all()
+        self.barrier.arm()
+
+    def seal(self, job: Job) -> None:
+        with self._cond:
+            job.sealed = True
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- barrier and waits
+
+    def pending(self) -> List[SaveHandle]:
+        with self._cond:
+            return [job.handle for job in self._jobs]
+
+    def pending_jobs(self) -> List[Job]:
+        with self._cond:
+            return list(self._jobs)
+
+    def capturing_anything(self) -> bool:
+        """Whether a pending job still reads the live state."""
+        return any(not p.captured.is_set() for job in self.pending_jobs() for p in job.parts)
+
+    def wait_for_snapshot(self, timeout: Optional[float] = None, raise_errors: bool = True) -> None:
+        """Block until every part queued so far has been captured (copied out of the live state)."""
+        for job in self.pending_jobs():
+            for part in list(job.parts):
+                if not part.captured.wait(timeout):
+                    raise CheckpointError(f"{job.handle.name}: capture not finished within {timeout} s",
+                                          step=job.handle.step)
+        if raise_errors:
+            self.raise_errors()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every pending job has ended; raise the oldest failure not yet raised."""
+        for handle in self.pending():
+            if not handle._done.wait(timeout):
+                raise CheckpointError(f"{handle.name}: not committed within {timeout} s", step=handle.step)
+        self.raise_errors()
+
+    def raise_errors(self) -> None:
+        with self._cond:
+            self._raise_errors_locked()
+
+    def _raise_errors_locked(self) -> None:
+        while self._errors:
+            error = self._errors.pop(0)
+            handle = getattr(error, "handle", None)
+            if handle is not None and handle.reported:
+                continue
+            if handle is not None:
+                handle.reported = True
+            raise error
+
+    def _add_error(self, error: CheckpointError) -> None:
+        with self._cond:
+            self._errors.append(error)
+
+    def _track(self, part: Part) -> None:
+        for p in part.pointers:
+            self._tracked[p] = self._tracked.get(p, 0) + 1
+        self.capturing = frozenset(self._tracked)
+
+    def _untrack(self, part: Part) -> None:
+        with self._cond:
+            for p in part.pointers:
+                n = self._tracked.get(p, 0) - 1
+                if n > 0:
+                    self._tracked[p] = n
+                else:
+                    self._tracked.pop(p, None)
+            part.pointers = frozenset()
+            self.capturing = frozenset(self._tracked)
+
+    # ---------------------------------------------------------------- the capture thread
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this checkpointer is closed")
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lazyckpt-capture", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._jobs:          # idle: exit; the next submit starts a new thread
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                job = self._jobs[0]
+            run_job(job, self.resources, self.options, self._next_part)
+            with self._cond:
+                self._jobs.popleft()
+                job.handle._done.set()
+                self._cond.notify_all()
+            if job.on_end is not None:
+                try:
+                    job.on_end(job)
+                except Exception as exc:
+                    log.warning("lazyckpt: %s: %s", job.handle.name, exc)
+            del job
+
+    def _next_part(self, job: Job, index: int) -> Optional[Part]:
+        with self._cond:
+            while index >= len(job.parts) and not job.sealed and not job.cancelled:
+                self._cond.wait()
+            return job.parts[index] if index < len(job.parts) else None
+
+    # ---------------------------------------------------------------- closing
+
+    def cancel_pending(self) -> None:
+        with self._cond:
+            jobs = list(self._jobs)
+            for job in jobs:
+                job.cancel()
+                job.sealed = True
+            self._cond.notify_all()
+
+    def close(self, cancel: bool = False, raise_errors: bool = True) -> None:
+        """Drain (or cancel) pending jobs, stop the thread, remove the hooks and
+        free the cache. Raises the oldest failure not yet raised."""
+        if self._closed:
+            return
+        try:
+            if cancel:
+                self.cancel_pending()
+            for handle in self.pending():
+                handle._done.wait()
+        finally:
+            with self._cond:
+                self._closed = True
+                thread = self._thread
+                self._cond.notify_all()
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
+            self._finalizer()           # hooks removed, pools stopped, cache freed
+            _LIVE.discard(self)
+        if raise_errors:
+            self.raise_errors()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _at_exit(self) -> None:
+        pending = [h for h in self.pending() if not h.done()]
+        if not pending:
+            return
+        if self.options.exit_policy == "drain":
+            log.info("lazyckpt: interpreter exit: finishing %d pending save(s): %s", len(pending),
+                     ", ".join(h.name for h in pending))
+            for handle in pending:
+                handle._done.wait()
+            return
+        self.cancel_pending()
+        for handle in pending:
+            handle._done.wait()
+        lost = [h.name for h in pending if h.error is not None]
+        if lost:
+            message = (f"lazyckpt: interpreter exit with saves pending: {', '.join(lost)} lost "
+                       f"(exit_policy='warn'; 'drain' would have waited for them)")
+            warnings.warn(message, RuntimeWarning, stacklevel=1)
+            log.warning("%s", message)
+
+
+def _release(resources: Resources, barrier: CaptureBarrier) -> None:
+    barrier.close()
+    resources.close(wait=threading.current_thread() not in _pool_threads(resources))
+
+
+def _pool_threads(resources: Resources) -> set:
+    out = set()
+    for pool in (resources.writers, resources.readers, resources.serializer):
+        out |= set(getattr(pool, "_threads", ()))
+    return out
+
+
+def _drain_at_exit() -> None:
+    for engine in list(_LIVE):
+        try:
+            engine._at_exit()
+        except Exception as exc:            # never let one engine keep the others from draining
+            log.error("lazyckpt: at interpreter exit: %s", exc)
+
+
+# Runs in threading._shutdown, before concurrent.futures stops accepting work
+# (its hook was registered first, and these run in reverse order).
+try:
+    threading._register_atexit(_drain_at_exit)      # type: ignore[attr-defined]
+except AttributeError:                              # pragma: no cover (CPython < 3.9)
+    import atexit
+    atexit.register(_drain_at_exit)

@@ -47,12 +47,30 @@ class CheckpointWriteError(CheckpointError):
     """Writing or committing a checkpoint failed (disk full, I/O error, ...)."""
 
 
+class CheckpointReadError(CheckpointError, OSError):
+    """Reading a checkpoint failed in the operating system (EIO, ESTALE, ...):
+    ``path`` names the file, ``errno`` the cause. The file may be intact."""
+
+    def __init__(self, message: str, *, path: Optional[str] = None, errno_: Optional[int] = None,
+                 step: Optional[int] = None):
+        super().__init__(message, path=path, step=step)
+        self.errno = errno_
+
+    def __str__(self) -> str:   # OSError would format its own way
+        return Exception.__str__(self)
+
+
 class StateMismatchError(CheckpointError):
     """``into=`` holds a tensor whose shape or dtype differs from the checkpoint."""
 
 
 class MissingKeyError(CheckpointError, KeyError):
-    """``keys=`` names an entry the checkpoint does not hold."""
+    """``keys=`` names an entry the checkpoint does not hold, or ``into=`` holds
+    tensors the checkpoint does not (``missing``: their paths, "a/b/c")."""
+
+    def __init__(self, message: str, *, missing: Optional[Sequence[str]] = None, **fields):
+        super().__init__(message, **fields)
+        self.missing = list(missing or [])
 
     def __str__(self) -> str:   # KeyError would quote the message
         return Exception.__str__(self)

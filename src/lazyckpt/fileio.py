@@ -156,7 +156,7 @@ def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> int:
 def write_file_atomic(path: str, data: bytes) -> None:
     """Write a small file so that readers see the old or the new content, never a mix."""
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.urandom(6).hex()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any, Optional
 
 MiB = 1 << 20
@@ -41,6 +42,14 @@ class Options:
     max_pending_saves: int = 2
     #: What save() does when the queue is full: "block" or "skip" (warns).
     queue_policy: str = "block"
+    #: What happens to saves still pending when the interpreter exits: "drain"
+    #: (wait until they are committed) or "warn" (cancel them and warn, naming them).
+    exit_policy: str = "drain"
+    #: A temporary file whose lease is unlocked and whose heartbeat is older than
+    #: this (seconds) is an interrupted save and may be removed. Saves refresh
+    #: their heartbeat every twelfth of it. Must exceed the clock skew between
+    #: hosts that share the file system.
+    lease_expiry_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("writer_threads", "reader_threads", "max_pending_saves"):
@@ -53,6 +62,14 @@ class Options:
                              f"got {self.host_cache_bytes}")
         if self.queue_policy not in ("block", "skip"):
             raise ValueError(f"queue_policy must be 'block' or 'skip', got {self.queue_policy!r}")
+        if self.exit_policy not in ("drain", "warn"):
+            raise ValueError(f"exit_policy must be 'drain' or 'warn', got {self.exit_policy!r}")
+        if not self.lease_expiry_s > 0:
+            raise ValueError(f"lease_expiry_s must be > 0, got {self.lease_expiry_s}")
+
+    @property
+    def lease_heartbeat_s(self) -> float:
+        return self.lease_expiry_s / 12
 
     def cache_bytes_for(self, state_bytes: int) -> int:
         """The host cache size to allocate, given the first state saved."""
@@ -80,6 +97,8 @@ def _env_value(name: str, default: Any) -> Any:
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if isinstance(default, int):
         return int(raw)
+    if isinstance(default, float):
+        return float(raw)
     return raw
 
 
@@ -98,3 +117,14 @@ def resolve(options: Optional[Options] = None, **overrides: Any) -> Options:
     if unknown:
         raise TypeError(f"unknown options: {sorted(unknown)}")
     return Options(**values)
+
+
+def parse_size(text: str) -> int:
+    """'256M', '1G', '1.5GiB', '4096', '512k' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"bad size {text!r} (examples: 256M, 1G, 1.5GiB, 4096)")
+    value = float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2).lower() or " ")))
+    if value < 1:
+        raise ValueError(f"size must be at least 1 byte, got {text!r}")
+    return int(value)

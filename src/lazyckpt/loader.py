@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import logging
 import math
 import os
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError,
-                     StateMismatchError, UnsafeObjectError)
+from . import manifest as manifests
+from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError,
+                     MissingKeyError, StateMismatchError, UnsafeObjectError)
+from .fileio import NotARegularFile, read_small_file
 from .knobs import Options
+from .layout import MANIFEST, STEP_DIR, StepDir
 from .providers import LoadContext, referenced_entries
 from .reader import CheckpointFile
+
+log = logging.getLogger("lazyckpt")
 
 MapLocation = Union[None, str, torch.device, Dict[str, str], Callable[..., Any]]
 KeySpec = Union[str, Tuple[Any, ...]]
@@ -111,14 +118,80 @@ def _storage_mapper(map_location: MapLocation) -> Callable[[torch.UntypedStorage
 
 def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, **kwargs: Any) -> Any:
     """Load one checkpoint file (written by a single rank)."""
-    return load_tree(CheckpointFile(path, options), None, pool, **kwargs)
+    with _os_errors_as_read_errors(path):
+        return load_tree(CheckpointFile(path, options), None, pool, **kwargs)
+
+
+def load_step_dir(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
+                  **kwargs: Any) -> Any:
+    """Load a committed step directory through its manifest.
+
+    With several saving ranks, rank ``r`` loads the state of saving rank
+    ``r % world_size`` (replicated entries and DTensor shards are gathered from
+    whichever files hold them). ``rank`` defaults to this process's rank. The
+    step is held (a shared lock on its manifest) while it is read, so that
+    retention in another process does not delete it meanwhile; where it is
+    deleted anyway, the error says so.
+    """
+    m = STEP_DIR.match(os.path.basename(path))
+    step_dir = StepDir(path, int(m.group(1)) if m else None)
+    with _os_errors_as_read_errors(path), step_dir.reading() as held:
+        try:
+            manifest_path = os.path.join(path, MANIFEST)
+            try:
+                raw = read_small_file(manifest_path, manifests.MAX_MANIFEST_BYTES)
+            except NotARegularFile:
+                raise CorruptCheckpointError(f"{manifest_path}: not a regular file",
+                                             path=manifest_path) from None
+            if raw is None:
+                raise CheckpointNotFoundError(f"{path}: no committed checkpoint (no {MANIFEST})", path=path)
+            manifest = manifests.parse(raw, manifest_path)
+            if rank is None:
+                rank = _current_rank()
+            step = StepFiles(path, manifest, options)
+            return load_tree(step.file(rank % manifest["world_size"]), step, pool, **kwargs)
+        except (CheckpointError, OSError) as exc:
+            if not held.still_there():
+                raise held.deleted() from exc
+            raise
+
+
+def _current_rank() -> int:
+    try:
+        import torch.distributed as dist
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    except ImportError:
+        return 0
+
+
+class _os_errors_as_read_errors:
+    """Every OSError of a load reaches the caller as a CheckpointError subclass with the path."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or isinstance(exc, CheckpointError) or not isinstance(exc, OSError):
+            return False
+        path = exc.filename or self.path
+        if isinstance(exc, FileNotFoundError):
+            raise CheckpointNotFoundError(f"{path}: {exc.strerror or exc}", path=path) from exc
+        raise CheckpointReadError(f"{path}: read failed: {exc.strerror or exc}", path=path,
+                                  errno_=exc.errno) from exc
 
 
 def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoolExecutor, *,
               map_location: MapLocation = None, keys: Optional[Iterable[KeySpec]] = None,
-              into: Any = None, allow_pickle: bool = False) -> Any:
+              into: Any = None, allow_pickle: bool = False, strict: bool = True) -> Any:
     """Rebuild the state described by ``f``'s tree. ``step`` resolves entries
-    held by other ranks' files and DTensor shards (multi-rank checkpoints)."""
+    held by other ranks' files and DTensor shards (multi-rank checkpoints).
+    With ``into``, every tensor of ``into`` (under ``keys``, if given) must get
+    a value from the checkpoint: otherwise ``MissingKeyError`` is raised before
+    anything is read or filled, unless ``strict=False`` (then a warning names
+    what kept its old value)."""
     path = f.path
     storages: Dict[int, torch.UntypedStorage] = {}
     kinds: Dict[int, str] = {}
@@ -140,12 +213,26 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     ctx = LoadContext(entry_value=entry_value, storage=storage, allow_pickle=allow_pickle, path=path)
     tree = f.footer.tree
     if keys is not None:
+        keys = _normalize_keys(keys)
         try:
             tree = select(tree, keys, ctx)
         except CheckpointError:
             raise
         except Exception as exc:     # a hostile tree
             raise ctx.corrupt(f"{type(exc).__name__} while selecting keys: {exc}") from None
+    unfilled: List[str] = []
+    if into is not None:
+        try:
+            unfilled = unfilled_tensors(into, tree, ctx, keys)
+        except CheckpointError:
+            raise
+        except Exception as exc:     # a hostile tree
+            raise ctx.corrupt(f"{type(exc).__name__} while matching into=: {exc}") from None
+        if unfilled and strict:
+            shown = ", ".join(unfilled[:20]) + (f", ... ({len(unfilled)} in all)" if len(unfilled) > 20 else "")
+            raise MissingKeyError(f"{path}: the checkpoint has no value for {len(unfilled)} tensor(s) of "
+                                  f"into=: {shown}; nothing was loaded (pass strict=False to load the "
+                                  f"rest and keep these as they are)", path=path, missing=unfilled)
     if not allow_pickle:
         found = _find_pickle(tree, [])
         if found is not None:
@@ -184,8 +271,65 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
         storages.clear()
         mapped.clear()
     if into is not None:
-        return fill_into(into, state, path)
+        filled = fill_into(into, state, path)
+        if unfilled:
+            message = (f"{path}: {len(unfilled)} tensor(s) of into= are not in the checkpoint and keep "
+                       f"their values: {', '.join(unfilled[:20])}")
+            warnings.warn(message, UserWarning, stacklevel=3)
+            log.warning("lazyckpt: %s", message)
+        return filled
     return state
+
+
+_ABSENT = object()
+
+
+def unfilled_tensors(into: Any, tree: Any, ctx: LoadContext, keys: Optional[list] = None) -> List[str]:
+    """Paths ("a/b/c") of the tensors of ``into`` that ``tree`` holds no value
+    for, following the rules of :func:`fill_into`; with ``keys``, only under
+    the selected key paths."""
+    roots = [((), into, tree)]
+    if keys is not None:
+        roots = []
+        for key in keys:
+            dst, node = into, tree
+            for part in key:
+                if not isinstance(dst, dict) or part not in dst:
+                    dst = _ABSENT
+                    break
+                dst, node = dst[part], _dict_children(node, ctx).get(part, _ABSENT)
+            if dst is not _ABSENT:
+                roots.append((tuple(key), dst, node))
+    missing = []
+    stack = list(roots)
+    while stack:
+        trail, dst, node = stack.pop()
+        if isinstance(dst, torch.Tensor):
+            if node is _ABSENT:
+                missing.append("/".join(map(str, trail)) or "<root>")
+        elif isinstance(dst, dict):
+            if node is not _ABSENT and not _is_tag(node, "dict"):
+                continue                        # replaced by the checkpoint's value
+            children = _dict_children(node, ctx) if node is not _ABSENT else {}
+            stack.extend((trail + (k,), v, children.get(k, _ABSENT)) for k, v in dst.items())
+        elif isinstance(dst, list):
+            if node is not _ABSENT and not _is_tag(node, "seq"):
+                continue
+            items = node["v"] if node is not _ABSENT and isinstance(node.get("v"), list) else []
+            if node is not _ABSENT and len(items) != len(dst):
+                continue                        # fill_into replaces a list of another length
+            stack.extend((trail + (i,), v, items[i] if i < len(items) else _ABSENT) for i, v in enumerate(dst))
+    return sorted(missing)
+
+
+def _is_tag(node: Any, tag: str) -> bool:
+    return isinstance(node, dict) and node.get("$") == tag
+
+
+def _dict_children(node: Any, ctx: LoadContext) -> Dict[Any, Any]:
+    if not _is_tag(node, "dict") or not isinstance(node.get("k"), list) or not isinstance(node.get("v"), list):
+        return {}
+    return {ctx.decode(k): v for k, v in zip(node["k"], node["v"])}
 
 
 class StepFiles:

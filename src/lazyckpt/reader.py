@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List
 import torch
 
 from . import format as fmt
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .fileio import InputFile, NotARegularFile, open_regular
 from .knobs import Options
 
@@ -34,17 +34,22 @@ class CheckpointFile:
             raise CheckpointNotFoundError(f"{path}: no such checkpoint file", path=path) from None
         except NotARegularFile:
             raise CorruptCheckpointError(f"{path}: not a regular file", path=path) from None
+        except OSError as exc:
+            raise self.read_error(exc) from exc
         self.size = os.fstat(fd).st_size
         if self.size < fmt.HEADER_BYTES + fmt.TRAILER_BYTES:
             os.close(fd)
             raise CorruptCheckpointError(f"{path}: truncated file ({self.size} bytes)", path=path)
-        with os.fdopen(fd, "rb") as f:
-            self.version = fmt.check_header(f.read(fmt.HEADER_BYTES), path)
-            f.seek(self.size - fmt.TRAILER_BYTES)
-            trailer = fmt.parse_trailer(f.read(fmt.TRAILER_BYTES), self.size, path,
-                                        options.max_footer_bytes)
-            f.seek(trailer.footer_offset)
-            raw = f.read(trailer.footer_length)
+        try:
+            with os.fdopen(fd, "rb") as f:
+                self.version = fmt.check_header(f.read(fmt.HEADER_BYTES), path)
+                f.seek(self.size - fmt.TRAILER_BYTES)
+                trailer = fmt.parse_trailer(f.read(fmt.TRAILER_BYTES), self.size, path,
+                                            options.max_footer_bytes)
+                f.seek(trailer.footer_offset)
+                raw = f.read(trailer.footer_length)
+        except OSError as exc:
+            raise self.read_error(exc) from exc
         if len(raw) != trailer.footer_length or fmt.checksum(raw) != trailer.footer_checksum:
             raise CorruptCheckpointError(f"{path}: footer checksum mismatch (file damaged)", path=path)
         self.footer = fmt.decode_footer(raw, trailer.footer_offset, path)
@@ -55,6 +60,21 @@ class CheckpointFile:
     @property
     def entries(self) -> List[fmt.Entry]:
         return self.footer.entries
+
+    def read_error(self, exc: OSError) -> CheckpointReadError:
+        """An OSError while reading this file, as the library's error (with the path)."""
+        if isinstance(exc, CheckpointReadError):
+            return exc
+        return CheckpointReadError(f"{self.path}: read failed: {exc.strerror or exc}", path=self.path,
+                                   errno_=exc.errno)
+
+    def _open_input(self) -> InputFile:
+        try:
+            return InputFile(self.path, self.options.o_direct)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path}: no such checkpoint file", path=self.path) from None
+        except OSError as exc:
+            raise self.read_error(exc) from exc
 
     def read_entries(self, indices: Iterable[int], pool: cf.ThreadPoolExecutor
                      ) -> Dict[int, torch.UntypedStorage]:
@@ -72,7 +92,7 @@ class CheckpointFile:
                 out[i] = torch.UntypedStorage(0)
         if not runs:
             return out
-        fd = InputFile(self.path, self.options.o_direct)
+        fd = self._open_input()
         block = self.footer.block_bytes
         try:
             jobs = []
@@ -101,7 +121,10 @@ class CheckpointFile:
         """Read file range [lo, hi) of a run (padded to whole pages) and verify the
         checksums of the entry pieces inside it."""
         a, b = lo - run_start, min(fmt.align_up(hi) - run_start, len(view))
-        got = fd.read_into(view[a:b], lo)
+        try:
+            got = fd.read_into(view[a:b], lo)
+        except OSError as exc:
+            raise self.read_error(exc) from exc
         if got < hi - lo:
             raise CorruptCheckpointError(f"{self.path}: truncated file (wanted {hi - lo} bytes at "
                                          f"offset {lo}, got {got})", path=self.path)
@@ -150,7 +173,7 @@ class CheckpointFile:
         first = lo // block - e.offset // block
         span = fmt.Entry(e.kind, lo, hi - lo, e.checksums[first:first + fmt.block_count(lo, hi - lo, block)],
                          e.name)
-        fd = InputFile(self.path, self.options.o_direct)
+        fd = self._open_input()
         try:
             buf = mmap.mmap(-1, fmt.align_up(hi - lo), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             view = memoryview(buf)

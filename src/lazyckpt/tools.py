@@ -10,11 +10,12 @@ line is built on, usable from Python too.
 * :func:`verify` -- read every byte of every entry and check every checksum,
   continuing past damage to report all of it;
 * :func:`prune` -- delete older committed steps (rename, fsync, then delete,
-  as the library does) and the leftovers of dead processes.
+  as the library does), abandoned steps and the leftovers of dead saves.
 
-Everything here only reads the on-disk format (docs/FORMAT.md) through the
+Everything here reads the on-disk format (docs/FORMAT.md) through the
 library's own parsers (:class:`~lazyckpt.reader.CheckpointFile`,
-:func:`~lazyckpt.checkpointer.parse_manifest`).
+:func:`lazyckpt.manifest.parse`) and the directory rules of
+:mod:`lazyckpt.layout`. Only :func:`prune` deletes anything.
 """
 
 from __future__ import annotations
@@ -24,17 +25,16 @@ import json
 import math
 import mmap
 import os
-import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import format as fmt
-from .checkpointer import LATEST, MANIFEST, MAX_MANIFEST_BYTES, STEP_DIR, parse_manifest, step_dirname
+from . import manifest as manifests
 from .errors import CheckpointError, CheckpointNotFoundError
-from .fileio import fsync_dir, open_for_read, pid_alive, pread_into, read_small_file
+from .fileio import open_for_read, pread_into, read_small_file
 from .knobs import Options, resolve as resolve_options
+from .layout import MANIFEST, CheckpointDir, remove_tree, tree_bytes
 from .reader import CheckpointFile
 
 # --------------------------------------------------------------------------- targets
@@ -59,20 +59,15 @@ class Target:
 
 def committed_steps(directory: str) -> List[int]:
     """Committed steps of a Checkpointer directory, oldest first (FORMAT.md §11.1)."""
-    out = []
-    for name in os.listdir(directory):
-        m = STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(directory, name, MANIFEST)):
-            out.append(int(m.group(1)))
-    return sorted(out)
+    return CheckpointDir(directory).steps()
 
 
 def read_manifest(step_dir: str) -> Dict[str, Any]:
     path = os.path.join(step_dir, MANIFEST)
-    raw = read_small_file(path, MAX_MANIFEST_BYTES)
+    raw = read_small_file(path, manifests.MAX_MANIFEST_BYTES)
     if raw is None:
         raise CheckpointNotFoundError(f"{step_dir}: not a committed step (no {MANIFEST})", path=step_dir)
-    return parse_manifest(raw, path)
+    return manifests.parse(raw, path)
 
 
 def resolve(path: str) -> Target:
@@ -93,7 +88,7 @@ def resolve(path: str) -> Target:
         if os.path.isfile(os.path.join(path, ".metadata")):
             hint = " (it looks like a torch.distributed.checkpoint directory: use `lazyckpt convert`)"
         raise CheckpointNotFoundError(f"{path}: no committed checkpoint in this directory{hint}", path=path)
-    step_dir = os.path.join(path, step_dirname(steps[-1]))
+    step_dir = CheckpointDir(path).step_path(steps[-1])
     manifest = read_manifest(step_dir)
     return Target(path, "directory", _manifest_files(step_dir, manifest), step_dir, manifest, steps)
 
@@ -360,65 +355,9 @@ def _shard_info(key: str, info: Any) -> Dict[str, Any]:
 # --------------------------------------------------------------------------- listing
 
 
-def tree_bytes(path: str) -> int:
-    """Bytes of the regular files under ``path`` (or of the file itself)."""
-    try:
-        if not os.path.isdir(path) or os.path.islink(path):
-            return os.lstat(path).st_size
-    except OSError:
-        return 0
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-
-
-@dataclass
-class Leftover:
-    name: str
-    kind: str          # "saving", "interrupted-save", "deleting", "latest-tmp", "incomplete-step"
-    bytes: int
-    pid: Optional[int] = None
-    alive: Optional[bool] = None
-
-    def describe(self) -> str:
-        if self.kind == "saving":
-            return (f"save in progress (pid {self.pid} is alive)" if self.pid is not None
-                    else "save in progress or interrupted (owner unknown)")
-        return {"interrupted-save": f"interrupted save (pid {self.pid} is gone)"
-                if self.pid is not None else "interrupted save",
-                "deleting": "interrupted delete",
-                "latest-tmp": "interrupted update of `latest`",
-                "incomplete-step": f"not committed: no {MANIFEST}"}[self.kind]
-
-
-def classify_leftover(directory: str, name: str) -> Optional[Leftover]:
-    """What a non-checkpoint name in a Checkpointer directory is (FORMAT.md §11.1, §11.5)."""
-    path = os.path.join(directory, name)
-    if name.startswith(".tmp-step_"):
-        parts = name.split("-")
-        pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
-        if pid is None:
-            return Leftover(name, "saving", tree_bytes(path))
-        alive = pid_alive(pid)
-        return Leftover(name, "saving" if alive else "interrupted-save", tree_bytes(path), pid, alive)
-    if name.startswith(".deleting-step_"):
-        return Leftover(name, "deleting", tree_bytes(path))
-    if name.startswith(LATEST + ".tmp-"):
-        return Leftover(name, "latest-tmp", tree_bytes(path))
-    if STEP_DIR.match(name) and os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
-        return Leftover(name, "incomplete-step", tree_bytes(path))
-    return None
-
-
-def list_directory(directory: str) -> Dict[str, Any]:
-    """Committed steps (with size, commit time, world size) and leftovers of a Checkpointer directory."""
+def list_directory(directory: str, lease_expiry_s: Optional[float] = None) -> Dict[str, Any]:
+    """Committed steps (with size, commit time, world size) and leftovers of a
+    Checkpointer directory. Reads only: nothing is removed or renamed."""
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.exists(directory):
         raise CheckpointNotFoundError(f"{directory}: no such directory", path=directory)
@@ -428,37 +367,22 @@ def list_directory(directory: str) -> Dict[str, Any]:
     if os.path.isfile(os.path.join(directory, MANIFEST)):
         raise CheckpointError(f"{directory}: this is one step directory; list its parent, or use "
                               f"`lazyckpt inspect`", path=directory)
+    layout = CheckpointDir(directory, lease_expiry_s or resolve_options().lease_expiry_s)
     steps = []
-    leftovers = []
-    names = sorted(os.listdir(directory))
-    for name in names:
-        m = STEP_DIR.match(name)
-        path = os.path.join(directory, name)
-        if m and os.path.isfile(os.path.join(path, MANIFEST)):
-            row: Dict[str, Any] = {"step": int(m.group(1)), "name": name, "bytes": tree_bytes(path)}
-            try:
-                manifest = read_manifest(path)
-                row.update(world_size=manifest["world_size"], files=len(manifest["files"]),
-                           created_unix=manifest.get("created_unix"),
-                           metadata=manifest.get("metadata"))
-            except CheckpointError as exc:
-                row["error"] = str(exc)
-            steps.append(row)
-            continue
-        leftover = classify_leftover(directory, name)
-        if leftover is not None:
-            leftovers.append({"name": leftover.name, "kind": leftover.kind, "bytes": leftover.bytes,
-                              "pid": leftover.pid, "description": leftover.describe()})
-    steps.sort(key=lambda r: r["step"])
-    latest_file = None
-    raw = read_small_file(os.path.join(directory, LATEST), 64)
-    if raw is not None:
+    for step in layout.steps():
+        path = layout.step_path(step)
+        row: Dict[str, Any] = {"step": step, "name": os.path.basename(path), "bytes": tree_bytes(path)}
         try:
-            latest_file = int(raw.decode().strip())
-        except (UnicodeDecodeError, ValueError):
-            latest_file = None
+            manifest = read_manifest(path)
+            row.update(world_size=manifest["world_size"], files=len(manifest["files"]),
+                       created_unix=manifest.get("created_unix"), metadata=manifest.get("metadata"))
+        except CheckpointError as exc:
+            row["error"] = str(exc)
+        steps.append(row)
+    leftovers = [{"name": lo.name, "kind": lo.kind, "bytes": lo.bytes, "step": lo.step,
+                  "description": lo.describe()} for lo in layout.leftovers()]
     return {"directory": directory, "steps": steps, "leftovers": leftovers,
-            "latest": steps[-1]["step"] if steps else None, "latest_file": latest_file,
+            "latest": steps[-1]["step"] if steps else None, "latest_file": layout.latest_file(),
             "bytes": sum(r["bytes"] for r in steps)}
 
 
@@ -699,48 +623,38 @@ class PruneAction:
     error: Optional[str] = None
 
 
-def delete_step(directory: str, step: int) -> None:
-    """Remove a committed step the way the library does (FORMAT.md §11.4): rename it
-    to ``.deleting-*``, fsync the directory, then delete the renamed tree."""
-    path = os.path.join(directory, step_dirname(step))
-    trash = os.path.join(directory, f".deleting-{step_dirname(step)}-{uuid.uuid4().hex[:8]}")
-    os.rename(path, trash)
-    fsync_dir(directory)
-    shutil.rmtree(trash)
-
-
 def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False) -> Dict[str, Any]:
-    """Delete every committed step but the ``keep`` newest, and the leftovers of
-    interrupted saves and deletes. Saves in progress of live processes are
-    kept; ``force`` also removes ``.tmp-*`` directories whose owner is unknown."""
+    """Delete every committed step but the ``keep`` newest, abandoned steps, and
+    the leftovers of interrupted saves and deletes. Saves in progress (their
+    lease is held or fresh) are kept; ``force`` also removes those whose lease
+    is not held by anyone, however fresh. A step being read is kept."""
     if type(keep) is not int or keep < 1:
         raise ValueError(f"--keep must be at least 1, got {keep}")
     listing = list_directory(directory)
     directory = listing["directory"]
+    layout = CheckpointDir(directory, 0.0 if force else resolve_options().lease_expiry_s)
     steps = [r["step"] for r in listing["steps"]]
     actions: List[PruneAction] = []
     for row in listing["steps"][:-keep] if len(steps) > keep else []:
         actions.append(PruneAction(row["name"], "step", row["bytes"], row["step"]))
     kept_leftovers = []
-    for lo in listing["leftovers"]:
-        leftover = Leftover(lo["name"], lo["kind"], lo["bytes"], lo["pid"])
-        if leftover.kind == "incomplete-step" or (leftover.kind == "saving" and
-                                                   (leftover.pid is not None or not force)):
+    for leftover in layout.leftovers():
+        lo = {"name": leftover.name, "kind": leftover.kind, "bytes": leftover.bytes,
+              "description": leftover.describe()}
+        if not (leftover.removable or leftover.kind == "abandoned"):
             kept_leftovers.append(lo)
             continue
-        actions.append(PruneAction(lo["name"], lo["kind"], lo["bytes"]))
+        actions.append(PruneAction(leftover.name, leftover.kind, leftover.bytes))
     for action in actions:
         if dry_run:
             continue
         try:
             if action.what == "step":
-                delete_step(directory, action.step)
+                if not layout.delete_step(action.step, wait_for_readers=False):
+                    action.error = "being read by another process; kept"
+                    continue
             else:
-                path = os.path.join(directory, action.name)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)
-                else:
-                    os.unlink(path)
+                remove_tree(os.path.join(directory, action.name))
             action.done = True
         except FileNotFoundError:
             action.done = True               # removed concurrently: the outcome wanted

@@ -20,27 +20,19 @@ name; committing it (rename, manifests) is the caller's job.
 from __future__ import annotations
 
 import concurrent.futures as cf
-
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
-import torch
 
 from . import format as fmt
+from .capture import DeviceCopier, wait_copies
 from .fileio import OutputFile
 from .hostcache import HostCache
 from .knobs import Options
 from .providers import Source
-
-
-def _as_numpy(data: Any) -> np.ndarray:
-    """A flat uint8 numpy view of a CPU tensor or a buffer (no copy)."""
-    if isinstance(data, torch.Tensor):
-        return data.numpy()
-    return np.frombuffer(data, dtype=np.uint8)
 
 
 class Aborted(Exception):
@@ -68,12 +60,15 @@ class FileWriteJob:
 
     ``snapshot_done`` is set once every byte has been copied out of the
     caller's state (into the cache or to disk) and every object serialized:
-    from then on the caller may modify the state freely.
+    from then on the caller may modify the state freely. ``on_captured`` is
+    called (on the thread running the job) at that moment, on success only.
+    ``capture_events`` are the CUDA events recorded at ``save()``, by device.
     """
 
     def __init__(self, path: str, tree: Any, sources: List[Source], metadata: Dict[str, Any],
                  options: Options, cache: HostCache, writers: cf.ThreadPoolExecutor,
-                 serializer: cf.ThreadPoolExecutor, capture_event: Any = None):
+                 serializer: cf.ThreadPoolExecutor, capture_events: Optional[Dict[Any, Any]] = None,
+                 on_captured: Optional[Callable[[], None]] = None):
         self.path = path
         self.tree = tree
         self.sources = sources
@@ -83,7 +78,8 @@ class FileWriteJob:
         self.block = cache.chunk_bytes
         self.writers = writers
         self.serializer = serializer
-        self.capture_event = capture_event        # CUDA event recorded at save()
+        self.copier = DeviceCopier(capture_events)
+        self.on_captured = on_captured
         self.snapshot_done = threading.Event()
         self.stats = WriteStats()
         self._failure: Optional[BaseException] = None
@@ -93,7 +89,6 @@ class FileWriteJob:
         self._sums: Dict[int, List[int]] = {}
         self._offsets: Dict[int, int] = {}
         self._lengths: Dict[int, int] = {}
-        self._stream = None
         self._file: Optional[OutputFile] = None
         self._start = 0.0
 
@@ -137,7 +132,7 @@ class FileWriteJob:
                 offset = fmt.align_up(offset + s.length)
             tensor_end = offset
             self._stream_region(fmt.DATA_START, tensor_end, items)
-            self._sync_capture()
+            self.copier.synchronize()
             objects = []
             for i, future in pickles:
                 data = self._result(future)
@@ -145,6 +140,8 @@ class FileWriteJob:
                 offset = fmt.align_up(offset + len(data))
             self.stats.capture_s = time.perf_counter() - self._start
             self.snapshot_done.set()
+            if self.on_captured is not None:
+                self.on_captured()
             self._stream_region(tensor_end, offset, objects)
             self._drain()
             if self._cancel.is_set():       # writers skip chunks once cancelled: never finish the file
@@ -160,6 +157,8 @@ class FileWriteJob:
             self._drain(raise_errors=False)
             raise self._failure from None
         finally:
+            # No device-to-host copy may still be writing into a chunk once we return.
+            self.copier.synchronize()
             self.snapshot_done.set()
             if self._file is not None:
                 self._file.close()
@@ -189,13 +188,14 @@ class FileWriteJob:
             if chunk is None:
                 raise self._failure or Aborted("cancelled")
             try:
-                spans, event = self._fill(chunk, pos, window_end, items, k)
+                spans, events = self._fill(chunk, pos, window_end, items, k)
             except BaseException:
+                self.copier.synchronize()       # a copy into this chunk may be in flight
                 self.cache.release(chunk)
                 raise
             while k < len(items) and items[k].offset + items[k].length <= window_end:
                 k += 1
-            future = self.writers.submit(self._write_chunk, chunk, pos, window_end - pos, spans, event)
+            future = self.writers.submit(self._write_chunk, chunk, pos, window_end - pos, spans, events)
             self._pending.append(future)
             pos = window_end
 
@@ -204,7 +204,7 @@ class FileWriteJob:
         host = np.frombuffer(self.cache.chunk_memory(chunk), dtype=np.uint8)
         cursor = start
         spans = []
-        event = None
+        events = []
         for it in items[k:]:
             if it.offset >= end:
                 break
@@ -214,44 +214,26 @@ class FileWriteJob:
             if a > cursor:
                 host[cursor - start:a - start] = 0
             src_lo, src_hi = a - it.offset, b - it.offset
-            if isinstance(it.data, torch.Tensor) and it.data.device.type != "cpu":
-                event = self._copy_from_device(dst[a - start:b - start], it.data[src_lo:src_hi])
-            else:
-                # Host copies go through numpy: a single-threaded memcpy that releases
-                # the GIL. torch's copy_ would start an intra-op thread team here that
-                # fights the training's own threads for the cores.
-                host[a - start:b - start] = _as_numpy(it.data)[src_lo:src_hi]
+            event = self.copier.copy(host[a - start:b - start], dst[a - start:b - start],
+                                     it.data[src_lo:src_hi])
+            if event is not None:
+                events.append(event)
             block = a // self.block - it.offset // self.block
             spans.append((it.index, block, a - start, b - start))
             cursor = b
         if cursor < end:
             host[cursor - start:end - start] = 0
-        return spans, event
-
-    def _copy_from_device(self, dst: torch.Tensor, src: torch.Tensor):
-        """Copy on a side stream ordered after the training stream's state at save()."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=src.device)
-            if self.capture_event is not None:
-                self._stream.wait_event(self.capture_event)
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return event
-
-    def _sync_capture(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
+        return spans, events
 
     # ------------------------------------------------------------------ writers
 
-    def _write_chunk(self, chunk: int, offset: int, length: int, spans, event) -> None:
+    def _write_chunk(self, chunk: int, offset: int, length: int, spans, events) -> None:
         try:
+            # Even when stopping: the chunk goes back to the cache only once no
+            # device-to-host copy is writing into it any more.
+            wait_copies(events)
             if self._stopping():
                 return
-            if event is not None:
-                event.synchronize()
             memory = self.cache.chunk_memory(chunk)
             self._file.pwrite_all(memory[:length], offset)
             for index, block, a, b in spans:

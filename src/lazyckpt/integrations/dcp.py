@@ -13,11 +13,13 @@ DCP keeps doing what it is good at -- planning, deduplication, resharding
   (DCP's own reader uses unrestricted pickle).
 * The writer is also an ``AsyncStager``: ``dcp.async_save`` calls
   :meth:`LazyStorageWriter.stage`, which returns at once with a future; the
-  copy into a reused, page-aligned staging arena runs on a background thread
-  while the next forward/backward runs. Call :meth:`wait_for_staging` (or
-  :meth:`attach` an optimizer) before the optimizer modifies the state.
-  Two arenas alternate, so staging save N+1 never overwrites the bytes save
-  N is still uploading (wait for an upload before staging the one after).
+  copy into a reused, page-aligned (pinned under CUDA) staging buffer runs on
+  lazyckpt's save engine while the next forward/backward runs. Call
+  :meth:`wait_for_staging` (or :meth:`attach` an optimizer) before the
+  optimizer modifies the state; a training-mode forward of a module whose
+  buffers are being staged waits by itself. Staging buffers count in
+  ``host_cache_bytes`` and are reused only once the write that reads them is
+  durable: ``stage()`` waits for that when none is free.
 
 Usage::
 
@@ -32,9 +34,9 @@ Usage::
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import dataclasses
 import io
-import mmap
 import os
 import pickle
 import threading
@@ -49,10 +51,18 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import api
+from ..capture import record_events
+from ..commit import FileCommit
+from ..engine import CopyPart, FilePart, NoCommit, SaveEngine, run_now
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..fileio import fsync_dir, write_file_atomic
+from ..hostcache import StagingArenas
+from ..knobs import resolve
+from ..providers import flatten
 
 METADATA = ".metadata"
+#: stage() waits at most this long for a staging buffer (an earlier save's write to end).
+_STAGING_WAIT_S = 600.0
 SUFFIX = ".lzc"
 
 
@@ -68,122 +78,6 @@ def _item_key(index: MetadataIndex) -> str:
     return f"{index.fqn}@{offset}#{index.index if index.index is not None else ''}"
 
 
-# --------------------------------------------------------------------------- staging
-
-
-class _Arena:
-    """One page-aligned host buffer, reused while the staged layout fits."""
-
-    def __init__(self) -> None:
-        self.map: Optional[mmap.mmap] = None
-        self.size = 0
-
-    def ensure(self, nbytes: int) -> mmap.mmap:
-        if self.map is None or self.size < nbytes:
-            self.map = mmap.mmap(-1, max(nbytes, 4096), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.size = max(nbytes, 4096)
-        return self.map
-
-
-def _aligned(n: int) -> int:
-    return (n + 4095) // 4096 * 4096
-
-
-class _Stager:
-    """Copies a state dict into the arena on a background thread.
-
-    Returns at once with a future of the staged state dict; the structure is
-    built on the caller's thread (cheap) and the bytes are copied in the
-    background, overlapping the next forward/backward.
-    """
-
-    def __init__(self) -> None:
-        self._arenas = [_Arena(), _Arena()]     # double-buffered: stage N+1 while N uploads
-        self._turn = 0
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="lazyckpt-dcp-stage")
-        self._pending: List[cf.Future] = []
-        self._lock = threading.Lock()
-
-    def stage(self, state_dict: Dict[str, Any]) -> cf.Future:
-        from torch.distributed.tensor import DTensor
-        leaves: List[tuple] = []
-
-        def plan(value: Any) -> int:
-            if isinstance(value, DTensor):
-                return plan(value.to_local())
-            if isinstance(value, torch.Tensor):
-                return _aligned(value.numel() * value.element_size())
-            if isinstance(value, dict):
-                return sum(plan(v) for v in value.values())
-            if isinstance(value, (list, tuple)):
-                return sum(plan(v) for v in value)
-            return 0
-        arena = self._arenas[self._turn].ensure(plan(state_dict))
-        self._turn ^= 1
-        view = memoryview(arena)
-        cursor = [0]
-
-        def build(value: Any) -> Any:
-            if isinstance(value, DTensor):
-                local = build(value.to_local())
-                return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                          shape=value.shape, stride=value.stride())
-            if isinstance(value, torch.Tensor):
-                nbytes = value.numel() * value.element_size()
-                start = cursor[0]
-                cursor[0] += _aligned(nbytes)
-                if nbytes == 0:
-                    return torch.empty(value.shape, dtype=value.dtype)
-                staged = torch.frombuffer(view[start:start + nbytes], dtype=torch.uint8)
-                staged = staged.view(value.dtype).view(value.shape)
-                leaves.append((staged, value))
-                return staged
-            if isinstance(value, dict):
-                return type(value)((k, build(v)) for k, v in value.items())
-            if isinstance(value, list):
-                return [build(v) for v in value]
-            if isinstance(value, tuple):
-                return tuple(build(v) for v in value)
-            return value
-
-        staged_dict = build(state_dict)
-        event = None
-        if torch.cuda.is_available() and any(src.is_cuda for _, src in leaves):
-            event = torch.cuda.Event()
-            event.record()
-
-        def copy() -> Dict[str, Any]:
-            stream = None
-            for dst, src in leaves:
-                if src.is_cuda:
-                    if stream is None:
-                        stream = torch.cuda.Stream(device=src.device)
-                        stream.wait_event(event)
-                    with torch.cuda.stream(stream):
-                        dst.copy_(src.detach(), non_blocking=True)
-                else:
-                    # numpy memcpy: one thread, GIL released, no intra-op thread team.
-                    dst.reshape(-1).view(torch.uint8).numpy()[:] = \
-                        src.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            if stream is not None:
-                stream.synchronize()
-            return staged_dict
-
-        future = self._pool.submit(copy)
-        with self._lock:
-            self._pending = [f for f in self._pending if not f.done()] + [future]
-        return future
-
-    def wait(self) -> None:
-        with self._lock:
-            pending = list(self._pending)
-        for future in pending:
-            future.result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
 # --------------------------------------------------------------------------- writer
 
 
@@ -193,6 +87,13 @@ class LazyStorageWriter(StorageWriter):
     Call order (DCP): 1) (all ranks) ``set_up_storage_writer``, 2) (all)
     ``prepare_local_plan``, 3) (coordinator) ``prepare_global_plan``,
     4) (all) ``write_data``, 5) (coordinator) ``finish``.
+
+    Staging (``dcp.async_save``): ``stage()`` takes a staging buffer (page-
+    aligned, pinned under CUDA) and queues the copy on lazyckpt's save engine;
+    it returns a future at once. Buffers come out of ``host_cache_bytes``
+    together with the write cache (0: sized at the first save to two states),
+    and a buffer is reused only after the write that reads it is durable: a
+    save that finds none free waits in ``stage()`` for the oldest write.
     """
 
     # AsyncStager protocol: stage() returns a future; the user synchronizes.
@@ -202,47 +103,143 @@ class LazyStorageWriter(StorageWriter):
         super().__init__()
         self.path = os.fspath(path)
         self.knobs = knobs
+        self.options = resolve(None, **knobs)
         self.rank: Optional[int] = None
         self.use_collectives = True
         self.is_coordinator = False
         self.save_id = uuid.uuid4().hex
-        self._stager: Optional[_Stager] = None
-        self._hooks: list = []
+        # DCP runs each async save on a thread of its own, where it calls reset(),
+        # write_data() and finish() in turn: the path of that save is per thread.
+        self._local = threading.local()
+        self._engine: Optional[SaveEngine] = None
+        self._arenas: Optional[StagingArenas] = None
+        self._write_cache_bytes = 0
+        self._lock = threading.Lock()
+
+    # -- the engine, its write cache and the staging budget
+    def _get_engine(self) -> SaveEngine:
+        with self._lock:
+            if self._engine is None:
+                budget = self.options.host_cache_bytes
+                self._write_cache_bytes = max(2 * 4096, min(64 << 20, budget // 8) // 4096 * 4096) \
+                    if budget else 64 << 20
+                self._engine = SaveEngine(self.options, guard_buffers=True)
+                self._engine.resources.fixed_cache_bytes = self._write_cache_bytes
+            return self._engine
+
+    def _get_arenas(self, state_bytes: int) -> StagingArenas:
+        """The staging buffers' budget: what host_cache_bytes leaves after the write
+        cache, or (automatic) two states, within a quarter of the machine's memory."""
+        self._get_engine()
+        with self._lock:
+            if self._arenas is None:
+                budget = self.options.host_cache_bytes
+                self._arenas = StagingArenas(
+                    budget - self._write_cache_bytes if budget else
+                    max(state_bytes, min(2 * state_bytes, _quarter_ram() - self._write_cache_bytes)))
+            return self._arenas
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        """The most host memory staging and writing held at once (arenas + write cache)."""
+        return (self._arenas.peak_bytes if self._arenas is not None else 0) + self._write_cache_bytes
 
     # -- AsyncStager
     @property
     def should_synchronize_after_execute(self) -> bool:
         return self._synchronize_after_execute
 
-    def stage(self, state_dict: Dict[str, Any]) -> Any:
-        if self._stager is None:
-            self._stager = _Stager()
-        return self._stager.stage(state_dict)
+    def stage(self, state_dict: Dict[str, Any]) -> cf.Future:
+        """Queue a copy of ``state_dict`` into a staging buffer; a future of the
+        staged state dict (same structure, host tensors)."""
+        from torch.distributed.tensor import DTensor
+
+        def local(value: Any) -> Any:
+            return value.to_local() if isinstance(value, DTensor) else value
+
+        def plan(value: Any) -> int:
+            value = local(value)
+            if isinstance(value, torch.Tensor):
+                return _aligned(value.numel() * value.element_size())
+            if isinstance(value, dict):
+                return sum(plan(v) for v in value.values())
+            if isinstance(value, (list, tuple)):
+                return sum(plan(v) for v in value)
+            return 0
+        nbytes = plan(state_dict)
+        engine = self._get_engine()
+        engine.raise_errors()
+        arenas = self._get_arenas(nbytes)
+        arena = arenas.acquire(nbytes, _STAGING_WAIT_S) if nbytes else None
+        base = arena.buffer.tensor if arena is not None else None
+        pairs: List[tuple] = []
+        cursor = [0]
+
+        def build(value: Any) -> Any:
+            if isinstance(value, DTensor):
+                staged = build(value.to_local())
+                return DTensor.from_local(staged, value.device_mesh, value.placements, run_check=False,
+                                          shape=value.shape, stride=value.stride())
+            if isinstance(value, torch.Tensor):
+                n = value.numel() * value.element_size()
+                start = cursor[0]
+                cursor[0] += _aligned(n)
+                if n == 0:
+                    return torch.empty(value.shape, dtype=value.dtype)
+                staged = base[start:start + n].view(value.dtype).view(value.shape)
+                pairs.append((staged, value.detach()))
+                return staged
+            if isinstance(value, dict):
+                return type(value)((k, build(v)) for k, v in value.items())
+            if isinstance(value, list):
+                return [build(v) for v in value]
+            if isinstance(value, tuple):
+                return tuple(build(v) for v in value)
+            return copy.deepcopy(value)         # a later mutation by the caller must not leak in
+
+        staged_dict = build(state_dict)
+        future: cf.Future = cf.Future()
+
+        def on_end(job: Any) -> None:
+            if job.handle.error is not None:
+                job.handle.reported = True      # delivered through DCP's future, once
+                if arena is not None:
+                    arenas.release(arena)
+                future.set_exception(job.handle.error)
+            else:
+                future.set_result(staged_dict)
+        part = CopyPart(pairs, record_events(src for _, src in pairs))
+        engine.submit(NoCommit(), [part], name=f"DCP staging of {self._current_path()}", on_end=on_end)
+        return future
 
     def synchronize_staging(self) -> None:
         self.wait_for_staging()
 
     def wait_for_staging(self) -> None:
         """Block until every staged copy is complete (state may then be modified)."""
-        if self._stager is not None:
-            self._stager.wait()
+        if self._engine is not None:
+            self._engine.wait_for_snapshot()
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Wait for staging before every ``optimizer.step()``."""
-        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_for_staging()))
+        self._get_engine().barrier.attach(optimizer)
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        with self._lock:
+            engine, self._engine = self._engine, None
+            arenas, self._arenas = self._arenas, None
+        if engine is not None:
+            engine.close()
+        if arenas is not None:
+            arenas.close()
 
     # -- StorageWriter
+    def _current_path(self) -> str:
+        return getattr(self._local, "path", self.path)
+
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+            self.path = self._local.path = os.fspath(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -251,7 +248,7 @@ class LazyStorageWriter(StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.path, exist_ok=True)
+        os.makedirs(self._current_path(), exist_ok=True)
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=f"__{self.rank}")
         return plan
@@ -261,9 +258,12 @@ class LazyStorageWriter(StorageWriter):
                 for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        """Write this rank's items into one lazyckpt file (durable on return),
+        then give its staging buffer back."""
         name = f"{plan.storage_data}{SUFFIX}"
         state: Dict[str, Any] = {}
         results: List[WriteResult] = []
+        pointers = []
         for item in plan.items:
             data = planner.resolve_data(item)
             key = _item_key(item.index)
@@ -273,16 +273,45 @@ class LazyStorageWriter(StorageWriter):
                 size = len(payload)
             else:
                 tensor = data.detach()
+                pointers.append(tensor.data_ptr())
                 if tensor.device.type != "cpu":
                     tensor = tensor.cpu()
                 state[key] = tensor
                 size = tensor.numel() * tensor.element_size()
             results.append(WriteResult(index=item.index, size_in_bytes=size,
                                        storage_data=LazyStorageInfo(name, key)))
-        api.save(state, os.path.join(self.path, name), **self.knobs)    # durable on return
+        engine = self._get_engine()
+        try:
+            strategy = FileCommit(os.path.join(self._current_path(), name), self.options.lease_heartbeat_s)
+            run_now(strategy, [FilePart(flatten(state), {})], engine.resources, self.options, name=strategy.path)
+        finally:
+            self._release_staging(planner, pointers)
         future: Future = Future()
         future.set_result(results)
         return future
+
+    def _release_staging(self, planner: SavePlanner, pointers: List[int]) -> None:
+        """The write of a staged state is over: its buffer may be reused."""
+        if self._arenas is None:
+            return
+        staged = getattr(planner, "state_dict", None)
+        if isinstance(staged, dict):
+            stack = list(staged.values())
+            while stack:
+                value = stack.pop()
+                if isinstance(value, torch.Tensor):
+                    value = value.to_local() if hasattr(value, "to_local") else value
+                    pointers.append(value.data_ptr())
+                elif isinstance(value, dict):
+                    stack.extend(value.values())
+                elif isinstance(value, (list, tuple)):
+                    stack.extend(value)
+        released = set()
+        for pointer in pointers:
+            arena = self._arenas.owner_of(pointer)
+            if arena is not None and id(arena) not in released:
+                released.add(id(arena))
+                self._arenas.release(arena)
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         storage = {}
@@ -292,15 +321,26 @@ class LazyStorageWriter(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         name = METADATA if self.use_collectives or self.rank is None else f"__{self.rank}{METADATA}"
         # Commit last, atomically: DCP treats a directory with .metadata as complete.
-        write_file_atomic(os.path.join(self.path, name), pickle.dumps(metadata))
-        fsync_dir(self.path)
+        write_file_atomic(os.path.join(self._current_path(), name), pickle.dumps(metadata))
+        fsync_dir(self._current_path())
 
     def storage_meta(self) -> Optional[StorageMeta]:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self._current_path(), save_id=self.save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _aligned(n: int) -> int:
+    return (n + 4095) // 4096 * 4096
+
+
+def _quarter_ram() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
 
 
 # --------------------------------------------------------------------------- reader

@@ -23,86 +23,140 @@ call after ``deepspeed.initialize``::
     lazyckpt.integrations.deepspeed.wait(engine)   # optional: everything durable now
 
 Files keep DeepSpeed's names (``mp_rank_00_model_states.pt`` ...) but hold
-lazyckpt's format. DeepSpeed's checkpoints contain pickled objects (the loss
-scaler, its config); they load with ``allow_pickle=True``, the engine's
-default, since these are files this engine wrote for you -- pass
-``allow_pickle=False`` to refuse them.
+lazyckpt's format. Every save of a tag runs on lazyckpt's one save engine
+(:mod:`lazyckpt.engine`): one job per tag, its files written in order through
+the bounded host cache, each renamed into place once durable; the tag is
+committed across ranks through the store (keyed by the call, so a failure on
+one rank fails that tag only) and ``latest`` is written after that.
+
+**Pickles.** DeepSpeed's state holds a few objects that are not tensors or
+containers (the ZeRO stage enum, the loss scaler, the fp32 partition map's
+``fragment_address`` records). This module registers safe providers for
+those types, so its files contain no pickle and load with
+``allow_pickle=False``, the default, like any lazyckpt file. An object of a
+type nobody registered is still pickled (logged once at save time); loading
+such a file needs ``allow_pickle=True``.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import logging
 import os
-import threading
-import time
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from ..distributed import rank_info
-from ..errors import CheckpointError, CheckpointWriteError
-from ..fileio import write_file_atomic
+from ..capture import record_events
+from ..distributed import RankInfo, agree, rank_info, refuse
+from ..engine import CommitStrategy, FilePart, Job, SaveEngine
+from ..errors import CheckpointError
+from ..fileio import fsync_dir, remove_quietly, write_file_atomic
 from ..knobs import resolve
-from ._async import AsyncFileWriter, PendingFile, is_lazyckpt_file
+from ..layout import sibling_temp
+from ..loader import _find_pickle, load_file
+from ..providers import flatten, register_provider
+from ._async import is_lazyckpt_file
 
 log = logging.getLogger("lazyckpt.deepspeed")
 
 
-class _Group:
-    """The files of one ``save_checkpoint`` call (one tag)."""
+class TagCommit(CommitStrategy):
+    """The files of one ``save_checkpoint`` call (one tag): each written under a
+    leased hidden sibling and renamed into place once durable; the tag is
+    committed when every rank's files are, and then ``latest`` is written."""
 
-    def __init__(self, info: CheckpointCommitInfo, seq: int):
-        self.info, self.seq = info, seq
-        self.files: List[PendingFile] = []
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-        self.started = time.perf_counter()
+    def __init__(self, info: CheckpointCommitInfo, seq: int, dist: RankInfo, heartbeat_s: float):
+        self.info = info
+        self.path = os.path.abspath(info.save_dir)
+        self.seq = seq
+        self.key = f"ds{seq}"
+        self.dist = dist
+        self.heartbeat_s = heartbeat_s
+        self._reported = False
+
+    def part_path(self, job: Job, part: FilePart) -> str:
+        tmp = sibling_temp(part.final_path)
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        job.lease(tmp, self.heartbeat_s)
+        return tmp
+
+    def part_done(self, job: Job, part: FilePart) -> None:
+        os.replace(part.path, part.final_path)
+        fsync_dir(os.path.dirname(part.final_path))
+
+    def commit(self, job: Job) -> None:
+        self._reported = True
+        if self.dist.distributed:
+            agree(self.dist, self.key, {"ok": True}, f"DeepSpeed checkpoint {self.info.tag!r}",
+                  lambda done: self._write_latest(), forget=[f"ds{self.seq - 1}/outcome"])
+        else:
+            self._write_latest()
+
+    def _write_latest(self) -> None:
+        if self.info.save_latest:
+            write_file_atomic(os.path.join(self.info.save_dir, "latest"), str(self.info.tag).encode())
+
+    def abort(self, job: Job, error: BaseException) -> None:
+        for part in job.parts:
+            path = getattr(part, "path", None)
+            if path is not None and path != part.final_path and os.path.exists(path):
+                remove_quietly(path)
+        if self.dist.distributed and not self._reported:
+            refuse(self.dist, self.key, error)
+
+    def failure_message(self, job: Job, cause: str) -> str:
+        return f"DeepSpeed checkpoint {self.info.tag!r} in {self.info.save_dir} failed: {cause}"
 
 
 class LazyCheckpointEngine(CheckpointEngine):
     """Asynchronous, decoupled DeepSpeed checkpoint engine backed by lazyckpt."""
 
-    def __init__(self, config_params: Any = None, *, allow_pickle: bool = True,
+    def __init__(self, config_params: Any = None, *, allow_pickle: bool = False,
                  commit_timeout_s: float = 600.0, **knobs: Any):
         super().__init__(config_params)
         self.name = "LazyCheckpointEngine"
         self.allow_pickle = allow_pickle
         self.options = resolve(None, **knobs)
-        # Files are written by the shared single-file writer (its optimizer and
-        # buffer-owning-module pre-hooks also guard the capture); this engine
-        # adds the per-tag commit across ranks and the `latest` file.
-        self._writer = AsyncFileWriter(options=self.options)
+        _register_deepspeed_providers()
+        self._engine = SaveEngine(self.options, guard_buffers=True)
+        # DeepSpeed steps through its own optimizer wrappers: guard every optimizer.
+        self._engine.barrier.guard_all_optimizers()
         self._dist = rank_info("lazyckpt-deepspeed", None, commit_timeout_s)
-        self._cond = threading.Condition()
-        self._queue: collections.deque = collections.deque()
-        self._errors: List[BaseException] = []
-        self._group: Optional[_Group] = None
-        self._groups: List[_Group] = []
+        self._job: Optional[Job] = None
         self._seq = 0
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="lazyckpt-deepspeed", daemon=True)
-        self._thread.start()
+        self._warned_pickles = False
 
     # ------------------------------------------------------------------ DeepSpeed API
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        self._raise_errors()
+        self._engine.raise_errors()
         self._seal()
         self._seq += 1
-        self._group = _Group(info, self._seq)
+        strategy = TagCommit(info, self._seq, self._dist, self.options.lease_heartbeat_s)
+        self._job = self._engine.submit(strategy, [], name=f"DeepSpeed checkpoint {info.tag!r}",
+                                        sealed=False)
 
     def save(self, state_dict: Any, path: str) -> None:
-        self._raise_errors()
-        if self._group is None:             # a save outside save_checkpoint (e.g. save_16bit_model)
+        self._engine.raise_errors()
+        if self._job is None:             # a save outside save_checkpoint (e.g. save_16bit_model)
             self.create(CheckpointCommitInfo(tag="", save_dir=os.path.dirname(os.fspath(path)),
                                              save_latest=False))
-        self._group.files.append(self._writer.save(state_dict, path))
+        flat = flatten(state_dict)
+        if not self._warned_pickles and _find_pickle(flat.tree, []) is not None:
+            self._warned_pickles = True
+            node, trail = _find_pickle(flat.tree, [])
+            log.warning("lazyckpt: %s: entry %s is a pickled %s; loading it will need allow_pickle=True. "
+                        "Logged once.", path, "/".join(trail), node.get("type", "object"))
+        self._engine.add_part(self._job, FilePart(flat, {"user": {}}, record_events(s.data for s in flat.sources),
+                                                  final_path=os.path.abspath(os.fspath(path))))
 
     def load(self, path: str, map_location: Any = None) -> Any:
         if is_lazyckpt_file(path):
-            return self._writer.load(path, map_location=map_location, allow_pickle=self.allow_pickle)
+            self.wait()                     # a tag still being written is not read half-way
+            return load_file(path, self.options, self._engine.resources.readers, map_location=map_location,
+                             allow_pickle=self.allow_pickle)
         # A checkpoint written by DeepSpeed's own engine (torch.save): keep loading it.
         return torch.load(path, map_location=map_location, weights_only=not self.allow_pickle)
 
@@ -110,26 +164,21 @@ class LazyCheckpointEngine(CheckpointEngine):
         """Block until the checkpoint of ``info`` is committed (not called by
         DeepSpeed's step path, which gets no commit info from this engine)."""
         self._seal()
-        for group in list(self._groups):
-            if group.info == info:
-                group.done.wait()
-                if group.error is not None:
-                    with self._cond:        # raised here: not again at the next call
-                        if group.error in self._errors:
-                            self._errors.remove(group.error)
-                    raise group.error
+        for job in self._engine.pending_jobs():
+            if isinstance(job.strategy, TagCommit) and job.strategy.info == info:
+                job.handle.wait()          # raises its error, once
         return True
 
     def get_commit_info(self) -> None:
         """Called by DeepSpeed before each optimizer step: the consistency barrier.
 
-        Waits until every pending capture has copied its data (so the step may
-        update the tensors), hands the current checkpoint to the background
-        commit, and returns None so that DeepSpeed does not write ``latest``
+        Hands the current checkpoint to the background commit, waits until every
+        pending capture has copied its data (so the step may update the
+        tensors), and returns None so that DeepSpeed does not write ``latest``
         itself (this engine writes it once the checkpoint is durable).
         """
-        self.wait_for_snapshot()
         self._seal()
+        self._engine.wait_for_snapshot()
         return None
 
     def is_decoupled(self) -> bool:
@@ -143,109 +192,26 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def cleanup(self) -> None:
         """Drain: every pending checkpoint committed (or its error raised)."""
-        self._seal()
         self.wait()
 
     # ------------------------------------------------------------------ extras
 
     def wait_for_snapshot(self) -> None:
-        self._writer.wait_for_snapshot()
-        self._raise_errors()
+        self._engine.wait_for_snapshot()
 
     def wait(self) -> None:
         """Block until every checkpoint handed over so far is committed and durable."""
         self._seal()
-        for group in list(self._groups):
-            group.done.wait()
-        self._raise_errors()
+        self._engine.wait()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            self.cleanup()
-        finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            self._thread.join()
-            self._writer.close(raise_errors=False)
-
-    # ------------------------------------------------------------------ background
+        self._seal()
+        self._engine.close()
 
     def _seal(self) -> None:
-        group, self._group = self._group, None
-        if group is None:
-            return
-        with self._cond:
-            self._groups = [g for g in self._groups if not g.done.is_set()] + [group]
-            self._queue.append(("commit", group))
-            self._cond.notify_all()
-
-    def _raise_errors(self) -> None:
-        with self._cond:
-            if not self._errors:
-                return
-            error = self._errors.pop(0)
-        raise error
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                _, group = self._queue.popleft()
-            self._commit_group(group)
-
-    def _commit_group(self, group: _Group) -> None:
-        d = self._dist
-        try:
-            for f in group.files:
-                f.done.wait()
-            failed = [f for f in group.files if f.error is not None]
-            for f in failed:
-                f.reported = True           # reported through this group's error, once
-            local_error = (f"{failed[0].path}: {type(failed[0].error).__name__}: {failed[0].error}"
-                           if failed else None)
-            if d.distributed:
-                d.publish(f"ds/{group.seq}/done/{d.rank}", {"ok": local_error is None, "error": local_error})
-                if d.coordinator:
-                    keys = [f"ds/{group.seq}/done/{r}" for r in range(d.world_size)]
-                    values = d.wait_for(keys, "every rank's files", group.seq)
-                    errors = {k: v["error"] for k, v in values.items() if not v["ok"]}
-                    outcome = {"ok": not errors, "error": str(errors) if errors else None}
-                    if not errors and group.info.save_latest:
-                        self._write_latest(group.info)
-                    d.publish(f"ds/{group.seq}/outcome", outcome)
-                    d.delete(keys)
-                else:
-                    outcome = d.wait_for([f"ds/{group.seq}/outcome"], "the coordinator's commit",
-                                         group.seq)[f"ds/{group.seq}/outcome"]
-                if not outcome["ok"]:
-                    raise CheckpointError(f"checkpoint {group.info.tag!r} not committed: {outcome['error']}")
-            else:
-                if local_error:
-                    raise CheckpointError(local_error)
-                if group.info.save_latest:
-                    self._write_latest(group.info)
-            log.info("lazyckpt: DeepSpeed checkpoint %r durable (%d files, %.1f MB) after %.2f s",
-                     group.info.tag, len(group.files), sum(f.bytes for f in group.files) / 1e6,
-                     time.perf_counter() - group.started)
-        except BaseException as exc:
-            error = CheckpointWriteError(f"DeepSpeed checkpoint {group.info.tag!r} in {group.info.save_dir} "
-                                         f"failed: {type(exc).__name__}: {exc}", path=group.info.save_dir)
-            error.__cause__ = exc
-            group.error = error
-            with self._cond:
-                self._errors.append(error)
-            log.error("lazyckpt: %s", error)
-        finally:
-            group.done.set()
-
-    def _write_latest(self, info: CheckpointCommitInfo) -> None:
-        write_file_atomic(os.path.join(info.save_dir, "latest"), str(info.tag).encode())
+        job, self._job = self._job, None
+        if job is not None:
+            self._engine.seal(job)
 
 
 def enable(engine: Any, **kwargs: Any) -> LazyCheckpointEngine:
@@ -269,3 +235,48 @@ def wait(engine: Any) -> None:
     if not isinstance(ckpt, LazyCheckpointEngine):
         raise CheckpointError("this DeepSpeed engine does not use lazyckpt; call enable(engine) first")
     ckpt.wait()
+
+
+# --------------------------------------------------------------------------- safe providers
+
+_registered = False
+
+
+def _register_deepspeed_providers() -> None:
+    """Save DeepSpeed's few non-tensor objects as safe state instead of pickles."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    except ImportError:             # pragma: no cover (moved in another DeepSpeed release)
+        LossScaler = DynamicLossScaler = None
+    for cls in (LossScaler, DynamicLossScaler):
+        if cls is not None:
+            register_provider(cls, _object_to_state, _object_from_state(cls))
+    try:
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:             # pragma: no cover
+        fragment_address = None
+    if fragment_address is not None and dataclasses.is_dataclass(fragment_address):
+        register_provider(fragment_address, lambda obj: dataclasses.asdict(obj),
+                          lambda state: fragment_address(**state))
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+    except ImportError:             # pragma: no cover
+        ZeroStageEnum = None
+    if ZeroStageEnum is not None:
+        register_provider(ZeroStageEnum, lambda e: e.value, ZeroStageEnum)
+
+
+def _object_to_state(obj: Any) -> Any:
+    return dict(vars(obj))
+
+
+def _object_from_state(cls: type):
+    def build(state: Any) -> Any:
+        obj = cls.__new__(cls)
+        obj.__dict__.update(state)
+        return obj
+    return build

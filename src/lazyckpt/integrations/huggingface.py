@@ -90,7 +90,8 @@ import torch
 from ..errors import MissingKeyError
 from ..fileio import fsync_dir, write_file_atomic
 from ..knobs import resolve
-from ._async import AsyncFileWriter, clean_temp_files, temp_name
+from ..layout import clean_sibling_temps, sibling_temp
+from ._async import AsyncFileWriter
 
 log = logging.getLogger("lazyckpt")
 
@@ -252,9 +253,9 @@ class LazyCheckpointMixin:
         os.makedirs(run_dir, exist_ok=True)
         if run_dir not in getattr(self, "_lazyckpt_cleaned", set()):
             self._lazyckpt_cleaned = getattr(self, "_lazyckpt_cleaned", set()) | {run_dir}
-            clean_temp_files(run_dir)
-        staging = temp_name(output_dir)
-        os.makedirs(staging)
+            clean_sibling_temps(run_dir, writer.options.lease_expiry_s)
+        # Created by the save itself when it starts, with its leased data file in it.
+        staging = sibling_temp(output_dir)
         best = state.best_model_checkpoint
         limit = args.save_total_limit
 
@@ -396,7 +397,7 @@ def _commit_directory(staging: str, final: str, files: Dict[str, str]) -> None:
     parent = os.path.dirname(final)
     old = None
     if os.path.lexists(final):              # the same step saved again: replace it
-        old = temp_name(final + "-replaced")
+        old = sibling_temp(final + "-replaced")
         os.rename(final, old)
     os.rename(staging, final)
     fsync_dir(parent)

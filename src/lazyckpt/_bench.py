@@ -1,4 +1,6 @@
-"""Side-by-side checkpoint benchmark (``lazyckpt bench``).
+"""Side-by-side checkpoint benchmark (``lazyckpt bench``): a private module, loaded
+only by that command and by benchmarks/ (the peers' setup lives here, not in the
+core the library imports).
 
 One state (a flat dict of tensors: ``--size`` bytes split into ``--tensors``
 tensors cycling through ``--dtypes``), saved and loaded in the same run by:
@@ -57,7 +59,6 @@ import logging
 import mmap
 import os
 import platform
-import re
 import shutil
 import socket
 import statistics
@@ -82,17 +83,6 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16
           "int64": torch.int64}
 if hasattr(torch, "float8_e4m3fn"):
     DTYPES["fp8"] = DTYPES["fp8_e4m3"] = torch.float8_e4m3fn
-
-
-def parse_size(text: str) -> int:
-    """'256M', '1G', '1.5GiB', '4096', '512k' -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"bad size {text!r} (examples: 256M, 1G, 1.5GiB, 4096)")
-    value = float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2).lower() or " ")))
-    if value < 1:
-        raise ValueError(f"size must be at least 1 byte, got {text!r}")
-    return int(value)
 
 
 def parse_dtypes(text: str) -> List[torch.dtype]:

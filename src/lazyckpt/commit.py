@@ -1,0 +1,162 @@
+"""Commit strategies: how the files of one job become a checkpoint.
+
+* :class:`FileCommit` -- one file at a path (``lazyckpt.save``, Lightning, the
+  HF Trainer, DCP's per-rank files): written under a leased hidden sibling,
+  fsynced, renamed over the path, directory fsynced.
+* :class:`StepCommit` -- one step of a Checkpointer directory: every rank
+  writes its file into one leased temporary directory; then (two-phase,
+  through the store, with several ranks) the coordinator writes the manifest
+  and renames the directory into place (``CheckpointDir.commit``), then applies
+  retention and writes ``latest``.
+
+DeepSpeed's tag groups add their own strategy in
+:mod:`lazyckpt.integrations.deepspeed`, on the same base.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any, Callable, Dict, List, Optional
+
+from . import manifest
+from .distributed import RankInfo, agree, refuse
+from .engine import CommitStrategy, FilePart, Job
+from .errors import CheckpointError
+from .fileio import fsync_dir, remove_quietly, write_file_atomic
+from .layout import MANIFEST, CheckpointDir, new_token, rank_filename, remove_tree, sibling_temp
+
+
+class FileCommit(CommitStrategy):
+    """One file at ``path``. ``on_commit(handle)`` runs once it is durable (still
+    on the job's thread: e.g. to move it into a directory being assembled)."""
+
+    def __init__(self, path: str, heartbeat_s: float, on_commit: Optional[Callable[[Any], None]] = None,
+                 message: str = "checkpoint save failed"):
+        self.path = os.path.abspath(os.fspath(path))
+        self.heartbeat_s = heartbeat_s
+        self.on_commit = on_commit
+        self.message = message
+        self._tmp: Optional[str] = None
+
+    def part_path(self, job: Job, part: FilePart) -> str:
+        self._tmp = sibling_temp(part.final_path or self.path)
+        os.makedirs(os.path.dirname(self._tmp), exist_ok=True)
+        job.lease(self._tmp, self.heartbeat_s)
+        return self._tmp
+
+    def commit(self, job: Job) -> None:
+        os.replace(self._tmp, self.path)
+        self._tmp = None
+        fsync_dir(os.path.dirname(self.path))
+        if self.on_commit is not None:
+            self.on_commit(job.handle)
+
+    def abort(self, job: Job, error: BaseException) -> None:
+        if self._tmp is not None:
+            remove_quietly(self._tmp)
+
+    def failure_message(self, job: Job, cause: str) -> str:
+        return f"{self.path}: {self.message}: {cause}"
+
+
+class StepCommit(CommitStrategy):
+    """One step of a Checkpointer directory, on one rank or several.
+
+    ``call`` is this save's call number (the same on every rank); the
+    temporary directory and the store keys are named after it, so a call
+    refused on one rank fails that step only."""
+
+    def __init__(self, layout: CheckpointDir, dist: RankInfo, step: int, call: int, *,
+                 keep_last: Optional[int], replicated: List[Any], metadata: Dict[str, Any],
+                 heartbeat_s: float):
+        self.layout = layout
+        self.path = layout.path
+        self.dist = dist
+        self.step = step
+        self.call = call
+        self.keep_last = keep_last
+        self.replicated = replicated
+        self.metadata = metadata            # the user's, as it goes into the manifest
+        self.heartbeat_s = heartbeat_s
+        self.key = f"c{call}"
+        self.tmp = layout.temp_path(step, f"r{dist.run_id}-{self.key}" if dist.distributed else new_token())
+        self.save_id = f"{dist.run_id}-{self.key}" if dist.distributed else uuid.uuid4().hex
+        self._reported = False
+
+    def footer_metadata(self) -> Dict[str, Any]:
+        """What every data file's footer carries: ties it to this save and rank."""
+        d = self.dist
+        return {"step": self.step, **self.metadata,
+                "lazyckpt": {"save_id": self.save_id, "rank": d.rank, "world_size": d.world_size}}
+
+    def begin(self, job: Job) -> None:
+        os.makedirs(self.tmp, exist_ok=self.dist.distributed)
+
+    def part_path(self, job: Job, part: FilePart) -> str:
+        path = os.path.join(self.tmp, rank_filename(self.dist.rank))
+        job.lease(path, self.heartbeat_s)
+        return path
+
+    def commit(self, job: Job) -> None:
+        (part,) = job.parts
+        flat_shards = part.shards
+        report: Dict[str, Any] = {"ok": True, "step": self.step, "bytes": part.stats.file_bytes,
+                                  "digest": part.digest}
+        if not self.dist.distributed:
+            report["shards"] = flat_shards or []
+            self._reported = True
+            self._commit({0: report})
+            return
+        if flat_shards:
+            # The store refuses large values (about 8 MiB): shard geometry travels
+            # through a side file in the temporary directory instead.
+            side = os.path.join(self.tmp, f".shards_{self.dist.rank:05d}.json")
+            with open(side, "w") as f:
+                json.dump(flat_shards, f, separators=(",", ":"))
+            report["shards_file"] = os.path.basename(side)
+        self._reported = True
+        agree(self.dist, self.key, report, self.step, self._commit,
+              forget=[f"c{self.call - 1}/outcome"])
+
+    def _commit(self, done: Dict[int, Dict[str, Any]]) -> None:
+        """Coordinator: every rank's file is durable; write the manifest and rename."""
+        steps = {v.get("step") for v in done.values()}
+        if steps != {self.step}:
+            raise CheckpointError(f"step {self.step}: the ranks saved different steps in this call "
+                                  f"({sorted(map(str, steps))}); save() must be called with the same step "
+                                  f"on every rank", step=self.step)
+        if len({v["digest"] for v in done.values()}) > 1:
+            raise CheckpointError(f"step {self.step}: the replicated keys {self.replicated} differ between "
+                                  f"ranks; they cannot be written once", step=self.step)
+        for v in done.values():
+            name = v.pop("shards_file", None)
+            if name is not None:
+                with open(os.path.join(self.tmp, name)) as f:
+                    v["shards"] = json.load(f)
+                os.unlink(os.path.join(self.tmp, name))
+        raw = manifest.build(self.step, done, self.save_id, {"step": self.step, **self.metadata},
+                             self.replicated)
+        write_file_atomic(os.path.join(self.tmp, MANIFEST), raw)
+        fsync_dir(self.tmp)
+        self.layout.commit(self.tmp, self.step, keep_superseded=self.keep_last is None)
+
+    def abort(self, job: Job, error: BaseException) -> None:
+        d = self.dist
+        if d.distributed and not self._reported:
+            refuse(d, self.key, error)      # the others fail this step now, not at a deadline
+        if not d.distributed or d.coordinator:
+            if os.path.isdir(self.tmp):     # not renamed: nothing of this step may remain
+                remove_tree(self.tmp)
+
+    def after_commit(self, job: Job) -> None:
+        if not self.dist.coordinator:
+            return
+        self.layout.apply_retention(self.keep_last)
+        # Superseding made the step just committed the newest one.
+        self.layout.write_latest(self.step)
+        self.layout.clean_leftovers()
+
+    def failure_message(self, job: Job, cause: str) -> str:
+        return f"{self.path}: checkpoint of step {self.step} failed: {cause}"

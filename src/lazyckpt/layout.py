@@ -1,0 +1,565 @@
+"""Directory layout: how checkpoints are named, listed, committed, retired and
+protected on a file system. This module knows checkpoints, not bytes; it is
+the one place the Checkpointer, the CLI tools and the integrations use for
+names, `latest`, retention, leftovers and the protection of live saves and
+of steps being read (docs/FORMAT.md §11).
+
+Live saves are protected by **leases**, not pid guessing: a process writing a
+temporary file holds an exclusive ``flock`` on it for as long as the save is
+in progress and refreshes its modification time every ``heartbeat_s`` (one
+small keeper thread per process). A temporary file or directory is removed
+only when it is *provably dead*: no file of it is locked by anyone and none
+was modified within ``lease_expiry_s``. Either signal alone keeps it: the lock
+covers a clock skew between hosts, the heartbeat covers file systems whose
+locks are node-local or absent. A process never probes its own leases (a
+POSIX lock emulation would drop them on close).
+
+Steps being read are protected by a shared lock on their manifest: retention
+skips a step whose manifest another process holds, and retries at its next
+pass; a reader that finds its step gone (a file system without locks, or a
+superseded step) reports precisely that it was deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from .errors import CheckpointNotFoundError
+from .fileio import fsync_dir, read_small_file, write_file_atomic
+
+log = logging.getLogger("lazyckpt")
+
+STEP_DIR = re.compile(r"^step_(\d{10})$")
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TEMP_PREFIX = ".tmp-"
+DELETING_PREFIX = ".deleting-"
+ABANDONED_PREFIX = ".abandoned-"
+#: A hidden sibling of a file or directory written by an integration (``sibling_temp``).
+SIBLING_TEMP = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<token>[0-9a-f]{12}|.+-\d+-[0-9a-f]{8})$")
+#: Temporaries of ``write_file_atomic`` (``latest``, ``manifest.json``).
+SMALL_TEMP = re.compile(r"^(latest|manifest\.json)\.tmp-[0-9A-Za-z]+$")
+
+DEFAULT_HEARTBEAT_S = 5.0
+DEFAULT_EXPIRY_S = 60.0
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:010d}"
+
+
+def rank_filename(rank: int) -> str:
+    return f"rank_{rank:05d}.lzc"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def sibling_temp(path: str) -> str:
+    """A hidden sibling of ``path`` for a save in progress (renamed over ``path`` once durable)."""
+    directory, base = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{base}.tmp-{new_token()}")
+
+
+# --------------------------------------------------------------------------- leases
+
+_LOCK_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_held: Dict[Tuple[int, int], int] = {}          # (st_dev, st_ino) -> count, leases of this process
+_held_lock = threading.Lock()
+
+
+class Lease:
+    """A save in progress holds this on a file it writes: an exclusive flock for
+    as long as the save lives, and a heartbeat (the file's mtime refreshed every
+    ``heartbeat_s`` by the keeper thread). The file is created if missing and
+    never truncated here. ``release()`` is idempotent."""
+
+    def __init__(self, path: str, heartbeat_s: float = DEFAULT_HEARTBEAT_S):
+        self.path = path
+        self.heartbeat_s = heartbeat_s
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        st = os.fstat(self.fd)
+        self.key = (st.st_dev, st.st_ino)
+        self.locked = False
+        try:
+            _flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.locked = True
+        except OSError as exc:
+            if exc.errno not in _LOCK_UNSUPPORTED:
+                os.close(self.fd)
+                raise
+            log.debug("lazyckpt: %s: no file locks here (%s); the heartbeat alone protects it", path, exc)
+        with _held_lock:
+            _held[self.key] = _held.get(self.key, 0) + 1
+        _keeper.add(self)
+
+    def beat(self) -> None:
+        try:
+            os.utime(self.fd)
+        except OSError:
+            pass                    # the file may be gone already (committed, or removed)
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        _keeper.remove(self)
+        with _held_lock:
+            n = _held.get(self.key, 1) - 1
+            if n:
+                _held[self.key] = n
+            else:
+                _held.pop(self.key, None)
+        os.close(self.fd)           # drops the lock
+        self.fd = -1
+
+
+class _Keeper:
+    """One daemon thread per process that refreshes every live lease's heartbeat;
+    it exits when no lease is left."""
+
+    def __init__(self) -> None:
+        self._leases: List[Lease] = []
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, lease: Lease) -> None:
+        with self._cond:
+            self._leases.append(lease)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lazyckpt-lease", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def remove(self, lease: Lease) -> None:
+        with self._cond:
+            if lease in self._leases:
+                self._leases.remove(lease)
+            thread = self._thread if not self._leases else None
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(1.0)        # gone with the last lease: no thread outlives the saves
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._leases:
+                    self._thread = None
+                    return
+                leases = list(self._leases)
+                period = min(lease.heartbeat_s for lease in leases)
+            for lease in leases:
+                lease.beat()
+            with self._cond:
+                self._cond.wait(period)
+
+
+_keeper = _Keeper()
+
+
+def _held_here(st: os.stat_result) -> bool:
+    with _held_lock:
+        return (st.st_dev, st.st_ino) in _held
+
+
+def locked_by_someone(path: str) -> Optional[bool]:
+    """True if another holder has ``path`` locked (shared or exclusive); False if
+    not; None if this file system cannot tell (no locks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        if _held_here(os.fstat(fd)):
+            return True
+        try:
+            _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return True
+            if exc.errno in _LOCK_UNSUPPORTED:
+                return None
+            return False
+        return False
+    finally:
+        os.close(fd)            # also drops the probe's own shared lock
+
+
+def is_live(path: str, expiry_s: float, now: Optional[float] = None) -> bool:
+    """Whether a temporary file or directory (and the files directly in it) may
+    belong to a save in progress: any file locked, or anything modified within
+    ``expiry_s``. Only a save that is provably dead is not live."""
+    now = time.time() if now is None else now
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    candidates = [(path, st)]
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return True             # cannot look inside: do not touch it
+        for name in names:
+            p = os.path.join(path, name)
+            try:
+                candidates.append((p, os.lstat(p)))
+            except FileNotFoundError:
+                continue
+    for p, s in candidates:
+        if now - s.st_mtime < expiry_s:
+            return True
+        if stat.S_ISREG(s.st_mode) and locked_by_someone(p):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------- steps being read
+
+
+class StepDir:
+    """One committed step directory (``DIR/step_XXXXXXXXXX``)."""
+
+    def __init__(self, path: str, step: Optional[int] = None):
+        self.path = os.path.abspath(path)
+        self.step = step
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator["_Held"]:
+        """Hold a shared lock on the manifest while the step is read, so that
+        retention (in any process) does not delete it under the reader."""
+        manifest = os.path.join(self.path, MANIFEST)
+        try:
+            fd = os.open(manifest, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path}: no committed checkpoint (no {MANIFEST})",
+                                          path=self.path, step=self.step) from None
+        try:
+            try:
+                _flock(fd, fcntl.LOCK_SH)
+            except OSError as exc:
+                if exc.errno not in _LOCK_UNSUPPORTED:
+                    raise
+            held = _Held(self, fd, manifest)
+            # Locked, but the step may have been renamed away just before.
+            if not held.still_there():
+                raise held.deleted()
+            yield held
+        finally:
+            os.close(fd)
+
+
+class _Held:
+    def __init__(self, step_dir: StepDir, fd: int, manifest: str):
+        self.step_dir, self.fd, self.manifest = step_dir, fd, manifest
+
+    def still_there(self) -> bool:
+        """Whether the step's path still names the manifest being held."""
+        try:
+            return os.path.samestat(os.fstat(self.fd), os.stat(self.manifest))
+        except OSError:
+            return False
+
+    def deleted(self) -> CheckpointNotFoundError:
+        return deleted_while_reading(self.step_dir.path, self.step_dir.step)
+
+
+def _flock(fd: int, operation: int) -> None:
+    """``fcntl.flock`` (a seam: file systems without locks raise ENOLCK here)."""
+    fcntl.flock(fd, operation)
+
+
+def deleted_while_reading(path: str, step: Optional[int]) -> CheckpointNotFoundError:
+    what = f"step {step}" if step is not None else path
+    return CheckpointNotFoundError(f"{path}: {what} was deleted while it was being read (retention, a "
+                                   f"newer save superseding it, or `lazyckpt prune` in another process)",
+                                   path=path, step=step)
+
+
+def _lock_for_delete(step_path: str) -> Tuple[Optional[int], bool]:
+    """(fd holding an exclusive lock on the manifest or None, True if a reader holds it)."""
+    manifest = os.path.join(step_path, MANIFEST)
+    fd = -1
+    for flags in (os.O_RDWR, os.O_RDONLY):
+        try:
+            fd = os.open(manifest, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            break
+        except OSError:
+            continue
+    if fd < 0:
+        return None, False
+    try:
+        _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None, True
+        return None, False
+    return fd, False
+
+
+# --------------------------------------------------------------------------- leftovers
+
+
+@dataclass
+class Leftover:
+    """A name in a checkpoint directory that is not a committed step."""
+    name: str
+    #: "saving" (a live save), "interrupted-save" (provably dead), "deleting",
+    #: "abandoned" (superseded by a rollback), "small-tmp", "incomplete-step"
+    kind: str
+    bytes: int
+    step: Optional[int] = None
+
+    def describe(self) -> str:
+        return {"saving": "save in progress (leased)",
+                "interrupted-save": "interrupted save (its lease expired)",
+                "deleting": "interrupted delete",
+                "abandoned": "abandoned: superseded by a save of an older step (rollback)",
+                "small-tmp": "interrupted update of a small file",
+                "incomplete-step": f"not committed: no {MANIFEST}"}[self.kind]
+
+    @property
+    def removable(self) -> bool:
+        """What a cleanup may remove without asking: provably dead leftovers."""
+        return self.kind in ("interrupted-save", "deleting", "small-tmp")
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files under ``path`` (or of the file itself)."""
+    try:
+        if not os.path.isdir(path) or os.path.islink(path):
+            return os.lstat(path).st_size
+    except OSError:
+        return 0
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _step_in(name: str) -> Optional[int]:
+    m = re.search(r"step_(\d{10})", name)
+    return int(m.group(1)) if m else None
+
+
+def remove_tree(path: str) -> None:
+    """Remove a file or a directory tree; a path already gone is fine."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# --------------------------------------------------------------------------- a Checkpointer directory
+
+
+class CheckpointDir:
+    """A directory of committed steps (docs/FORMAT.md §11).
+
+    Invariant: the committed steps form one line of history, so the step
+    order *is* the commit order and the latest step is the most recently
+    committed one. Committing step S supersedes every committed step >= S
+    (a run resumed from an older step abandons the newer ones): they are
+    renamed out of the committed namespace before S appears, so a crash at
+    any instant leaves a consistent line (at worst without S and without the
+    superseded steps). Superseded steps are kept aside as ``.abandoned-*``
+    when retention is off, deleted otherwise.
+    """
+
+    def __init__(self, path: str, lease_expiry_s: float = DEFAULT_EXPIRY_S):
+        self.path = os.path.abspath(os.fspath(path))
+        self.lease_expiry_s = lease_expiry_s
+
+    # ---------------------------------------------------------------- names
+
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.path, step_dirname(step))
+
+    def temp_path(self, step: int, token: str) -> str:
+        return os.path.join(self.path, f"{TEMP_PREFIX}{step_dirname(step)}-{token}")
+
+    # ---------------------------------------------------------------- listing
+
+    def steps(self) -> List[int]:
+        """Committed steps, oldest (= first committed) first."""
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path}: no such directory", path=self.path) from None
+        out = []
+        for name in names:
+            m = STEP_DIR.match(name)
+            if m and os.path.isfile(os.path.join(self.path, name, MANIFEST)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> Optional[int]:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def latest_file(self) -> Optional[int]:
+        """What ``DIR/latest`` says (advisory: readers trust the listing)."""
+        raw = read_small_file(os.path.join(self.path, LATEST), 64)
+        try:
+            return int(raw.decode().strip()) if raw is not None else None
+        except (UnicodeDecodeError, ValueError):
+            return None
+
+    # ---------------------------------------------------------------- commit
+
+    def commit(self, tmp: str, step: int, keep_superseded: bool) -> List[int]:
+        """Make the complete, fsynced temporary directory ``tmp`` the committed
+        ``step``; returns the steps it superseded (>= step)."""
+        superseded = [s for s in self.steps() if s >= step]
+        retired = []
+        for s in sorted(superseded, reverse=True):
+            trash = self._retire(s, ABANDONED_PREFIX if keep_superseded else DELETING_PREFIX, force=True)
+            if trash is not None:
+                retired.append(trash)
+        if retired:
+            fsync_dir(self.path)        # the old line is gone before the new step appears
+            log.warning("lazyckpt: %s: step %d supersedes step(s) %s of an abandoned run (%s)", self.path,
+                        step, superseded, "kept as .abandoned-*" if keep_superseded else "deleted")
+        os.rename(tmp, self.step_path(step))
+        fsync_dir(self.path)
+        if not keep_superseded:
+            for trash in retired:
+                self._remove_trash(trash)
+        return superseded
+
+    def write_latest(self, step: int) -> None:
+        write_file_atomic(os.path.join(self.path, LATEST), f"{step}\n".encode())
+
+    # ---------------------------------------------------------------- retention
+
+    def apply_retention(self, keep_last: Optional[int]) -> List[int]:
+        """Delete all but the ``keep_last`` newest steps, and abandoned steps.
+        A step another process is reading is kept until a later pass."""
+        if keep_last is None:
+            return []
+        deleted = []
+        for step in self.steps()[:-keep_last]:
+            if self.delete_step(step, wait_for_readers=False):
+                deleted.append(step)
+            else:
+                log.info("lazyckpt: %s: step %d is being read; deleting it later", self.path, step)
+        for leftover in self.leftovers():
+            if leftover.kind == "abandoned":
+                self._remove_trash(os.path.join(self.path, leftover.name))
+        return deleted
+
+    def delete_step(self, step: int, wait_for_readers: bool = False) -> bool:
+        """Rename the step to ``.deleting-*``, fsync, then remove it (FORMAT.md §11.4).
+        Returns False (and leaves it) if a reader holds it and not ``wait_for_readers``."""
+        trash = self._retire(step, DELETING_PREFIX, force=wait_for_readers)
+        if trash is None:
+            return False
+        fsync_dir(self.path)
+        self._remove_trash(trash)
+        return True
+
+    def _retire(self, step: int, prefix: str, force: bool) -> Optional[str]:
+        path = self.step_path(step)
+        fd, busy = _lock_for_delete(path)
+        if busy and not force:
+            return None
+        trash = os.path.join(self.path, f"{prefix}{step_dirname(step)}-{new_token()}")
+        try:
+            os.rename(path, trash)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        return trash
+
+    def _remove_trash(self, trash: str) -> None:
+        fd, busy = _lock_for_delete(trash)
+        if fd is not None:
+            os.close(fd)
+        if busy:
+            return                      # a reader still holds it: a later cleanup removes it
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ---------------------------------------------------------------- leftovers
+
+    def leftovers(self) -> List[Leftover]:
+        out = []
+        now = time.time()
+        for name in sorted(os.listdir(self.path)):
+            path = os.path.join(self.path, name)
+            if name.startswith(TEMP_PREFIX + "step_"):
+                kind = "saving" if is_live(path, self.lease_expiry_s, now) else "interrupted-save"
+            elif name.startswith(DELETING_PREFIX + "step_"):
+                kind = "deleting"
+            elif name.startswith(ABANDONED_PREFIX + "step_"):
+                kind = "abandoned"
+            elif SMALL_TEMP.match(name):
+                kind = "saving" if is_live(path, self.lease_expiry_s, now) else "small-tmp"
+            elif STEP_DIR.match(name) and os.path.isdir(path) and \
+                    not os.path.isfile(os.path.join(path, MANIFEST)):
+                kind = "incomplete-step"
+            else:
+                continue
+            out.append(Leftover(name, kind, tree_bytes(path), _step_in(name)))
+        return out
+
+    def clean_leftovers(self) -> List[str]:
+        """Remove what is provably dead: expired saves, interrupted deletes (not
+        being read), stale small temporaries. Never a live save, never data."""
+        removed = []
+        for leftover in self.leftovers():
+            if not leftover.removable:
+                continue
+            path = os.path.join(self.path, leftover.name)
+            if leftover.kind == "deleting":
+                self._remove_trash(path)
+            else:
+                remove_tree(path)
+            if not os.path.lexists(path):
+                removed.append(leftover.name)
+        if removed:
+            log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", self.path, removed)
+        return removed
+
+
+def clean_sibling_temps(directory: str, expiry_s: float = DEFAULT_EXPIRY_S) -> List[str]:
+    """Remove provably dead ``sibling_temp`` files and directories in ``directory``."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        if not SIBLING_TEMP.match(name):
+            continue
+        path = os.path.join(directory, name)
+        if is_live(path, expiry_s, now):
+            continue
+        try:
+            remove_tree(path)
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", directory, removed)
+    return removed

@@ -1,0 +1,88 @@
+"""The manifest of a committed step (docs/FORMAT.md §11.2): built by the
+coordinator at commit, parsed and checked by every reader."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Dict, List, Optional
+
+from . import format as fmt
+from .distributed import shard_index
+from .errors import CheckpointError, CorruptCheckpointError
+from .layout import rank_filename
+
+#: A reader refuses larger manifests (hostile-file guard); writers refuse to commit them.
+MAX_MANIFEST_BYTES = 1 << 30
+
+
+def check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """User metadata goes into the footer and manifest as JSON: refuse what would
+    not round-trip, on the caller's thread rather than after the data is written."""
+    metadata = dict(metadata or {})
+    try:
+        text = json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"metadata must be JSON-serializable: {exc}") from None
+    if json.loads(text) != metadata:
+        raise ValueError("metadata must round-trip through JSON (string keys, no tuples)")
+    for reserved in ("step", "lazyckpt"):
+        if reserved in metadata:
+            raise ValueError(f"metadata key {reserved!r} is reserved (the Checkpointer records it)")
+    return metadata
+
+
+def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Dict[str, Any],
+          replicated: List[Any]) -> bytes:
+    """The manifest's bytes, given every rank's report (``bytes``, ``shards``)."""
+    world = len(done)
+    manifest: Dict[str, Any] = {
+        "format_version": fmt.FORMAT_VERSION, "step": step, "world_size": world,
+        "files": [{"rank": r, "name": rank_filename(r), "bytes": done[r]["bytes"]} for r in range(world)],
+        "created_unix": time.time(), "save_id": save_id, "metadata": metadata}
+    index = shard_index(done)
+    if index:
+        manifest["shards"] = index
+    if replicated:
+        manifest["replicated"] = [str(k) for k in replicated]
+    manifest["checksum"] = checksum(manifest)
+    raw = json.dumps(manifest, separators=(",", ":")).encode()
+    if len(raw) > MAX_MANIFEST_BYTES:
+        # Never commit what the loader would refuse (and let retention delete the
+        # previous, loadable step).
+        raise CheckpointError(f"step {step}: the manifest would be {len(raw)} bytes, over the loader's "
+                              f"limit of {MAX_MANIFEST_BYTES}", step=step)
+    return raw
+
+
+def parse(raw: bytes, path: str) -> Dict[str, Any]:
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes", path=path)
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpointError(f"{path}: manifest is not valid JSON", path=path) from None
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"{path}: manifest is not a JSON object", path=path)
+    fmt.check_version(manifest.get("format_version"), path)
+    files = manifest.get("files")
+    world = manifest.get("world_size")
+    if not isinstance(files, list) or not files or not all(
+            isinstance(f, dict) and isinstance(f.get("name"), str) and re.fullmatch(r"rank_\d{5}\.lzc", f["name"])
+            and type(f.get("rank")) is int and f["name"] == rank_filename(f["rank"]) for f in files):
+        raise CorruptCheckpointError(f"{path}: manifest lists no valid data files", path=path)
+    if type(world) is not int or world != len(files) or \
+            sorted(f["rank"] for f in files) != list(range(world)):
+        raise CorruptCheckpointError(f"{path}: manifest world_size {world!r} does not match its files",
+                                     path=path)
+    expected = manifest.pop("checksum", None)
+    if expected != checksum(manifest):
+        raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (file damaged)", path=path)
+    return manifest
+
+
+def checksum(manifest: Dict[str, Any]) -> int:
+    """xxh3-64 of the manifest's canonical JSON, without its own checksum field."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return fmt.checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())

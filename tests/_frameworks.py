@@ -1,0 +1,28 @@
+"""Importing an integration's framework in a test.
+
+Outside CI a missing framework skips the test (a developer may not have
+installed every extra); under CI (``CI=true``) it fails: CI installs every
+framework, so a missing one is a broken install step, not a test to pass.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+
+def under_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(module: str):
+    """The imported module, or skip (fail under CI) if it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if under_ci():
+            pytest.fail(f"{module} is not installed, but CI must test its integration: {exc}",
+                        pytrace=False)
+        pytest.skip(f"{module} is not installed: {exc}", allow_module_level=True)
