@@ -3,7 +3,9 @@ tree (e.g. a checkout of an earlier commit), in one run, interleaved.
 
 Runs ``bench_training.py --modes none,lazyckpt`` alternately with this
 tree's ``src`` and the baseline's on ``PYTHONPATH`` (same model, seed,
-batches, disk), ``--rounds`` times, and prints per version the medians of
+batches, disk), ``--rounds`` times in ABBA order (which version goes first
+alternates, so a disk that drifts steadily during the run favours neither),
+and prints per version the medians of
 s/iter, overhead against that run's own no-checkpoint baseline, save()
 blocking, optimizer stall and time to durable, and the ratios new/old.
 
@@ -50,7 +52,8 @@ def main() -> None:
     results = {name: [] for name in versions}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
-            for name, src in versions.items():
+            order = list(versions.items())
+            for name, src in (order if rnd % 2 == 0 else order[::-1]):
                 r = run(src, extra, os.path.join(tmp, f"{rnd}-{len(results[name])}.json"))
                 results[name].append(r)
                 print(f"round {rnd + 1} {name}: " + ", ".join(f"{k} {r[k]:.4f}" for k in KEYS)

@@ -130,6 +130,19 @@ def assert_same(a: Any, b: Any, where: str = "<root>") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def clone_state(x: Any, device: Any = None) -> Any:
+    """A copy of a nested state whose tensors are detached clones (moved to
+    ``device`` if given), keeping container types: a reference taken at save()."""
+    if isinstance(x, dict):
+        return type(x)((k, clone_state(v, device)) for k, v in x.items())
+    if isinstance(x, list):
+        return [clone_state(v, device) for v in x]
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        return x.to(device, copy=True) if device is not None else x.clone()
+    return x
+
+
 def tensors_with_paths(x: Any, where: str = "") -> list:
     """(path, tensor) of every tensor in a nested state, in walk order."""
     out = []

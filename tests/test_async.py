@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lazyckpt
+from lzc_tools import clone_state
 from lazyckpt import fileio
 
 
@@ -23,15 +24,6 @@ def _model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32),
                                torch.nn.LayerNorm(32))
 
-
-def _clone(state):
-    if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_clone(v) for v in state]
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    return state
 
 
 def _assert_same(a, b, where=""):
@@ -66,7 +58,7 @@ def test_capture_is_consistent_under_in_place_mutation(tmp_path, cache_bytes):
             opt.step()                     # waits for the previous captures first
             opt.zero_grad()
             state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
-            refs[step] = _clone(state)
+            refs[step] = clone_state(state)
             ckpt.save(state, step=step)
             # Mutate everything in place the moment the capture allows it.
             ckpt.wait_for_snapshot()

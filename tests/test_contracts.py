@@ -31,19 +31,12 @@ import torch
 
 import lazyckpt
 from _dist import run_ranks
-from lzc_tools import assert_same
+from lzc_tools import assert_same, clone_state
 
 pytestmark = pytest.mark.timeout(300)
 
 SLOW_KNOBS = dict(host_cache_bytes=8192, chunk_bytes=4096, writer_threads=1)
 
-
-def _clone(x):
-    if isinstance(x, dict):
-        return type(x)((k, _clone(v)) for k, v in x.items())
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    return x
 
 
 # --------------------------------------------------------------------------- 1. buffers
@@ -68,7 +61,7 @@ def test_attach_alone_keeps_batchnorm_buffers_at_their_save_values(tmp_path):
         opt.step()
         opt.zero_grad()
         state = {"model": model.state_dict()}
-        expected = _clone(state)
+        expected = clone_state(state)
         handle = ckpt.save(state, step=1)
         capturing = not handle.snapshot_done.is_set()
         model(x)                                      # updates running_mean/var in place
@@ -84,7 +77,7 @@ def test_the_file_writer_of_the_integrations_guards_buffers_too(tmp_path):
     x = torch.randn(8, 1024)
     model(x)
     state = {"model": model.state_dict()}
-    expected = _clone(state)
+    expected = clone_state(state)
     writer = AsyncFileWriter(**SLOW_KNOBS)
     try:
         pending = writer.save(state, str(tmp_path / "f.lzc"))
@@ -469,7 +462,7 @@ def test_dcp_staging_buffers_are_not_reused_before_their_write_is_durable(tmp_pa
             with torch.no_grad():
                 state["w"].fill_(float(i + 1))
                 state["v"].fill_(float(-i - 1))
-            expected.append(_clone(state))
+            expected.append(clone_state(state))
             responses.append(dcp.async_save(state, checkpoint_id=str(tmp_path / f"c{i}"), storage_writer=writer,
                                             no_dist=True))
             writer.wait_for_staging()           # the state may be modified from here on

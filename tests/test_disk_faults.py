@@ -23,7 +23,7 @@ import torch
 import lazyckpt
 import lazyckpt.commit
 from lazyckpt import fileio
-from lzc_tools import assert_same
+from lzc_tools import assert_same, clone_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,15 +128,6 @@ def tensor_state(nbytes: int, seed: int):
             "small": torch.arange(10, dtype=torch.int64) * seed}
 
 
-def clone(state):
-    if isinstance(state, dict):
-        return type(state)((k, clone(v)) for k, v in state.items())
-    if isinstance(state, list):
-        return [clone(v) for v in state]
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    return state
-
 
 def _uses_o_direct(directory) -> bool:
     f = fileio.OutputFile(os.path.join(directory, ".probe"), o_direct=True)
@@ -168,7 +159,7 @@ def test_disk_full_mid_checkpoint(small_fs):
         if fs.name == "ext4":
             assert _uses_o_direct(d), "the ext4 image should take O_DIRECT"
         ckpt.save({"data": first, "model": model.state_dict()}, step=1).wait(WAIT_S)
-        ref1 = clone({"data": first, "model": model.state_dict()})
+        ref1 = clone_state({"data": first, "model": model.state_dict()})
         free1 = free_bytes(fs)
 
         handle = ckpt.save({"data": big, "model": model.state_dict()}, step=2)
@@ -194,7 +185,7 @@ def test_disk_full_mid_checkpoint(small_fs):
         # ... and a checkpoint that fits commits.
         small = tensor_state(int(0.10 * free0), 3)
         ckpt.save({"data": small, "model": model.state_dict()}, step=3).wait(WAIT_S)
-        ref3 = clone({"data": small, "model": model.state_dict()})
+        ref3 = clone_state({"data": small, "model": model.state_dict()})
         assert_same(ckpt.load(step=3), ref3)
 
         # Once space is freed, the big state saves too.

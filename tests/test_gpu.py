@@ -9,30 +9,12 @@ import pytest
 import torch
 
 import lazyckpt
-from lzc_tools import assert_same
+from lzc_tools import assert_same, clone_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _clone(x):
-    if isinstance(x, dict):
-        return type(x)((k, _clone(v)) for k, v in x.items())
-    if isinstance(x, list):
-        return [_clone(v) for v in x]
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    return x
-
-
-def _to_cpu(x):
-    if isinstance(x, dict):
-        return type(x)((k, _to_cpu(v)) for k, v in x.items())
-    if isinstance(x, list):
-        return [_to_cpu(v) for v in x]
-    if isinstance(x, torch.Tensor):
-        return x.cpu()
-    return x
 
 
 def _model(device):
@@ -54,19 +36,19 @@ def test_model_optimizer_and_buffers_are_captured_bit_exact(tmp_path):
             opt.step()                            # waits for the previous capture
             opt.zero_grad()
             state = {"model": model.state_dict(), "optim": opt.state_dict()}
-            refs[step] = _to_cpu(_clone(state))
+            refs[step] = clone_state(state, "cpu")
             ckpt.save(state, step=step)
             model(x)                              # BatchNorm buffers: the forward guard waits
         ckpt.wait()
         for step, ref in refs.items():
-            assert_same(_to_cpu(ckpt.load(step=step, map_location="cuda")), ref)
+            assert_same(clone_state(ckpt.load(step=step, map_location="cuda"), "cpu"), ref)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_a_state_on_several_devices(tmp_path):
     a, b = torch.device("cuda", 0), torch.device("cuda", 1)
     state = {"a": torch.randn(1 << 20, device=a), "b": torch.randn(1 << 20, device=b)}
-    expected = _to_cpu(_clone(state))
+    expected = clone_state(state, "cpu")
     with lazyckpt.Checkpointer(tmp_path, host_cache_bytes=1 << 20, chunk_bytes=1 << 18) as ckpt:
         # Work queued on each device's stream before save() must be in the checkpoint.
         with torch.cuda.device(b):
@@ -79,7 +61,7 @@ def test_a_state_on_several_devices(tmp_path):
         ckpt.wait()
         out = ckpt.load(map_location={"cuda:0": "cuda:0", "cuda:1": "cuda:1"})
     assert out["a"].device == a and out["b"].device == b
-    assert_same(_to_cpu(out), expected)
+    assert_same(clone_state(out, "cpu"), expected)
 
 
 def test_cancel_mid_capture_then_reuse_is_clean(tmp_path):
@@ -113,7 +95,7 @@ def test_dcp_staging_of_cuda_state(tmp_path):
     import torch.distributed.checkpoint as dcp
     from lazyckpt.integrations.dcp import LazyStorageReader, LazyStorageWriter
     state = {"w": torch.randn(1 << 20, device="cuda")}
-    expected = _to_cpu(_clone(state))
+    expected = clone_state(state, "cpu")
     writer = LazyStorageWriter(str(tmp_path), host_cache_bytes=64 << 20)
     try:
         response = dcp.async_save(state, storage_writer=writer, no_dist=True)

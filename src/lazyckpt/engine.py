@@ -122,7 +122,7 @@ class Part:
         #: Storage addresses this part reads from the live state (for the forward guard).
         self.pointers: frozenset = frozenset()
 
-    def run(self, job: "Job", engine_resources: Resources, options: Options) -> None:
+    def run(self, job: "Job", resources: Resources, options: Options) -> None:
         raise NotImplementedError
 
 
@@ -340,13 +340,13 @@ def run_now(strategy: CommitStrategy, parts: List[Part], resources: Resources, o
     job = Job(handle, strategy, parts)
     with resources.save_lock:
         run_job(job, resources, options)
+    handle._done.set()
     if handle.error is not None:
         cause = handle.error.__cause__
         if cause is not None and not isinstance(cause, Exception):
             raise cause
         handle.reported = True
         raise handle.error
-    handle._done.set()
     return handle
 
 
@@ -527,9 +527,16 @@ class SaveEngine:
 
     def cancel_pending(self) -> None:
         with self._cond:
-            jobs = list(self._jobs)
-            for job in jobs:
+            for job in self._jobs:
                 job.cancel()
+                job.sealed = True
+            self._cond.notify_all()
+
+    def seal_all(self) -> None:
+        """No part will come any more: an open job (a DeepSpeed tag) ends with
+        the parts it has."""
+        with self._cond:
+            for job in self._jobs:
                 job.sealed = True
             self._cond.notify_all()
 
@@ -539,8 +546,7 @@ class SaveEngine:
         if self._closed:
             return
         try:
-            if cancel:
-                self.cancel_pending()
+            self.cancel_pending() if cancel else self.seal_all()
             for handle in self.pending():
                 handle._done.wait()
         finally:
@@ -563,6 +569,7 @@ class SaveEngine:
         pending = [h for h in self.pending() if not h.done()]
         if not pending:
             return
+        self.seal_all()
         if self.options.exit_policy == "drain":
             log.info("lazyckpt: interpreter exit: finishing %d pending save(s): %s", len(pending),
                      ", ".join(h.name for h in pending))

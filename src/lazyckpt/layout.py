@@ -200,28 +200,28 @@ def locked_by_someone(path: str) -> Optional[bool]:
 def is_live(path: str, expiry_s: float, now: Optional[float] = None) -> bool:
     """Whether a temporary file or directory (and the files directly in it) may
     belong to a save in progress: any file locked, or anything modified within
-    ``expiry_s``. Only a save that is provably dead is not live."""
+    ``expiry_s``. Only a save that is provably dead is not live. Cheap checks
+    first: a fresh directory answers without looking inside."""
     now = time.time() if now is None else now
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return False
-    candidates = [(path, st)]
-    if stat.S_ISDIR(st.st_mode):
+    if now - st.st_mtime < expiry_s:
+        return True
+    if not stat.S_ISDIR(st.st_mode):
+        return stat.S_ISREG(st.st_mode) and locked_by_someone(path) is True
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return True                 # cannot look inside: do not touch it
+    for name in names:
+        p = os.path.join(path, name)
         try:
-            names = os.listdir(path)
-        except OSError:
-            return True             # cannot look inside: do not touch it
-        for name in names:
-            p = os.path.join(path, name)
-            try:
-                candidates.append((p, os.lstat(p)))
-            except FileNotFoundError:
-                continue
-    for p, s in candidates:
-        if now - s.st_mtime < expiry_s:
-            return True
-        if stat.S_ISREG(s.st_mode) and locked_by_someone(p):
+            s = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if now - s.st_mtime < expiry_s or (stat.S_ISREG(s.st_mode) and locked_by_someone(p) is True):
             return True
     return False
 
