@@ -459,7 +459,7 @@ class CheckpointDir:
             return []
         deleted = []
         for step in self.steps()[:-keep_last]:
-            if self.delete_step(step, wait_for_readers=False):
+            if self.delete_step(step):
                 deleted.append(step)
             else:
                 log.info("lazyckpt: %s: step %d is being read; deleting it later", self.path, step)
@@ -468,10 +468,10 @@ class CheckpointDir:
                 self._remove_trash(os.path.join(self.path, leftover.name))
         return deleted
 
-    def delete_step(self, step: int, wait_for_readers: bool = False) -> bool:
+    def delete_step(self, step: int, even_if_read: bool = False) -> bool:
         """Rename the step to ``.deleting-*``, fsync, then remove it (FORMAT.md §11.4).
-        Returns False (and leaves it) if a reader holds it and not ``wait_for_readers``."""
-        trash = self._retire(step, DELETING_PREFIX, force=wait_for_readers)
+        Returns False (and leaves it) if a reader holds it, unless ``even_if_read``."""
+        trash = self._retire(step, DELETING_PREFIX, force=even_if_read)
         if trash is None:
             return False
         fsync_dir(self.path)
@@ -486,6 +486,8 @@ class CheckpointDir:
         trash = os.path.join(self.path, f"{prefix}{step_dirname(step)}-{new_token()}")
         try:
             os.rename(path, trash)
+        except FileNotFoundError:
+            return None                 # removed meanwhile (a prune in another process)
         finally:
             if fd is not None:
                 os.close(fd)

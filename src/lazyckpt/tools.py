@@ -650,7 +650,7 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
             continue
         try:
             if action.what == "step":
-                if not layout.delete_step(action.step, wait_for_readers=False):
+                if not layout.delete_step(action.step):
                     action.error = "being read by another process; kept"
                     continue
             else:
