@@ -79,9 +79,10 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lazyckpt  # noqa: E402
 from _common import emit_json, fsync_file, machine_line, print_table, remove, state_bytes  # noqa: E402
+from lazyckpt.layout import tree_bytes  # noqa: E402
 
 MODES = ["none", "torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_proc",
-         "lazyckpt", "none#2"]
+         "lazyckpt", "lazyckpt_incr", "none#2"]
 KEEP = 2
 
 
@@ -98,7 +99,17 @@ def build(args) -> tuple:
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    if args.frozen_fraction > 0:
+        # Fine-tuning: freeze the embeddings and the output head, then the lowest
+        # layers, skipping a tensor that would overshoot the wanted fraction.
+        params = sorted(model.named_parameters(),
+                        key=lambda np_: (0 if "embed" in np_[0] or "lm_head" in np_[0] else 1))
+        total, frozen = sum(p.numel() for _, p in params), 0
+        for _name, p in params:
+            if frozen + p.numel() <= args.frozen_fraction * total:
+                p.requires_grad_(False)
+                frozen += p.numel()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.1)
     g = torch.Generator().manual_seed(args.seed + 1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(4)]
     return model, opt, batches
@@ -164,6 +175,7 @@ class Saver:
         self.stall: List[float] = []
         self.extra: Dict[str, Any] = {}
         self.paths: List[str] = []
+        self.bytes: Dict[int, int] = {}      # step -> bytes written for that checkpoint
 
     def attach(self, opt) -> None:
         pass
@@ -196,6 +208,7 @@ class TorchSave(Saver):
         torch.save(train_state(model, opt, step), path)
         fsync_file(path)
         self.durable[step] = time.perf_counter() - t0
+        self.bytes[step] = os.path.getsize(path)
         self.paths.append(path)
         self._retire_old()
 
@@ -208,6 +221,7 @@ class DcpSave(Saver):
         path = os.path.join(self.dir, f"step_{step:010d}")
         dcp.save(train_state(model, opt, step), checkpoint_id=path, no_dist=True)
         self.durable[step] = time.perf_counter() - t0
+        self.bytes[step] = tree_bytes(path)
         self.paths.append(path)
         self._retire_old()
 
@@ -238,8 +252,9 @@ class DcpAsync(Saver):
         else:
             upload = result
 
-        def done(_f, step=step, t0=t0):
+        def done(_f, step=step, t0=t0, path=path):
             self.durable[step] = time.perf_counter() - t0
+            self.bytes[step] = tree_bytes(path)
         upload.add_done_callback(done)
         self.prev = upload
         self.paths.append(path)
@@ -322,12 +337,13 @@ class DcpAsyncProcess(DcpAsync):
 
 class Lazy(Saver):
     name = "lazyckpt"
+    incremental = False
 
     def __init__(self, directory, args):
         super().__init__(directory, args)
         self.ckpt = lazyckpt.Checkpointer(directory, keep_last=KEEP,
                                           host_cache_bytes=args.cache_mib << 20,
-                                          writer_threads=args.writer_threads)
+                                          writer_threads=args.writer_threads, incremental=self.incremental)
         self.handles: List[Any] = []
         self._t = 0.0
 
@@ -350,9 +366,9 @@ class Lazy(Saver):
         for h in self.handles:
             h.wait()
             self.durable[h.step] = h.flush_s
+            self.bytes[h.step] = h.bytes
         self.extra["lib_blocking_s"] = [h.blocking_s for h in self.handles]
         self.extra["capture_s"] = [h.capture_s for h in self.handles]
-        self.extra["bytes"] = self.handles[-1].bytes if self.handles else 0
 
     def close(self):
         self.ckpt.close()
@@ -361,8 +377,16 @@ class Lazy(Saver):
         return self.ckpt.step_path(self.handles[-1].step)
 
 
+class LazyIncremental(Lazy):
+    """Checkpointer(incremental=True): unchanged tensors (frozen parameters) are
+    referred to in the step that holds them, not written again."""
+    name = "lazyckpt_incr"
+    incremental = True
+
+
 SAVERS = {"torch_save": TorchSave, "dcp_save": DcpSave, "dcp_async": DcpAsync,
-          "dcp_async_stager": DcpAsyncStager, "dcp_async_proc": DcpAsyncProcess, "lazyckpt": Lazy}
+          "dcp_async_stager": DcpAsyncStager, "dcp_async_proc": DcpAsyncProcess, "lazyckpt": Lazy,
+          "lazyckpt_incr": LazyIncremental}
 
 
 # ----------------------------------------------------------------------------- run
@@ -429,6 +453,7 @@ def _loop(saver, model, opt, batches, args, verify: bool, directory: str) -> Dic
                            "drain_s": drain, "wall_s": wall}
     if saver is not None:
         out["durable_s"] = [saver.durable.get(s) for s in save_steps]
+        out["bytes"] = [saver.bytes.get(s) for s in save_steps]
         out["stall_s"] = saver.stall
         out.update(saver.extra)
         if verify:
@@ -436,6 +461,10 @@ def _loop(saver, model, opt, batches, args, verify: bool, directory: str) -> Dic
                 reference = train_state(model, opt, save_steps[-1])
             try:
                 why = bit_equal(lazyckpt.load(saver.latest_path()), reference)
+                # Every step still on disk, not only the last (incremental: across references).
+                for path in getattr(saver, "ckpt", None) and [saver.ckpt.step_path(s)
+                                                             for s in saver.ckpt.steps()] or []:
+                    lazyckpt.load(path)
             except Exception as exc:
                 why = f"load failed: {type(exc).__name__}: {exc}"
             out["verify"] = "OK" if why is None else f"FAIL ({why})"
@@ -465,7 +494,7 @@ def aggregate(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
         return statistics.median(vals) if vals else None
 
     out = {"iter": med("iter_s"), "blocking": med("blocking_s"), "stall": med("stall_s"),
-           "durable": med("durable_s"), "drain": med("drain_s", False), "final_loss": ok[-1]["final_loss"],
+           "durable": med("durable_s"), "bytes": med("bytes"), "drain": med("drain_s", False), "final_loss": ok[-1]["final_loss"],
            "losses": sorted({r["final_loss"] for r in ok}), "rounds": ok, "failed_rounds": len(rs) - len(ok)}
     verifies = [r["verify"] for r in ok if "verify" in r]
     if verifies:
@@ -496,6 +525,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-mib", type=int, default=512, help="lazyckpt host_cache_bytes in MiB")
     p.add_argument("--writer-threads", type=int, default=4)
+    p.add_argument("--frozen-fraction", type=float, default=0.0,
+                   help="freeze this fraction of the parameters (fine-tuning): lazyckpt_incr then writes "
+                        "only what changes")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     p.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-out", "training"))
     p.add_argument("--json", default=None, help="also write the JSON result to this file")
@@ -522,15 +554,21 @@ def main() -> None:
 
     model, opt, batches = build(args)
     n_params = sum(p.numel() for p in model.parameters())
+    # What changes at every step: trainable parameters, their two AdamW moments, the step counters.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    changed = sum(p.numel() * p.element_size() * 3 + 4 for p in trainable)
     # AdamW state exists after the first step; size it without training.
-    ckpt_bytes = state_bytes({"m": model.state_dict()}) * 3 + 4 * len(list(model.parameters()))
+    ckpt_bytes = state_bytes({"m": model.state_dict()}) + (changed - sum(p.numel() * p.element_size()
+                                                                          for p in trainable))
     del model, opt, batches
     print(machine_line())
     print(f"model: Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab} seq={args.seq} "
           f"batch={args.batch}: {n_params / 1e6:.1f}M params, checkpoint ~{ckpt_bytes / 1e9:.2f} GB "
           f"(fp32 weights + AdamW moments); {args.iters} iters, save every {args.every}; "
           f"torch threads={torch.get_num_threads()}; lazyckpt cache {args.cache_mib} MiB, "
-          f"{args.writer_threads} writers")
+          f"{args.writer_threads} writers"
+          + (f"; {args.frozen_fraction:.0%} of the parameters frozen "
+             f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trainable)" if args.frozen_fraction else ""))
     print("notes: pinned staging memory needs CUDA (ignored on CPU); "
           "BlockingAsyncStager(cache_staged_state_dict=True) pins memory and raises on CPU: not run.")
 
@@ -539,7 +577,7 @@ def main() -> None:
         for mode in modes:
             t = time.perf_counter()
             try:
-                r = run_mode(mode, args, verify=(mode == "lazyckpt"))
+                r = run_mode(mode, args, verify=mode.startswith("lazyckpt"))
             except Exception as exc:  # keep going: one broken peer must not lose the others
                 runs[mode].append({"error": f"{type(exc).__name__}: {exc}"})
                 print(f"[{mode}] FAILED: {runs[mode][-1]['error']}", flush=True)
@@ -555,19 +593,21 @@ def main() -> None:
     rows, summary = [], {}
     for mode, r in results.items():
         if "error" in r:
-            rows.append([mode, "error", "-", "-", "-", "-", "-", "-"])
+            rows.append([mode, "error", "-", "-", "-", "-", "-", "-", "-"])
             continue
         it = r["iter"]
         s = {"iter_s": it, "overhead_pct": (it / base - 1) * 100 if base else None,
              "blocking_s": r["blocking"], "stall_s": r["stall"], "durable_s": r["durable"],
-             "drain_s": r["drain"] if mode in SAVERS else None, "final_loss": r["final_loss"]}
+             "bytes": r.get("bytes"), "drain_s": r["drain"] if mode in SAVERS else None,
+             "final_loss": r["final_loss"]}
         summary[mode] = s
         rows.append([mode, f"{it:.3f}", fmt(s["overhead_pct"], "+.1f"), fmt(s["blocking_s"], ".4f"),
-                     fmt(s["stall_s"], ".4f"), fmt(s["durable_s"]), fmt(s["drain_s"]),
+                     fmt(s["stall_s"], ".4f"), fmt(s["durable_s"]),
+                     fmt(s["bytes"] / 1e6 if s["bytes"] else None, ".1f"), fmt(s["drain_s"]),
                      f"{r['final_loss']:.6f}"])
     print()
     print_table(["mode", "s/iter", "overhead %", "blocking s", "stall s/step", "to durable s",
-                 "final drain s", "final loss"], rows)
+                 "MB/ckpt", "final drain s", "final loss"], rows)
     if len(base_runs) == 2:
         print(f"baseline drift: none {base_runs[0]:.3f} s/iter, none#2 {base_runs[1]:.3f} s/iter "
               f"({(base_runs[1] / base_runs[0] - 1) * 100:+.1f}%)")
@@ -589,12 +629,25 @@ def main() -> None:
         pauses = [f"{k.split('/')[1]}: {v:.3f}" for k, v in ratios.items() if k.startswith("pause")]
         if pauses:
             print("lazyckpt pause (blocking + stall) / peer pause: " + ", ".join(pauses))
+    inc, full = summary.get("lazyckpt_incr"), summary.get("lazyckpt")
+    if inc and full and inc["bytes"] and full["bytes"]:
+        ratios["bytes_incr/full"] = inc["bytes"] / full["bytes"]
+        ratios["durable_full/incr"] = full["durable_s"] / inc["durable_s"] if inc["durable_s"] else None
+        ratios["changed_bytes"] = changed
+        print(f"incremental: {inc['bytes'] / 1e6:.1f} MB per checkpoint against {full['bytes'] / 1e6:.1f} MB full "
+              f"({ratios['bytes_incr/full']:.3f}); the tensors that change (trainable parameters and their "
+              f"AdamW state) are {changed / 1e6:.1f} MB, + 1% of a full checkpoint = "
+              f"{(changed + 0.01 * full['bytes']) / 1e6:.1f} MB; durable {ratios['durable_full/incr']:.2f}x "
+              f"sooner; blocking {inc['blocking_s'] * 1e3:.1f} vs {full['blocking_s'] * 1e3:.1f} ms")
     losses = {m: r["losses"] for m, r in results.items() if "losses" in r}
     same_loss = len({x for v in losses.values() for x in v}) <= 1
     print(f"final losses identical across modes: {'yes' if same_loss else 'NO ' + json.dumps(losses)}")
     verify = results.get("lazyckpt", {}).get("verify")
     if verify is not None:
         print(f"lazyckpt last checkpoint bit-exact vs live state at that step: {verify}")
+    if "verify" in results.get("lazyckpt_incr", {}):
+        print(f"lazyckpt_incr last checkpoint bit-exact (through its references): "
+              f"{results['lazyckpt_incr']['verify']}")
     if "dcp_async_proc" in results and "daemon_spawn_s" in results["dcp_async_proc"]:
         print(f"dcp_async_proc: daemon spawn (warm-up, untimed) {results['dcp_async_proc']['daemon_spawn_s']:.2f} s")
 

@@ -216,11 +216,18 @@ def classify(directory: str, keep_last: int = KEEP_LAST) -> str:
 # --------------------------------------------------------------------------- the child
 
 
+#: --incremental: the first layer is frozen, so later steps refer to its bytes
+#: in earlier steps (set before the children are forked).
+FROZEN_FIRST_LAYER = False
+
+
 def build(size: int, lr: float = 1e-3):
     torch.manual_seed(1234)
     model = torch.nn.Sequential(torch.nn.Linear(size, 2 * size), torch.nn.GELU(),
                                 torch.nn.Linear(2 * size, size))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if FROZEN_FIRST_LAYER:
+        model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
     return model, opt
 
 
@@ -508,6 +515,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--targeted-fraction", type=float, default=0.35,
                    help="fraction of kills aimed at a phase seen on disk")
     p.add_argument("--host-cache-bytes", type=int, default=1 << 20)
+    p.add_argument("--incremental", choices=["off", "version", "content"], default="off",
+                   help="incremental checkpoints, with the first layer frozen (its bytes are referred to)")
+    p.add_argument("--full-every", type=int, default=0, help="with --incremental: every k-th save is full")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--keep", action="store_true", help="keep the directory")
     p.add_argument("--quiet", action="store_true")
@@ -515,9 +525,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     base = args.dir or tempfile.mkdtemp(prefix="lazyckpt-crash-")
     directory = os.path.join(base, "run") if args.dir is None else args.dir
-    kwargs = dict(host_cache_bytes=args.host_cache_bytes, max_pending_saves=2, lease_expiry_s=LEASE_EXPIRY_S)
+    kwargs = dict(host_cache_bytes=args.host_cache_bytes, max_pending_saves=2, lease_expiry_s=LEASE_EXPIRY_S,
+                  incremental=args.incremental, full_every=args.full_every)
+    global FROZEN_FIRST_LAYER
+    FROZEN_FIRST_LAYER = args.incremental != "off"
     print(f"stress_crash: {args.trials} trials, size {args.size} (hidden {SIZES[args.size]}), seed {seed}, "
-          f"dir {directory}, host cache {args.host_cache_bytes} B, keep_last={KEEP_LAST}", flush=True)
+          f"dir {directory}, host cache {args.host_cache_bytes} B, keep_last={KEEP_LAST}, "
+          f"incremental={args.incremental} full_every={args.full_every}", flush=True)
     try:
         summary = run(args.trials, directory, SIZES[args.size], seed, args.max_delay,
                       args.targeted_fraction, kwargs, verbose=not args.quiet)

@@ -360,12 +360,12 @@ def test_a_step_deleted_under_a_reader_is_reported_as_deleted(tmp_path, monkeypa
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")      # e.g. Lustre without -o flock
 
-    def delete_then_open(self, path, options):
+    def delete_then_open(self, path, options, *rest):
         # What a `prune` in another process does between the manifest read and the
         # data file's open, where the file system gives the reader no lock.
         if os.path.isdir(step):
             os.rename(step, tmp_path / ".deleting-step_0000000001-00000000")
-        real(self, path, options)
+        real(self, path, options, *rest)
     monkeypatch.setattr(layout, "_flock", no_locks)
     monkeypatch.setattr(reader.CheckpointFile, "__init__", delete_then_open)
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match="deleted while it was being read"):

@@ -50,6 +50,28 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path):
     assert all(n == "latest" or n.startswith("step_") for n in names), names
 
 
+@pytest.mark.timeout(120)
+def test_sigkill_with_incremental_checkpoints_loses_nothing(tmp_path):
+    """The same with incremental checkpoints (a frozen layer referred to in
+    earlier steps, a full save every third): kills during the retention of
+    referred-to steps must never leave a committed step with a dangling
+    reference (every committed step is loaded and compared)."""
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--trials", "6", "--size", "small", "--max-delay", "0.8",
+         "--targeted-fraction", "0.5", "--incremental", "version", "--full-every", "3",
+         "--dir", str(tmp_path / "run"), "--json", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    assert summary["trials"] == 6 and summary["successes"] == 6 and summary["failures"] == []
+    steps = summary["final_steps"]
+    manifests = [json.loads((tmp_path / "run" / f"step_{s:010d}" / "manifest.json").read_text()) for s in steps]
+    assert any(m.get("references") for m in manifests), "no step referred to an earlier one"
+    for m in manifests:
+        assert set(m.get("references", [])) <= set(steps)
+
+
 def test_the_checker_detects_a_wrong_checkpoint(tmp_path):
     """The verification is not vacuous: a committed step whose bytes differ from
     its reference, or whose reference is missing, is reported."""

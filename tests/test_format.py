@@ -64,6 +64,55 @@ def test_golden_file_bytes(tmp_path):
     assert hashlib.sha256(data).hexdigest() == GOLDEN_SHA256
 
 
+def test_golden_v2_file_with_a_ref_entry(tmp_path):
+    """FORMAT.md §4.3/§10: a step whose only tensor did not change refers to the
+    previous step's bytes: a version-2 file with no data of its own."""
+    with lazyckpt.Checkpointer(tmp_path, incremental=True, **GOLDEN_KNOBS) as ckpt:
+        state = golden_state()
+        ckpt.save(state, step=1).wait()
+        ckpt.save(state, step=2).wait()
+    ids = [json.loads((tmp_path / f"step_000000000{s}" / "manifest.json").read_text())["save_id"] for s in (1, 2)]
+    footer = (
+        '{"format_version":2,"byteorder":"little","alignment":4096,"checksum":"xxh3_64",'
+        '"block_bytes":65536,"entries":[{"name":"w","kind":"ref","offset":4096,"length":0,"checksums":[],'
+        '"ref":{"step":1,"rank":0,"entry":0,"offset":4096,"length":16,"block_bytes":65536,'
+        '"checksums":[787602748309198206],"save_id":"' + ids[0] + '"}}],"tree":{"$":"dict","k":["w","n","s"],'
+        '"v":[{"$":"tensor","dtype":"float32","shape":[4],"stride":[1],"offset":0,"device":"cpu","e":0},3,'
+        '"hi"]},"metadata":{"step":2,"lazyckpt":{"save_id":"' + ids[1] + '","rank":0,"world_size":1}}}'
+    ).encode()
+    data = (tmp_path / "step_0000000002" / "rank_00000.lzc").read_bytes()
+    assert data[:16] == b"LAZYCKPT" + b"\x02\x00\x00\x00" + b"\x00\x10\x00\x00"
+    footer_offset, footer_length, digest, magic = TRAILER.unpack(data[-32:])
+    assert (footer_offset, magic) == (4096, b"LZCKFOOT")     # no data pages of its own
+    assert data[footer_offset:footer_offset + footer_length] == footer
+    assert digest == xxhash.xxh3_64_intdigest(footer) and len(data) == 4096 + len(footer) + 32
+    manifest = json.loads((tmp_path / "step_0000000002" / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and manifest["references"] == [1]
+    assert_same(lazyckpt.load(str(tmp_path)), golden_state())
+
+
+def test_a_ref_entry_is_refused_in_a_version_1_file(tmp_path):
+    state = golden_state()
+    with lazyckpt.Checkpointer(tmp_path, incremental=True) as ckpt:
+        ckpt.save(state, step=1).wait()
+        ckpt.save(state, step=2).wait()
+    src = tmp_path / "step_0000000002" / "rank_00000.lzc"
+    doc = parse(src).doc
+    assert doc["entries"][0]["kind"] == "ref"
+    doc["format_version"] = 1
+    dst = tmp_path / "v1.lzc"
+    write_with_footer(src, dst, doc)
+    _set_header_version(dst, 1)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="unknown entry kind 'ref'"):
+        lazyckpt.load(dst)
+    for bad in ({"step": "1"}, {"checksums": [1, 2]}, {"offset": 4097}, {"save_id": None}):
+        doc = parse(src).doc
+        doc["entries"][0]["ref"].update(bad)
+        write_with_footer(src, dst, doc)
+        with pytest.raises(lazyckpt.CorruptCheckpointError, match="ref entry"):
+            lazyckpt.load(dst)
+
+
 @pytest.mark.parametrize("knobs", [GOLDEN_KNOBS, dict(o_direct=False, writer_threads=1, **GOLDEN_KNOBS),
                                    dict(writer_threads=4, chunk_bytes=65536, host_cache_bytes=8 << 20)])
 def test_saving_is_deterministic(tmp_path, knobs):
@@ -274,13 +323,13 @@ def _set_header_version(path, version):
 def _assert_unsupported(excinfo, found):
     err = excinfo.value
     assert isinstance(err, lazyckpt.CheckpointError)
-    assert err.found == found and err.supported == tuple(lazyckpt.SUPPORTED_VERSIONS) == (1,)
+    assert err.found == found and err.supported == tuple(lazyckpt.SUPPORTED_VERSIONS) == (1, 2)
     msg = str(err)
     assert f"format version {found}" in msg
-    assert "versions 1" in msg          # lists what this reader supports
+    assert "versions 1, 2" in msg       # lists what this reader supports
 
 
-@pytest.mark.parametrize("version", [2, 0, 2**32 - 1])
+@pytest.mark.parametrize("version", [3, 0, 2**32 - 1])
 def test_unsupported_version_in_header(tmp_path, version):
     path = tmp_path / "v.lzc"
     lazyckpt.save(golden_state(), path)
@@ -291,33 +340,33 @@ def test_unsupported_version_in_header(tmp_path, version):
 
 
 def test_header_version_is_checked_before_the_trailer(tmp_path):
-    """A version-2 file may lay out its end differently: refuse by version, not as 'corrupt'."""
-    path = tmp_path / "v2.lzc"
+    """A version-3 file may lay out its end differently: refuse by version, not as 'corrupt'."""
+    path = tmp_path / "v3.lzc"
     lazyckpt.save(golden_state(), path)
-    _set_header_version(path, 2)
+    _set_header_version(path, 3)
     with open(path, "r+b") as f:
         f.seek(-32, os.SEEK_END)
         f.write(b"\xaa" * 32)                 # whatever a future trailer looks like
     with pytest.raises(lazyckpt.UnsupportedVersionError) as info:
         lazyckpt.load(path)
-    _assert_unsupported(info, 2)
+    _assert_unsupported(info, 3)
 
 
-@pytest.mark.parametrize("header_version", [1, 2])
+@pytest.mark.parametrize("header_version", [1, 3])
 def test_unsupported_version_in_footer(tmp_path, header_version):
     src, dst = tmp_path / "a.lzc", tmp_path / "b.lzc"
     lazyckpt.save(golden_state(), src)
     doc = parse(src).doc
-    doc["format_version"] = 2
+    doc["format_version"] = 3
     write_with_footer(src, dst, doc)
     _set_header_version(dst, header_version)
     with pytest.raises(lazyckpt.UnsupportedVersionError) as info:
         lazyckpt.load(dst)
-    _assert_unsupported(info, 2)
+    _assert_unsupported(info, 3)
 
 
 @pytest.mark.parametrize("bad", ["1", 1.0, True, None])
-def test_footer_version_must_be_the_integer_1(tmp_path, bad):
+def test_footer_version_must_be_a_supported_integer(tmp_path, bad):
     src, dst = tmp_path / "a.lzc", tmp_path / "b.lzc"
     lazyckpt.save(golden_state(), src)
     doc = parse(src).doc
@@ -325,7 +374,7 @@ def test_footer_version_must_be_the_integer_1(tmp_path, bad):
     write_with_footer(src, dst, doc)
     with pytest.raises(lazyckpt.UnsupportedVersionError) as info:
         lazyckpt.load(dst)
-    assert "versions 1" in str(info.value)
+    assert "versions 1, 2" in str(info.value)
 
 
 def test_unsupported_version_in_manifest(tmp_path):
@@ -333,15 +382,16 @@ def test_unsupported_version_in_manifest(tmp_path):
         ckpt.save(golden_state(), step=1).wait()
     manifest_path = tmp_path / "step_0000000001" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["format_version"] = 2
+    manifest["format_version"] = 3
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(lazyckpt.UnsupportedVersionError) as info:
         lazyckpt.load(str(tmp_path))
-    _assert_unsupported(info, 2)
+    _assert_unsupported(info, 3)
     with lazyckpt.Checkpointer(tmp_path) as ckpt:
         with pytest.raises(lazyckpt.UnsupportedVersionError):
             ckpt.load(step=1)
 
 
 def test_public_version_constants():
-    assert lazyckpt.FORMAT_VERSION == 1 and tuple(lazyckpt.SUPPORTED_VERSIONS) == (1,)
+    # 2 is the newest written (files with "ref" entries); plain files are still version 1.
+    assert lazyckpt.FORMAT_VERSION == 2 and tuple(lazyckpt.SUPPORTED_VERSIONS) == (1, 2)

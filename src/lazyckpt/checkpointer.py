@@ -20,6 +20,7 @@ from .commit import StepCommit
 from .distributed import rank_info, refuse
 from .engine import FilePart, SaveEngine, SaveHandle
 from .errors import CheckpointError, CheckpointNotFoundError
+from .incremental import IncrementalIndex
 from .knobs import Options, resolve
 from .layout import CheckpointDir
 from .loader import KeySpec, MapLocation, load_step_dir
@@ -38,6 +39,11 @@ class Checkpointer:
     data; with ``guard_buffers`` (default) a training-mode forward of a module
     whose persistent buffers are being captured (BatchNorm) waits too. See
     docs/ARCHITECTURE.md for the contract.
+
+    With ``incremental=True`` (a knob: also ``"content"``, and ``full_every``)
+    a tensor storage unchanged since the previous committed step is not
+    written again: the new step refers to the earlier bytes, and retention
+    keeps every step a kept step refers to (see lazyckpt/incremental.py).
 
     Steps form one line of history: saving step S supersedes every committed
     step >= S (a run resumed from an older step abandons the newer ones; they
@@ -76,6 +82,9 @@ class Checkpointer:
             raise ValueError("queue_policy='skip' cannot be used with several ranks: a save skipped on "
                              "one rank and not on another would never commit")
         self._calls = 0
+        #: Incremental checkpoints: what this rank's last committed step holds.
+        self._incremental = IncrementalIndex(self.options.incremental, self.options.full_every) \
+            if self.options.incremental != "off" else None
         self._engine = SaveEngine(self.options, guard_buffers=guard_buffers)
         if self._dist.coordinator:
             # Only what is provably dead (leases expired): never another process's live save.
@@ -106,7 +115,7 @@ class Checkpointer:
             flat = flatten(state, self._dist.rank, self._dist.world_size, self.replicated)
             strategy = StepCommit(self.layout, self._dist, step, call, keep_last=self.keep_last,
                                   replicated=self.replicated, metadata=metadata,
-                                  heartbeat_s=self.options.lease_heartbeat_s)
+                                  heartbeat_s=self.options.lease_heartbeat_s, incremental=self._incremental)
             part = FilePart(flat, strategy.footer_metadata(),
                             record_events(s.data for s in flat.sources))
             job = self._engine.submit(strategy, [part], name=f"step {step}", step=step, t0=t0)

@@ -99,14 +99,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows = []
         for r in steps:
             if "error" in r:
-                rows.append([str(r["step"]), human_bytes(r["bytes"]), "?", "?", "?", f"manifest unreadable: "
+                rows.append([str(r["step"]), human_bytes(r["bytes"]), "?", "?", "?", "?", f"manifest unreadable: "
                              f"{r['error']}"])
                 continue
             meta = {k: v for k, v in (r.get("metadata") or {}).items() if k != "step"}
+            refs = r.get("references") or []
             rows.append([str(r["step"]), human_bytes(r["bytes"]), format_time(r.get("created_unix")),
                          str(r.get("world_size")), str(r.get("files")),
+                         ",".join(map(str, refs[:6])) + (",..." if len(refs) > 6 else "") if refs else "-",
                          json.dumps(meta, separators=(",", ":"))[:60] if meta else ""])
-        for line in _table(["step", "size", "committed", "world", "files", "metadata"], rows, right=(0, 1, 3, 4)):
+        for line in _table(["step", "size", "committed", "world", "files", "refers to", "metadata"], rows,
+                           right=(0, 1, 3, 4)):
             print("  " + line)
     if listing["latest_file"] is not None and listing["latest_file"] != listing["latest"]:
         print(f"note: the advisory `latest` file says {listing['latest_file']} (the listing is authoritative)")
@@ -149,6 +152,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  metadata: {json.dumps(meta, default=str)[:200]}")
     if doc.get("replicated"):
         print(f"  replicated keys (written once): {', '.join(doc['replicated'])}")
+    if doc.get("references"):
+        print(f"  incremental: refers to bytes held by step(s) {', '.join(map(str, doc['references']))}")
     for f in doc["files"]:
         label = os.path.basename(f["path"]) if f["rank"] is not None else f["path"]
         print(f"\n{label}: {human_bytes(f['bytes'])}, {f['entry_count']} entries "
@@ -156,6 +161,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if f.get("size_mismatch"):
             print(f"  warning: the manifest says {f['size_mismatch']['manifest']} bytes, the file has "
                   f"{f['size_mismatch']['actual']}")
+        if f.get("references"):
+            print(f"  owns {human_bytes(f['owned_bytes'])}; refers to {human_bytes(f['referenced_bytes'])} "
+                  f"held by step(s) {', '.join(map(str, f['references']))}")
         rows = []
         for leaf in f["leaves"]:
             t = leaf["type"]
@@ -192,7 +200,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  ... {hidden} more (--max-rows 0 shows all, --json gives everything)")
         if args.entries:
             erows = [[str(e["index"]), e["kind"], str(e["offset"]), str(e["length"]), str(e["checksum_blocks"]),
-                      e["name"] + (f" (rank {e['rank']})" if e.get("rank") is not None else "")]
+                      e["name"] + (f" (rank {e['rank']})" if e.get("rank") is not None else "")
+                      + (f" (step {e['ref']['step']} rank {e['ref']['rank']} entry {e['ref']['entry']}, "
+                         f"{e['ref']['length']} bytes)" if e.get("ref") else "")]
                      for e in f["entries"]]
             print()
             for line in _table(["entry", "kind", "offset", "length", "blocks", "name"], erows,
@@ -280,6 +290,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 print(f"{verb} {what} ({human_bytes(a['bytes'])})")
         for lo in result["kept_leftovers"]:
             print(f"kept {lo['name']}: {lo['description']}")
+        if result["kept_for_references"]:
+            print(f"kept older step(s) {', '.join(map(str, result['kept_for_references']))}: newer kept steps "
+                  f"refer to their bytes (incremental)")
         kept = result["kept"]
         print(f"kept {len(kept)} committed step{'s' if len(kept) != 1 else ''}"
               + (f" ({', '.join(map(str, kept))})" if kept else "")

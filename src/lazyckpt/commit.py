@@ -20,12 +20,16 @@ import os
 import uuid
 from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
+import torch
+
 from . import manifest
 from .distributed import RankInfo, agree, refuse
 from .engine import CommitStrategy, FilePart, Job
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
+from .incremental import IncrementalIndex, Plan
 from .fileio import fsync_dir, remove_quietly, write_file_atomic
-from .layout import MANIFEST, CheckpointDir, new_token, rank_filename, remove_tree, sibling_temp
+from .layout import MANIFEST, CheckpointDir, StepDir, new_token, rank_filename, remove_tree, sibling_temp
 
 
 class FileCommit(CommitStrategy):
@@ -70,7 +74,7 @@ class StepCommit(CommitStrategy):
 
     def __init__(self, layout: CheckpointDir, dist: RankInfo, step: int, call: int, *,
                  keep_last: Optional[int], replicated: List[Any], metadata: Dict[str, Any],
-                 heartbeat_s: float):
+                 heartbeat_s: float, incremental: Optional[IncrementalIndex] = None):
         self.layout = layout
         self.path = layout.path
         self.dist = dist
@@ -84,6 +88,8 @@ class StepCommit(CommitStrategy):
         self.tmp = layout.temp_path(step, f"r{dist.run_id}-{self.key}" if dist.distributed else new_token())
         self.save_id = f"{dist.run_id}-{self.key}" if dist.distributed else uuid.uuid4().hex
         self._reported = False
+        self.incremental = incremental
+        self._plan: Optional[Plan] = None
 
     def footer_metadata(self) -> Dict[str, Any]:
         """What every data file's footer carries: ties it to this save and rank."""
@@ -94,6 +100,35 @@ class StepCommit(CommitStrategy):
     def begin(self, job: Job) -> None:
         os.makedirs(self.tmp, exist_ok=self.dist.distributed)
 
+    def plan(self, job: Job, part: FilePart, resources: Any) -> None:
+        """Incremental: refer to the unchanged storages of the last committed step,
+        holding a read lock on every step referred to until this one is
+        committed (so no prune anywhere deletes it in between)."""
+        if self.incremental is None:
+            return
+        sources = part.flat.sources
+        if self.incremental.mode == "content" and any(isinstance(s.data, torch.Tensor) and s.data.is_cuda
+                                                      for s in sources):
+            # Device bytes are hashed through one host-cache chunk (the copy is the cost).
+            cache = resources.cache_for(sources)
+            chunk = cache.acquire(lambda: False)
+            try:
+                buffer = (np.frombuffer(cache.chunk_memory(chunk), dtype=np.uint8), cache.chunk_tensor(chunk))
+                plan = self.incremental.plan(sources, self.step, buffer)
+            finally:
+                cache.release(chunk)
+        else:
+            plan = self.incremental.plan(sources, self.step)
+        gone = set()
+        for step in plan.referenced_steps:
+            try:
+                job.holds.enter_context(StepDir(self.layout.step_path(step), step).reading())
+            except CheckpointNotFoundError:
+                gone.add(step)          # deleted meanwhile (by hand): write those bytes again
+        plan.drop_steps(gone)
+        plan.apply(sources)
+        self._plan = plan
+
     def part_path(self, job: Job, part: FilePart) -> str:
         path = os.path.join(self.tmp, rank_filename(self.dist.rank))
         job.lease(path, self.heartbeat_s)
@@ -103,7 +138,8 @@ class StepCommit(CommitStrategy):
         (part,) = job.parts
         flat_shards = part.shards
         report: Dict[str, Any] = {"ok": True, "step": self.step, "bytes": part.stats.file_bytes,
-                                  "digest": part.digest}
+                                  "digest": part.digest, "version": part.version,
+                                  "references": self._plan.referenced_steps if self._plan else []}
         if not self.dist.distributed:
             report["shards"] = flat_shards or []
             self._reported = True
@@ -151,6 +187,10 @@ class StepCommit(CommitStrategy):
                 remove_tree(self.tmp)
 
     def after_commit(self, job: Job) -> None:
+        if self.incremental is not None:
+            (part,) = job.parts
+            self.incremental.commit(self._plan, self.step, self.dist.rank, self.save_id, part.entries,
+                                    part.block_bytes)
         if not self.dist.coordinator:
             return
         self.layout.apply_retention(self.keep_last)

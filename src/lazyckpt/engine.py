@@ -30,6 +30,7 @@ commit for a DCP staging copy). One :class:`SaveEngine` has
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import logging
 import threading
@@ -140,11 +141,16 @@ class FilePart(Part):
         self.digest = flat.replicated_digest
         self.path: Optional[str] = None
         self.stats: Optional[WriteStats] = None
+        #: After run(): the file's footer entries and format version.
+        self.entries: List[Any] = []
+        self.version = 1
+        self.block_bytes = 0
         self.pointers = frozenset(p for p in (s.data.data_ptr() for s in flat.sources
                                               if isinstance(s.data, torch.Tensor)) if p)
 
     def run(self, job: "Job", resources: Resources, options: Options) -> None:
         flat = self.flat
+        job.strategy.plan(job, self, resources)
         self.path = job.strategy.part_path(job, self)
         writer = FileWriteJob(self.path, flat.tree, flat.sources, self.metadata, options,
                               resources.cache_for(flat.sources), resources.writers, resources.serializer,
@@ -155,6 +161,7 @@ class FilePart(Part):
         finally:
             job.current = None
             self.flat = None            # the live state is no longer needed
+        self.entries, self.version, self.block_bytes = writer.entries, writer.version, writer.block
         job.handle.bytes += self.stats.file_bytes
 
 
@@ -202,6 +209,10 @@ class CommitStrategy:
     def begin(self, job: "Job") -> None:
         pass
 
+    def plan(self, job: "Job", part: FilePart, resources: Resources) -> None:
+        """Before a part is written, on the capture thread (the state is as at
+        save()): e.g. turn unchanged storages into references."""
+
     def part_path(self, job: "Job", part: FilePart) -> str:
         raise NotImplementedError
 
@@ -234,6 +245,8 @@ class Job:
     cancelled: bool = False
     current: Optional[FileWriteJob] = None
     leases: List[Lease] = field(default_factory=list)
+    #: Held until the job ends: e.g. read locks on the steps it refers to.
+    holds: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     engine: Any = None                 # weak: the engine tracking captures, if any
     #: Called once the job ended (its handle is done), on the job's thread.
     on_end: Optional[Callable[["Job"], None]] = None
@@ -299,6 +312,7 @@ def run_job(job: Job, resources: Resources, options: Options,
         for lease in job.leases:
             lease.release()
         job.leases.clear()
+        job.holds.close()
     if committed:
         try:
             job.strategy.after_commit(job)

@@ -29,16 +29,22 @@ MAGIC = b"LAZYCKPT"
 FOOTER_MAGIC = b"LZCKFOOT"
 #: Version 1: the first released format.
 FORMAT_VERSION_1 = 1
-FORMAT_VERSION = FORMAT_VERSION_1
-SUPPORTED_VERSIONS = (FORMAT_VERSION_1,)
+#: Version 2: adds "ref" entries (incremental checkpoints: bytes held by an
+#: earlier step's file). Writers use it only for files that have one.
+FORMAT_VERSION_2 = 2
+#: The newest version this library writes.
+FORMAT_VERSION = FORMAT_VERSION_2
+SUPPORTED_VERSIONS = (FORMAT_VERSION_1, FORMAT_VERSION_2)
 ALIGNMENT = 4096
 HEADER_BYTES = ALIGNMENT
 DATA_START = HEADER_BYTES
 CHECKSUM_ALGORITHM = "xxh3_64"
 
 #: "remote" entries hold no bytes: a replicated value written once, by the rank
-#: named in the entry, at the same entry index of that rank's file.
-ENTRY_KINDS = ("data", "pickle", "remote")
+#: named in the entry, at the same entry index of that rank's file. "ref"
+#: entries (version 2) hold no bytes either: an earlier step's file does.
+ENTRY_KINDS = {FORMAT_VERSION_1: ("data", "pickle", "remote"),
+               FORMAT_VERSION_2: ("data", "pickle", "remote", "ref")}
 
 _HEADER = struct.Struct("<8sII")
 _TRAILER = struct.Struct("<QQQ8s")
@@ -54,8 +60,8 @@ def checksum(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def pack_header() -> bytes:
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES)
+def pack_header(version: int = FORMAT_VERSION_1) -> bytes:
+    head = _HEADER.pack(MAGIC, version, HEADER_BYTES)
     return head + bytes(HEADER_BYTES - len(head))
 
 
@@ -113,18 +119,33 @@ def parse_trailer(data: bytes, file_size: int, path: str, max_footer_bytes: int)
 @dataclass(frozen=True)
 class Entry:
     """One run of bytes in the data region."""
-    kind: str            # "data" (raw bytes), "pickle" (pickled object) or "remote"
+    kind: str            # "data" (raw bytes), "pickle" (pickled object), "remote" or "ref"
     offset: int
     length: int
     checksums: List[int]  # one per checksum block the entry overlaps
     name: str = ""        # path in the state of the first value that uses it (for messages)
     rank: Optional[int] = None  # "remote": the rank whose file holds this entry (same index)
+    #: "ref": where the bytes are -- {"step", "rank", "entry", "offset", "length",
+    #: "block_bytes", "checksums", "save_id"} of the file of an earlier step.
+    ref: Optional[Dict[str, Any]] = None
+
+    @property
+    def content_kind(self) -> str:
+        """What the bytes are ("data" for a reference to data)."""
+        return "data" if self.kind == "ref" else self.kind
+
+    @property
+    def size(self) -> int:
+        """Bytes of the value, wherever they are stored."""
+        return self.ref["length"] if self.kind == "ref" else self.length
 
     def to_json(self) -> Dict[str, Any]:
         doc = {"name": self.name, "kind": self.kind, "offset": self.offset,
                "length": self.length, "checksums": self.checksums}
         if self.rank is not None:
             doc["rank"] = self.rank
+        if self.ref is not None:
+            doc["ref"] = self.ref
         return doc
 
 
@@ -146,10 +167,15 @@ def block_count(offset: int, length: int, block_bytes: int) -> int:
     return (offset + length - 1) // block_bytes - offset // block_bytes + 1
 
 
+def version_for(entries: List[Entry]) -> int:
+    """The oldest format version that can describe these entries."""
+    return FORMAT_VERSION_2 if any(e.kind == "ref" for e in entries) else FORMAT_VERSION_1
+
+
 def encode_footer(entries: List[Entry], tree: Any, block_bytes: int,
-                  metadata: Optional[Dict[str, Any]] = None) -> bytes:
+                  metadata: Optional[Dict[str, Any]] = None, version: int = FORMAT_VERSION_1) -> bytes:
     doc = {
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         "byteorder": "little",
         "alignment": ALIGNMENT,
         "checksum": CHECKSUM_ALGORITHM,
@@ -168,6 +194,24 @@ class Footer:
     entries: List[Entry]
     tree: Any
     metadata: Dict[str, Any]
+
+
+_REF_INTS = ("step", "rank", "entry", "offset", "length", "block_bytes")
+
+
+def _check_ref(ref: Any, bad: Any, name: str) -> Dict[str, Any]:
+    """A "ref" entry's target, checked like an entry of that file (§4.3)."""
+    if not isinstance(ref, dict) or not all(_is_int(ref.get(k)) and ref[k] >= 0 for k in _REF_INTS) \
+            or not isinstance(ref.get("save_id"), str):
+        raise bad("ref entry without a valid target", name)
+    offset, length, block = ref["offset"], ref["length"], ref["block_bytes"]
+    if offset < DATA_START or offset % ALIGNMENT or block < ALIGNMENT or block % ALIGNMENT:
+        raise bad("ref entry target has a bad offset or block size", name)
+    sums = ref.get("checksums")
+    if not isinstance(sums, list) or len(sums) != block_count(offset, length, block) \
+            or not all(_is_int(x) and 0 <= x < 1 << 64 for x in sums):
+        raise bad("ref entry checksum list does not match its blocks", name)
+    return {k: ref[k] for k in _REF_INTS + ("save_id", "checksums")}
 
 
 def _reject_constant(name: str) -> Any:
@@ -210,18 +254,21 @@ def decode_footer(raw: bytes, footer_offset: int, path: str) -> Footer:
             raise bad("entry name is not a string", f"entry {i}")
         name = name or f"entry {i}"
         kind, offset, length, sums = e.get("kind"), e.get("offset"), e.get("length"), e.get("checksums")
-        if kind not in ENTRY_KINDS:
+        if kind not in ENTRY_KINDS[doc["format_version"]]:
             raise bad(f"unknown entry kind {kind!r}", name)
         rank = e.get("rank")
         if kind == "remote" and not (_is_int(rank) and rank >= 0 and length == 0):
             raise bad("remote entry without a valid rank", name)
+        ref = _check_ref(e.get("ref"), bad, name) if kind == "ref" else None
+        if kind == "ref" and length != 0:
+            raise bad("a ref entry holds no bytes of its own", name)
         if not (_is_int(offset) and _is_int(length)) or length < 0 or offset < DATA_START \
                 or offset % ALIGNMENT or offset + length > footer_offset:
             raise bad(f"offset {offset!r} / length {length!r} outside the data region", name)
         if not isinstance(sums, list) or len(sums) != block_count(offset, length, block_bytes) \
                 or not all(_is_int(s) and 0 <= s < 1 << 64 for s in sums):
             raise bad("checksum list does not match the entry's blocks", name)
-        entries.append(Entry(kind, offset, length, sums, name, rank if kind == "remote" else None))
+        entries.append(Entry(kind, offset, length, sums, name, rank if kind == "remote" else None, ref))
     # Overlapping entries would let a small file make the reader allocate one
     # buffer per entry over the same bytes: refuse them.
     previous_end, previous = DATA_START, None

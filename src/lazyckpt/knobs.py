@@ -13,6 +13,7 @@ import re
 from typing import Any, Optional
 
 MiB = 1 << 20
+INCREMENTAL_MODES = ("off", "version", "content")
 #: Bounds of the automatically sized host cache.
 AUTO_CACHE_MIN = 64 * MiB
 AUTO_CACHE_MAX = 4096 * MiB
@@ -45,6 +46,15 @@ class Options:
     #: What happens to saves still pending when the interpreter exits: "drain"
     #: (wait until they are committed) or "warn" (cancel them and warn, naming them).
     exit_policy: str = "drain"
+    #: Incremental checkpoints (Checkpointer): "off", "version" (True: a storage
+    #: whose tensors' version counters did not change since the previous
+    #: committed step is referenced, not written) or "content" (compare block
+    #: checksums: catches writes that bypass the counters, at the cost of
+    #: reading the state). See lazyckpt/incremental.py.
+    incremental: str = "off"
+    #: With incremental checkpoints, every full_every-th save writes everything
+    #: (0: only the first), bounding how far back references reach.
+    full_every: int = 0
     #: A temporary file whose lease is unlocked and whose heartbeat is older than
     #: this (seconds) is an interrupted save and may be removed. Saves refresh
     #: their heartbeat every twelfth of it. Must exceed the clock skew between
@@ -64,6 +74,15 @@ class Options:
             raise ValueError(f"queue_policy must be 'block' or 'skip', got {self.queue_policy!r}")
         if self.exit_policy not in ("drain", "warn"):
             raise ValueError(f"exit_policy must be 'drain' or 'warn', got {self.exit_policy!r}")
+        mode = {True: "version", False: "off", None: "off", "1": "version", "true": "version", "yes": "version",
+                "on": "version", "0": "off", "false": "off", "no": "off"}.get(
+            self.incremental.lower() if isinstance(self.incremental, str) else self.incremental, self.incremental)
+        if mode not in INCREMENTAL_MODES:
+            raise ValueError(f"incremental must be True, False or one of {INCREMENTAL_MODES}, "
+                             f"got {self.incremental!r}")
+        object.__setattr__(self, "incremental", mode)
+        if type(self.full_every) is not int or self.full_every < 0:
+            raise ValueError(f"full_every must be an int >= 0, got {self.full_every!r}")
         if not self.lease_expiry_s > 0:
             raise ValueError(f"lease_expiry_s must be > 0, got {self.lease_expiry_s}")
 

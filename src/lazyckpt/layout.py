@@ -453,20 +453,72 @@ class CheckpointDir:
     # ---------------------------------------------------------------- retention
 
     def apply_retention(self, keep_last: Optional[int]) -> List[int]:
-        """Delete all but the ``keep_last`` newest steps, and abandoned steps.
-        A step another process is reading is kept until a later pass."""
+        """Delete all but the ``keep_last`` newest steps -- except steps a kept
+        step refers to (incremental checkpoints) -- and abandoned steps. A step
+        another process is reading is kept until a later pass."""
         if keep_last is None:
             return []
-        deleted = []
-        for step in self.steps()[:-keep_last]:
-            if self.delete_step(step):
-                deleted.append(step)
-            else:
-                log.info("lazyckpt: %s: step %d is being read; deleting it later", self.path, step)
+        deleted, _kept = self.retire_old(keep_last)
         for leftover in self.leftovers():
             if leftover.kind == "abandoned":
                 self._remove_trash(os.path.join(self.path, leftover.name))
         return deleted
+
+    def references(self, step: int) -> Optional[List[int]]:
+        """The earlier steps whose files hold bytes of ``step`` (its manifest);
+        None if the manifest cannot be read (then it may need any of them)."""
+        from . import manifest as manifests            # manifest.py uses this module's names
+        raw = read_small_file(os.path.join(self.step_path(step), MANIFEST), manifests.MAX_MANIFEST_BYTES)
+        if raw is None:
+            return []                                  # gone meanwhile: needs nothing
+        try:
+            return manifests.references(manifests.parse(raw, self.step_path(step)))
+        except Exception:                              # unreadable: assume it needs everything older
+            return None
+
+    def retention_plan(self, keep: int) -> Tuple[List[int], List[int]]:
+        """(steps to delete, newest first; older steps kept because a kept step
+        refers to them). Deleting newest first never leaves a remaining step
+        referring to a deleted one, whatever instant a crash hits."""
+        steps = self.steps()
+        kept = steps[-keep:]
+        needed = set(kept)
+        for step in sorted(kept, reverse=True):
+            self._need(step, needed, steps)
+        doomed = [s for s in reversed(steps) if s not in needed]
+        return doomed, sorted(needed - set(kept))
+
+    def _need(self, step: int, needed: set, steps: List[int]) -> None:
+        todo = [step]
+        while todo:
+            current = todo.pop()
+            refs = self.references(current)
+            for r in ([s for s in steps if s < current] if refs is None else refs):
+                if r not in needed:
+                    needed.add(r)
+                    todo.append(r)
+
+    def retire_old(self, keep: int) -> Tuple[List[int], List[int]]:
+        """Apply ``retention_plan``: returns (deleted, kept because referred to
+        or being read)."""
+        doomed, referred = self.retention_plan(keep)
+        steps = self.steps()
+        needed = set(steps) - set(doomed)
+        deleted, kept = [], list(referred)
+        for step in doomed:                            # newest first
+            if step in needed:                         # a busy step below needs it
+                kept.append(step)
+                continue
+            if self.delete_step(step):
+                deleted.append(step)
+            else:
+                log.info("lazyckpt: %s: step %d is being read; deleting it later", self.path, step)
+                kept.append(step)
+                needed.add(step)
+                self._need(step, needed, steps)        # it stays, so must what it refers to
+        if referred:
+            log.info("lazyckpt: %s: keeping step(s) %s: kept steps refer to their bytes", self.path, referred)
+        return deleted, sorted(kept)
 
     def delete_step(self, step: int, even_if_read: bool = False) -> bool:
         """Rename the step to ``.deleting-*``, fsync, then remove it (FORMAT.md §11.4).

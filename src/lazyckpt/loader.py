@@ -20,7 +20,7 @@ from .fileio import NotARegularFile, read_small_file
 from .knobs import Options
 from .layout import MANIFEST, STEP_DIR, StepDir
 from .providers import LoadContext, referenced_entries
-from .reader import CheckpointFile
+from .reader import CheckpointFile, RefResolver, resolver_for
 
 log = logging.getLogger("lazyckpt")
 
@@ -118,8 +118,8 @@ def _storage_mapper(map_location: MapLocation) -> Callable[[torch.UntypedStorage
 
 def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, **kwargs: Any) -> Any:
     """Load one checkpoint file (written by a single rank)."""
-    with _os_errors_as_read_errors(path):
-        return load_tree(CheckpointFile(path, options), None, pool, **kwargs)
+    with _os_errors_as_read_errors(path), resolver_for(path, options) as refs:
+        return load_tree(CheckpointFile(path, options, refs), None, pool, **kwargs)
 
 
 def load_step_dir(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
@@ -135,7 +135,8 @@ def load_step_dir(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank
     """
     m = STEP_DIR.match(os.path.basename(path))
     step_dir = StepDir(path, int(m.group(1)) if m else None)
-    with _os_errors_as_read_errors(path), step_dir.reading() as held:
+    with _os_errors_as_read_errors(path), step_dir.reading() as held, \
+            RefResolver(os.path.dirname(os.path.abspath(path)), options) as refs:
         try:
             manifest_path = os.path.join(path, MANIFEST)
             try:
@@ -148,7 +149,7 @@ def load_step_dir(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank
             manifest = manifests.parse(raw, manifest_path)
             if rank is None:
                 rank = _current_rank()
-            step = StepFiles(path, manifest, options)
+            step = StepFiles(path, manifest, options, refs)
             return load_tree(step.file(rank % manifest["world_size"]), step, pool, **kwargs)
         except (CheckpointError, OSError) as exc:
             if not held.still_there():
@@ -245,7 +246,7 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     needed = [e for e in referenced_entries(tree) if 0 <= e < len(f.entries)]
     local = [e for e in needed if f.entries[e].kind != "remote"]
     storages.update(f.read_entries(local, pool))
-    kinds.update({e: f.entries[e].kind for e in local})
+    kinds.update({e: f.entries[e].content_kind for e in local})
     remote: Dict[int, list] = {}
     for e in needed:
         if f.entries[e].kind == "remote":
@@ -259,7 +260,7 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
             if e >= len(other.entries) or other.entries[e].kind == "remote":
                 raise CorruptCheckpointError(f"{other.path}: does not hold entry {e} that "
                                              f"{path} says it holds", path=other.path, entry=str(e))
-            kinds[e] = other.entries[e].kind
+            kinds[e] = other.entries[e].content_kind
         storages.update(other.read_entries(indices, pool))
     if step is not None:
         ctx.dtensor_loader = step.dtensor_loader(into, pool, mapper)
@@ -335,10 +336,12 @@ def _dict_children(node: Any, ctx: LoadContext) -> Dict[Any, Any]:
 class StepFiles:
     """The data files of one committed step and its manifest's shard index."""
 
-    def __init__(self, path: str, manifest: Dict[str, Any], options: Options):
+    def __init__(self, path: str, manifest: Dict[str, Any], options: Options,
+                 refs: Optional[RefResolver] = None):
         self.path = path
         self.manifest = manifest
         self.options = options
+        self.refs = refs
         self.world_size = manifest["world_size"]
         self._names = {f["rank"]: f["name"] for f in manifest["files"]}
         self._open: Dict[int, CheckpointFile] = {}
@@ -353,7 +356,7 @@ class StepFiles:
         if rank not in self._open:
             path = os.path.join(self.path, self._names[rank])
             try:
-                f = CheckpointFile(path, self.options)
+                f = CheckpointFile(path, self.options, self.refs)
             except CheckpointNotFoundError:
                 # The step is committed, so a missing file is damage, not "no checkpoint".
                 raise CorruptCheckpointError(f"{path}: data file of rank {rank} is missing",
@@ -437,9 +440,9 @@ class StepFiles:
                 raise ctx.corrupt("a shard piece has another dtype or no rank")
             f = self.file(piece["rank"])
             e = t.get("e")
-            if type(e) is not int or not 0 <= e < len(f.entries) or f.entries[e].kind != "data":
+            if type(e) is not int or not 0 <= e < len(f.entries) or f.entries[e].content_kind != "data":
                 raise ctx.corrupt(f"shard of rank {piece['rank']} refers to a bad entry {e!r}")
-            if tensor_bytes_needed(t, dtype, ctx) > f.entries[e].length:
+            if tensor_bytes_needed(t, dtype, ctx) > f.entries[e].size:
                 raise ctx.corrupt(f"shard of rank {piece['rank']} claims more bytes than its entry holds")
             lo = [max(o, r) for o, r in zip(offsets, origin)]
             hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, pshape, origin, shape)]

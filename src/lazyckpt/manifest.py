@@ -35,10 +35,12 @@ def check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Dict[str, Any],
           replicated: List[Any]) -> bytes:
-    """The manifest's bytes, given every rank's report (``bytes``, ``shards``)."""
+    """The manifest's bytes, given every rank's report (``bytes``, ``shards``,
+    ``version``, ``references``)."""
     world = len(done)
+    version = max(v.get("version", fmt.FORMAT_VERSION_1) for v in done.values())
     manifest: Dict[str, Any] = {
-        "format_version": fmt.FORMAT_VERSION, "step": step, "world_size": world,
+        "format_version": version, "step": step, "world_size": world,
         "files": [{"rank": r, "name": rank_filename(r), "bytes": done[r]["bytes"]} for r in range(world)],
         "created_unix": time.time(), "save_id": save_id, "metadata": metadata}
     index = shard_index(done)
@@ -46,6 +48,11 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
         manifest["shards"] = index
     if replicated:
         manifest["replicated"] = [str(k) for k in replicated]
+    references = sorted({s for v in done.values() for s in v.get("references", [])})
+    if references:
+        # Incremental: the earlier steps whose files hold some of this step's
+        # bytes. Retention keeps them while this step is kept.
+        manifest["references"] = references
     manifest["checksum"] = checksum(manifest)
     raw = json.dumps(manifest, separators=(",", ":")).encode()
     if len(raw) > MAX_MANIFEST_BYTES:
@@ -79,7 +86,16 @@ def parse(raw: bytes, path: str) -> Dict[str, Any]:
     expected = manifest.pop("checksum", None)
     if expected != checksum(manifest):
         raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (file damaged)", path=path)
+    refs, step = manifest.get("references", []), manifest.get("step")
+    if not isinstance(refs, list) or (refs and type(step) is not int) or \
+            not all(type(s) is int and 0 <= s < step for s in refs):
+        raise CorruptCheckpointError(f"{path}: manifest references are not earlier steps", path=path)
     return manifest
+
+
+def references(manifest: Dict[str, Any]) -> List[int]:
+    """The earlier steps a (parsed) manifest's step refers to."""
+    return list(manifest.get("references", []))
 
 
 def checksum(manifest: Dict[str, Any]) -> int:

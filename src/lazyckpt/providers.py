@@ -42,12 +42,20 @@ class Source:
     capture stage. ``make_bytes`` serializes an object
     in the background (its length is unknown until then).
     """
-    kind: str                                   # "data", "pickle" or "remote"
+    kind: str                                   # "data", "pickle", "remote" or "ref"
     data: Any = None                            # flat uint8 tensor or memoryview, zero-copy
     make_bytes: Optional[Callable[[], bytes]] = None
     name: str = ""                              # state path, for error messages
     length: Optional[int] = None                # known up front for tensors
     owner: Optional[int] = None                 # "remote": the rank that writes it
+    #: Tensor storages: every tensor of the state that uses it (for a DTensor
+    #: shard, the DTensor), whose version counters an incremental checkpoint
+    #: reads on the capture thread -- before the barrier, so as they were at
+    #: save() -- and compares with the previous step's. Appending is all save()
+    #: pays for it.
+    tensors: List[Any] = field(default_factory=list)
+    #: "ref": where an earlier step holds these bytes (format.Entry.ref).
+    ref: Optional[Dict[str, Any]] = None
 
     @property
     def deferred(self) -> bool:
@@ -81,6 +89,9 @@ class SaveContext:
     _storage_ids: Dict[Tuple[str, int], int] = field(default_factory=dict)
     path: List[str] = field(default_factory=list)
     _active: set = field(default_factory=set)   # ids of containers being walked (cycle check)
+    #: The wrapper whose local tensor is being walked (a DTensor): its version
+    #: counter is the one in-place updates bump.
+    outer: Any = None
 
     def add(self, source: Source) -> int:
         source.name = self.path_name()
@@ -110,6 +121,7 @@ class SaveContext:
             flat = _flat_bytes_of_storage(t)
             index = self.add(Source("data", data=flat, length=flat.numel()))
             self._storage_ids[key] = index
+        self.sources[index].tensors.append(self.outer if self.outer is not None else t)
         return index
 
     def path_name(self) -> str:
@@ -518,12 +530,15 @@ class DTensorProvider(Provider):
             node["requires_grad"] = True
         if writer:
             local = value.to_local()
-            was = ctx.replicated
+            was = ctx.replicated, ctx.outer
             ctx.replicated = False          # a shard is this rank's own data
+            # In-place updates of a DTensor bump its own version counter, not its
+            # local tensor's (they run below autograd): that is the one to compare.
+            ctx.outer = value
             try:
                 node["local"] = ctx.encode(local.detach())
             finally:
-                ctx.replicated = was
+                ctx.replicated, ctx.outer = was
             ctx.shards.append({"path": list(ctx.path), "global_shape": node["global_shape"],
                                "offsets": node["offsets"], "local": node["local"]})
         return node

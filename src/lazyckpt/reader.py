@@ -10,9 +10,10 @@ are copied once, by the disk, and never again on CPU loads.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import mmap
 import os
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -23,11 +24,14 @@ from .knobs import Options
 
 
 class CheckpointFile:
-    """An open checkpoint file: its footer is parsed and validated on open."""
+    """An open checkpoint file: its footer is parsed and validated on open.
+    ``refs`` resolves its "ref" entries (incremental checkpoints) to the
+    earlier steps' files that hold their bytes."""
 
-    def __init__(self, path: str, options: Options):
+    def __init__(self, path: str, options: Options, refs: Optional["RefResolver"] = None):
         self.path = path
         self.options = options
+        self.refs = refs
         try:
             fd = open_regular(path)
         except FileNotFoundError:
@@ -84,8 +88,11 @@ class CheckpointFile:
             if type(i) is not int or not 0 <= i < len(self.entries):
                 raise CorruptCheckpointError(f"{self.path}: reference to missing entry {i}",
                                              path=self.path, entry=str(i))
-        wanted = sorted(wanted, key=lambda i: self.entries[i].offset)
         out: Dict[int, torch.UntypedStorage] = {}
+        referred = [i for i in wanted if self.entries[i].kind == "ref"]
+        if referred:
+            out.update(self._read_referred(referred, pool))
+        wanted = sorted((i for i in wanted if self.entries[i].kind != "ref"), key=lambda i: self.entries[i].offset)
         runs = self._plan_runs([i for i in wanted if self.entries[i].length > 0])
         for i in wanted:
             if self.entries[i].length == 0:
@@ -115,6 +122,36 @@ class CheckpointFile:
         finally:
             fd.close()
         return out
+
+    def _read_referred(self, indices: List[int], pool: cf.ThreadPoolExecutor) -> Dict[int, torch.UntypedStorage]:
+        """Entries whose bytes an earlier step's file holds, read from there."""
+        by_file: Dict[int, tuple] = {}
+        for i in indices:
+            other, j = self.resolve(i)
+            by_file.setdefault(id(other), (other, []))[1].append((i, j))
+        out = {}
+        for other, pairs in by_file.values():
+            got = other.read_entries([j for _, j in pairs], pool)
+            out.update({i: got[j] for i, j in pairs})
+        return out
+
+    def resolve(self, index: int) -> Tuple["CheckpointFile", int]:
+        """(the file holding a "ref" entry's bytes, the entry's index there)."""
+        if self.refs is None:
+            e = self.entries[index]
+            raise CorruptCheckpointError(f"{self.path}: entry {e.name!r} refers to step {e.ref['step']}'s file; "
+                                         f"load it from its checkpoint directory", path=self.path, entry=e.name)
+        return self.refs.resolve(self, index)
+
+    @property
+    def step(self) -> Optional[int]:
+        step = self.footer.metadata.get("step")
+        return step if type(step) is int else None
+
+    @property
+    def save_id(self) -> Optional[str]:
+        mine = self.footer.metadata.get("lazyckpt")
+        return mine.get("save_id") if isinstance(mine, dict) else None
 
     def _read_block(self, fd: InputFile, view: memoryview, run_start: int, lo: int, hi: int,
                     entries: List[fmt.Entry]) -> None:
@@ -161,6 +198,9 @@ class CheckpointFile:
         """Bytes [start, end) of one entry, as a uint8 tensor. Whole checksum
         blocks around the range are read so that each can be verified."""
         e = self.entries[index]
+        if e.kind == "ref":
+            other, j = self.resolve(index)
+            return other.read_range(j, start, end, pool)
         if not 0 <= start <= end <= e.length:
             raise CorruptCheckpointError(f"{self.path}: range [{start}, {end}) outside entry {e.name!r} "
                                          f"of {e.length} bytes", path=self.path, entry=e.name)
@@ -188,3 +228,64 @@ class CheckpointFile:
 
     def verify_all(self, pool: cf.ThreadPoolExecutor) -> None:
         self.read_entries(range(len(self.entries)), pool)
+
+
+class RefResolver:
+    """Opens the earlier steps' files that "ref" entries point at, for one load
+    (or verify): each referenced step is held with a read lock until
+    ``close()`` (retention elsewhere leaves it alone meanwhile), and every
+    reference is checked against the file it lands in -- same save, a data
+    entry at the same place with the same checksums -- so a file replaced or
+    damaged since is refused with an error naming both steps."""
+
+    def __init__(self, directory: str, options: Options):
+        self.directory = directory          # the Checkpointer directory holding step_* dirs
+        self.options = options
+        self._files: Dict[tuple, CheckpointFile] = {}
+        self._holds = contextlib.ExitStack()
+
+    def resolve(self, referrer: CheckpointFile, index: int) -> Tuple[CheckpointFile, int]:
+        from .layout import StepDir, rank_filename, step_dirname
+        e = referrer.entries[index]
+        ref = e.ref
+        here = f"{referrer.path} (step {referrer.step})"
+        key = (ref["step"], ref["rank"])
+        other = self._files.get(key)
+        path = os.path.join(self.directory, step_dirname(ref["step"]), rank_filename(ref["rank"]))
+        if other is None:
+            try:
+                self._holds.enter_context(StepDir(os.path.dirname(path), ref["step"]).reading())
+                other = CheckpointFile(path, self.options, self)
+            except CheckpointNotFoundError as exc:
+                raise CorruptCheckpointError(f"{here}: entry {e.name!r} refers to step {ref['step']}, whose "
+                                             f"file is missing ({exc})", path=referrer.path, entry=e.name) from None
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(f"{here}: entry {e.name!r} refers to step {ref['step']}, whose "
+                                             f"file is damaged: {exc}", path=referrer.path, entry=e.name) from None
+            self._files[key] = other
+        j = ref["entry"]
+        target = other.entries[j] if j < len(other.entries) else None
+        if other.save_id != ref["save_id"] or target is None or target.kind != "data" \
+                or (target.offset, target.length, target.checksums) != (ref["offset"], ref["length"],
+                                                                       ref["checksums"]) \
+                or other.footer.block_bytes != ref["block_bytes"]:
+            raise CorruptCheckpointError(f"{here}: entry {e.name!r} refers to entry {j} of step {ref['step']} "
+                                         f"({path}), which does not hold those bytes (the file was replaced "
+                                         f"or damaged)", path=referrer.path, entry=e.name)
+        return other, j
+
+    def close(self) -> None:
+        self._files.clear()
+        self._holds.close()
+
+    def __enter__(self) -> "RefResolver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def resolver_for(path: str, options: Options) -> RefResolver:
+    """The resolver for a data file inside ``DIR/step_XXXXXXXXXX/``: references
+    are looked up in ``DIR``."""
+    return RefResolver(os.path.dirname(os.path.dirname(os.path.abspath(path))), options)

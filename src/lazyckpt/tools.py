@@ -31,11 +31,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import format as fmt
 from . import manifest as manifests
+from .incremental import owned_bytes, referenced_steps
 from .errors import CheckpointError, CheckpointNotFoundError
 from .fileio import open_for_read, pread_into, read_small_file
 from .knobs import Options, resolve as resolve_options
 from .layout import MANIFEST, CheckpointDir, remove_tree, tree_bytes
-from .reader import CheckpointFile
+from .reader import CheckpointFile, RefResolver, resolver_for
 
 # --------------------------------------------------------------------------- targets
 
@@ -301,7 +302,8 @@ def describe(path: str, options: Optional[Options] = None) -> Dict[str, Any]:
     m = target.manifest
     if m is not None:
         out.update(step=m.get("step"), world_size=m.get("world_size"), format_version=m.get("format_version"),
-                   created_unix=m.get("created_unix"), metadata=m.get("metadata"))
+                   created_unix=m.get("created_unix"), metadata=m.get("metadata"),
+                   references=m.get("references", []))
         if m.get("replicated"):
             out["replicated"] = m["replicated"]
         shards = m.get("shards") or {}
@@ -317,6 +319,10 @@ def describe(path: str, options: Optional[Options] = None) -> Dict[str, Any]:
                "block_bytes": f.footer.block_bytes, "metadata": f.footer.metadata,
                "entry_count": len(f.entries),
                "data_bytes": sum(e.length for e in f.entries),
+               # Incremental: bytes this file holds, and what it refers to in earlier steps.
+               "owned_bytes": owned_bytes(f.entries),
+               "referenced_bytes": sum(e.size for e in f.entries if e.kind == "ref"),
+               "references": referenced_steps(f.entries),
                "entries": [dict(index=i, **e.to_json(), checksum_blocks=len(e.checksums))
                            for i, e in enumerate(f.entries)],
                "leaves": leaves}
@@ -375,7 +381,8 @@ def list_directory(directory: str, lease_expiry_s: Optional[float] = None) -> Di
         try:
             manifest = read_manifest(path)
             row.update(world_size=manifest["world_size"], files=len(manifest["files"]),
-                       created_unix=manifest.get("created_unix"), metadata=manifest.get("metadata"))
+                       created_unix=manifest.get("created_unix"), metadata=manifest.get("metadata"),
+                       references=manifest.get("references", []))
         except CheckpointError as exc:
             row["error"] = str(exc)
         steps.append(row)
@@ -446,10 +453,17 @@ def verify(path: str, options: Optional[Options] = None,
     options = options or resolve_options()
     target = resolve(path)
     report = VerifyReport(target)
+    with resolver_for(target.files[0][1], options) as refs:
+        _verify(target, report, options, refs, progress, on_total)
+    return report
+
+
+def _verify(target: Target, report: VerifyReport, options: Options, refs: RefResolver,
+            progress: Optional[Callable[[int], None]], on_total: Optional[Callable[[int], None]]) -> None:
     opened: Dict[Optional[int], CheckpointFile] = {}
     for rank, fpath in target.files:
         try:
-            opened[rank] = CheckpointFile(fpath, options)
+            opened[rank] = CheckpointFile(fpath, options, refs)
         except CheckpointError as exc:
             report.problems.append(Problem(fpath, "file", str(exc)))
         report.files += 1
@@ -461,21 +475,36 @@ def verify(path: str, options: Optional[Options] = None,
                 report.problems.append(Problem(fpath, "manifest", f"{fpath}: manifest says {f['bytes']} bytes, "
                                                f"the file has {cf_.size}"))
     if on_total is not None:
-        on_total(sum(e.length for f in opened.values() for e in f.entries if e.kind != "remote"))
+        on_total(sum(e.size for f in opened.values() for e in f.entries if e.kind != "remote"))
     threads = max(1, options.reader_threads)
     with cf.ThreadPoolExecutor(threads, thread_name_prefix="lazyckpt-verify") as pool:
         for rank, f in opened.items():
             _check_tree(f, opened, rank, report)
             _verify_file(f, options, pool, threads, report, progress)
-    return report
+            # Incremental: the ranges this file refers to, in the earlier steps' files.
+            referred: Dict[str, Tuple[CheckpointFile, List[int]]] = {}
+            for i, e in enumerate(f.entries):
+                if e.kind != "ref":
+                    continue
+                try:
+                    other, j = f.resolve(i)
+                except CheckpointError as exc:
+                    report.problems.append(Problem(f.path, "entry", str(exc), e.name, i))
+                    continue
+                referred.setdefault(other.path, (other, []))[1].append(j)
+            for other, indices in referred.values():
+                _verify_file(other, options, pool, threads, report, progress, indices, f)
 
 
 def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecutor, threads: int,
-                 report: VerifyReport, progress: Optional[Callable[[int], None]]) -> None:
+                 report: VerifyReport, progress: Optional[Callable[[int], None]],
+                 only: Optional[List[int]] = None, referrer: Optional[CheckpointFile] = None) -> None:
+    """Check every block of ``f``'s entries (or of the entries ``only``, those a
+    later step's ``referrer`` refers to)."""
     block = f.footer.block_bytes
     jobs: List[Tuple[int, int, int]] = []          # (entry index, lo, hi)
     for i, e in enumerate(f.entries):
-        if e.kind == "remote":
+        if e.kind in ("remote", "ref") or (only is not None and i not in only):
             continue
         report.entries += 1
         jobs.extend((i, lo, hi) for lo, hi in fmt.block_spans(e.offset, e.length, block))
@@ -529,6 +558,8 @@ def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecuto
         e = f.entries[i]
         others = [n for n in users.get(i, []) if n != e.name]
         also = f" (also used by {', '.join(others[:4])}{', ...' if len(others) > 4 else ''})" if others else ""
+        if referrer is not None:
+            also += f" (referred to by step {referrer.step}, {referrer.path})"
         report.problems.append(Problem(
             f.path, "entry", f"{f.path}: entry {i} {e.name!r}{also}: {errors[i]} in {len(damaged[i])} of "
             f"{len(e.checksums)} block(s), at file offset(s) {', '.join(map(str, damaged[i][:8]))}"
@@ -576,7 +607,7 @@ def _check_tree(f: CheckpointFile, opened: Dict[Optional[int], CheckpointFile], 
                 continue
             entry = other.entries[e]
         expected_kind = "pickle" if leaf.type == "pickle" else "data"
-        if entry.kind != expected_kind:
+        if entry.content_kind != expected_kind:
             problem(leaf, f"entry {e} is {entry.kind!r}, expected {expected_kind!r}")
             continue
         if leaf.type in ("tensor", "dtensor"):
@@ -592,16 +623,16 @@ def _check_tree(f: CheckpointFile, opened: Dict[Optional[int], CheckpointFile], 
             else:
                 needed = 0 if any(s == 0 for s in shape) else \
                     (offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * size
-                if needed > entry.length:
-                    problem(leaf, f"tensor needs {needed} bytes, entry {e} has {entry.length}")
+                if needed > entry.size:
+                    problem(leaf, f"tensor needs {needed} bytes, entry {e} has {entry.size}")
         elif leaf.type == "numpy":
             try:
                 import numpy as np
                 dtype = np.dtype(node.get("dtype"))
                 shape = node.get("shape")
-                if not _ints(shape) or math.prod(shape) * dtype.itemsize != entry.length:
+                if not _ints(shape) or math.prod(shape) * dtype.itemsize != entry.size:
                     problem(leaf, f"array of {node.get('dtype')} {shape} does not match entry {e} "
-                                  f"({entry.length} bytes)")
+                                  f"({entry.size} bytes)")
             except (TypeError, ValueError):
                 problem(leaf, f"bad numpy dtype {node.get('dtype')!r}")
 
@@ -633,10 +664,10 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
     listing = list_directory(directory)
     directory = listing["directory"]
     layout = CheckpointDir(directory, 0.0 if force else resolve_options().lease_expiry_s)
-    steps = [r["step"] for r in listing["steps"]]
-    actions: List[PruneAction] = []
-    for row in listing["steps"][:-keep] if len(steps) > keep else []:
-        actions.append(PruneAction(row["name"], "step", row["bytes"], row["step"]))
+    rows = {r["step"]: r for r in listing["steps"]}
+    doomed, referred = layout.retention_plan(keep)       # newest first; referred-to steps stay
+    actions: List[PruneAction] = [PruneAction(rows[s]["name"], "step", rows[s]["bytes"], s)
+                                  for s in doomed if s in rows]
     kept_leftovers = []
     for leftover in layout.leftovers():
         lo = {"name": leftover.name, "kind": leftover.kind, "bytes": leftover.bytes,
@@ -645,22 +676,27 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
             kept_leftovers.append(lo)
             continue
         actions.append(PruneAction(leftover.name, leftover.kind, leftover.bytes))
+    if not dry_run and doomed:
+        # The library's own retention: newest first, a step being read stays and
+        # so does every step it refers to.
+        deleted, _kept = layout.retire_old(keep)
+        for action in actions:
+            if action.what == "step":
+                action.done = action.step in deleted
+                if not action.done:
+                    action.error = "being read by another process, or referred to by one; kept"
     for action in actions:
-        if dry_run:
+        if dry_run or action.what == "step":
             continue
         try:
-            if action.what == "step":
-                if not layout.delete_step(action.step):
-                    action.error = "being read by another process; kept"
-                    continue
-            else:
-                remove_tree(os.path.join(directory, action.name))
+            remove_tree(os.path.join(directory, action.name))
             action.done = True
         except FileNotFoundError:
             action.done = True               # removed concurrently: the outcome wanted
         except OSError as exc:
             action.error = f"{exc.strerror or exc}"
-    return {"directory": directory, "kept": steps[-keep:], "dry_run": dry_run,
+    kept = sorted(set(rows) - {a.step for a in actions if a.what == "step" and (a.done or dry_run)})
+    return {"directory": directory, "kept": kept, "kept_for_references": referred, "dry_run": dry_run,
             "actions": [a.__dict__ for a in actions], "kept_leftovers": kept_leftovers,
             "freed_bytes": sum(a.bytes for a in actions if a.done)}
 

@@ -91,6 +91,9 @@ class FileWriteJob:
         self._lengths: Dict[int, int] = {}
         self._file: Optional[OutputFile] = None
         self._start = 0.0
+        #: After run(): the footer's entries and the file's format version.
+        self.entries: List[fmt.Entry] = []
+        self.version = fmt.FORMAT_VERSION_1
 
     # ------------------------------------------------------------------ control
 
@@ -119,11 +122,11 @@ class FileWriteJob:
             self._file = OutputFile(self.path, self.options.o_direct)
             # Serialize objects in the background while tensors stream out.
             pickles = [(i, self.serializer.submit(s.make_bytes))
-                       for i, s in enumerate(self.sources) if s.deferred and s.kind != "remote"]
+                       for i, s in enumerate(self.sources) if s.deferred and s.kind not in ("remote", "ref")]
             offset = fmt.DATA_START
             items = []
             for i, s in enumerate(self.sources):
-                if s.kind == "remote":          # written by another rank
+                if s.kind in ("remote", "ref"):     # written by another rank, or by an earlier step
                     self._offsets[i], self._lengths[i], self._sums[i] = fmt.DATA_START, 0, []
                     continue
                 if s.deferred:
@@ -261,15 +264,19 @@ class FileWriteJob:
         entries = []
         for i, source in enumerate(self.sources):
             entries.append(fmt.Entry(source.kind, self._offsets[i], self._lengths[i], self._sums[i],
-                                     source.name, source.owner if source.kind == "remote" else None))
-        footer = fmt.encode_footer(entries, self.tree, self.block, self.metadata)
+                                     source.name, source.owner if source.kind == "remote" else None,
+                                     source.ref if source.kind == "ref" else None))
+        version = fmt.version_for(entries)
+        footer = fmt.encode_footer(entries, self.tree, self.block, self.metadata, version)
         footer_offset = fmt.align_up(data_end)
         tail = footer + fmt.pack_trailer(footer_offset, footer)
-        self._write_bytes(0, fmt.pack_header())
+        self._write_bytes(0, fmt.pack_header(version))
         self._write_bytes(footer_offset, tail)
         size = footer_offset + len(tail)
         self._file.finish(size)
         self.stats.file_bytes = size
+        self.entries = entries
+        self.version = version
 
     def _write_bytes(self, offset: int, data: bytes) -> None:
         """Write small metadata through the (aligned) cache, chunk by chunk."""
