@@ -534,6 +534,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all modes (interleaved); figures are medians across rounds")
     p.add_argument("--keep", action="store_true", help="keep the last checkpoints of each mode")
+    p.add_argument("--alternate", action="store_true",
+                   help="reverse the order of the checkpointing modes every other round (ABBA)")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: hidden 128, 2 layers, seq 32, vocab 1000, 4 iters")
     args = p.parse_args()
@@ -574,7 +576,14 @@ def main() -> None:
 
     runs: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes}
     for rnd in range(args.repeat):
-        for mode in modes:
+        order = list(modes)
+        if args.alternate and rnd % 2:
+            # ABBA: the checkpointing modes run in the reverse order every other
+            # round, so a disk slowed by the previous mode's writes favours none.
+            savers = [m for m in modes if m in SAVERS]
+            flipped = iter(reversed(savers))
+            order = [next(flipped) if m in SAVERS else m for m in modes]
+        for mode in order:
             t = time.perf_counter()
             try:
                 r = run_mode(mode, args, verify=mode.startswith("lazyckpt"))

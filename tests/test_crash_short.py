@@ -43,8 +43,11 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path):
     assert summary["trials"] == 5 and summary["successes"] == 5, summary
     assert summary["failures"] == []
     assert sum(summary["phases"].values()) == 5
-    # Training made progress across the kills and the last state is committed.
-    assert summary["final_steps"] and len(summary["final_steps"]) <= 2
+    # Training made progress across the kills and the last state is committed. A
+    # kill after a commit's rename and before its retention legitimately leaves
+    # keep_last + 1 committed steps (stress_crash classifies that phase): the
+    # next commit's retention trims them; opening a Checkpointer deletes nothing.
+    assert summary["final_steps"] and len(summary["final_steps"]) <= 2 + 1
     # Nothing but committed steps (and the advisory latest) is left.
     names = sorted(os.listdir(tmp_path / "run"))
     assert all(n == "latest" or n.startswith("step_") for n in names), names

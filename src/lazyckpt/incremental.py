@@ -46,6 +46,7 @@ from . import format as fmt
 from .capture import DeviceCopier, as_numpy
 from .providers import Source
 
+
 @dataclass
 class Location:
     """Where the bytes of one storage are: an entry of an earlier step's file."""
@@ -160,9 +161,6 @@ class IncrementalIndex:
                 loc = Location(step, rank, i, e.offset, e.length, block_bytes, list(e.checksums), save_id)
             known[self._key(plan, i)] = _Known(loc, storage, versions, str(s.data.device))
         self._known = known
-
-    def forget(self) -> None:
-        self._known = {}
 
 
 def _same_content(data: torch.Tensor, loc: Location, copy_buffer: Any) -> bool:
