@@ -6,6 +6,8 @@ Public surface::
     lazyckpt.load(path, map_location=None, keys=None, into=None, allow_pickle=False, strict=True)
     lazyckpt.Checkpointer(directory, keep_last=None, host_cache_bytes=None, ...)
     lazyckpt.register_provider(cls, to_state, from_state)
+    lazyckpt.export_hf(step_or_run_dir, out_dir, ...)   # -> a Hugging Face model directory
+    lazyckpt.import_hf(hf_dir, out_file)                  # <- one, loadable into= any sharding
 """
 
 from .api import load, save
@@ -15,13 +17,14 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadErr
                      CorruptCheckpointError, MissingKeyError, StateMismatchError,
                      UnsafeObjectError, UnsupportedVersionError)
 from .format import FORMAT_VERSION, SUPPORTED_VERSIONS
+from .hf import export_hf, import_hf
 from .knobs import Options
 from .providers import register_provider
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "Checkpointer", "SaveHandle", "Options", "register_provider",
+    "save", "load", "Checkpointer", "export_hf", "import_hf", "SaveHandle", "Options", "register_provider",
     "CheckpointError", "CorruptCheckpointError", "CheckpointNotFoundError",
     "UnsupportedVersionError", "UnsafeObjectError", "CheckpointWriteError", "CheckpointReadError",
     "MissingKeyError", "StateMismatchError", "FORMAT_VERSION", "SUPPORTED_VERSIONS",

@@ -4,6 +4,8 @@
     lazyckpt inspect PATH [--json]        entries, dtypes, shapes, sizes, shards of a checkpoint
     lazyckpt verify PATH                  read everything, check every checksum
     lazyckpt convert SRC DST              lazyckpt <-> torch.save <-> safetensors, DCP -> any
+    lazyckpt export STEP OUT_DIR --hf     a committed step (any ranks) -> Hugging Face model directory
+    lazyckpt import HF_DIR OUT            a Hugging Face model directory -> one lazyckpt file
     lazyckpt prune DIR --keep N           delete older committed steps and leftovers
     lazyckpt bench [--quick]              side-by-side save/load benchmark
 
@@ -270,6 +272,39 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------- export / import (Hugging Face)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .hf import export_hf
+    from .tools import human_bytes
+    bar = Progress(_progress_enabled(args), "exporting")
+    try:
+        result = export_hf(args.src, args.out_dir, key=args.key, prefix=args.prefix, strip=args.strip,
+                           dtype=args.dtype, max_shard_size=args.max_shard_size, config=args.config,
+                           overwrite=args.force, progress=bar.update, on_total=bar.total)
+    finally:
+        bar.close()
+    step = f" (step {result.step})" if result.step is not None else ""
+    print(f"{result.src}{step} -> {result.out_dir}: {result.tensors} tensors under "
+          f"{'/'.join(result.key) or '<root>'}, {human_bytes(result.tensor_bytes)} in {len(result.files)} "
+          f"file(s), {result.seconds:.2f} s")
+    if result.copied:
+        print(f"  copied from {args.config}: {', '.join(result.copied)}")
+    else:
+        print("  no config.json (pass --config DIR): from_pretrained needs one", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .hf import import_hf
+    from .tools import human_bytes
+    result = import_hf(args.hf_dir, args.out, key=args.key, overwrite=args.force)
+    print(f"{result.src} ({len(result.files)} file(s)) -> {result.out}: {result.tensors} tensors, "
+          f"{human_bytes(result.tensor_bytes)}, file {human_bytes(result.file_bytes)}, {result.seconds:.2f} s")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------- prune
 
 
@@ -410,6 +445,38 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read at most this much at a time when streaming (default 256M)")
     progress_flags(sp)
     sp.set_defaults(func=cmd_convert)
+
+    sp = sub.add_parser("export", help="write a committed step as a Hugging Face model directory",
+                        description="Any committed step (one rank or many; DTensor shards are assembled "
+                        "reading only the bytes each tensor needs) -> safetensors shards, their index and "
+                        "the config/tokenizer files of --config. Memory: about twice the largest tensor.")
+    sp.add_argument("src", metavar="STEP_OR_RUN_DIR", help="a step directory, a Checkpointer directory "
+                    "(its latest step) or a .lzc file")
+    sp.add_argument("out_dir", metavar="OUT_DIR")
+    sp.add_argument("--hf", action="store_true", default=True,
+                    help="write a Hugging Face model directory (the only export format; the default)")
+    sp.add_argument("--config", metavar="DIR", help="copy config.json (required there), tokenizer and "
+                    "generation files from DIR; with transformers installed the weights are checked against it")
+    sp.add_argument("--key", help="path of the model state in the checkpoint, e.g. model or a/b "
+                    "(default: model, module or state_dict, whichever exists)")
+    sp.add_argument("--prefix", default="", help="add this prefix to every name")
+    sp.add_argument("--strip", default="", help="remove this prefix from the names that have it")
+    sp.add_argument("--dtype", help="cast floating-point tensors (bfloat16, float16, float32)")
+    sp.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="largest safetensors file (default 5GB, decimal as in transformers; 2GiB is binary)")
+    sp.add_argument("-f", "--force", action="store_true", help="replace OUT_DIR if it exists")
+    progress_flags(sp)
+    sp.set_defaults(func=cmd_export)
+
+    sp = sub.add_parser("import", help="write a Hugging Face model directory as one lazyckpt file",
+                        description="The safetensors weights of HF_DIR (one file or sharded with an index) "
+                        "-> OUT (.lzc) holding {name: tensor}; lazyckpt.load(OUT, into=model.state_dict()) "
+                        "then fills a model on any number of ranks, each reading only its own rows.")
+    sp.add_argument("hf_dir", metavar="HF_DIR")
+    sp.add_argument("out", metavar="OUT")
+    sp.add_argument("--key", help="nest the weights under this key (e.g. model)")
+    sp.add_argument("-f", "--force", action="store_true", help="replace OUT if it exists")
+    sp.set_defaults(func=cmd_import)
 
     sp = sub.add_parser("prune", help="delete older committed steps and leftovers of interrupted saves")
     sp.add_argument("dir", metavar="DIR")

@@ -243,7 +243,10 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
                 f"{path}: entry {name} is a pickled {node.get('type', 'object')}; unpickling runs "
                 f"code from the file, so it is refused. Pass allow_pickle=True if you trust this file.",
                 path=path, entry=name)
-    needed = [e for e in referenced_entries(tree) if 0 <= e < len(f.entries)]
+    # Plain saved tensors loaded into DTensors of into= (a checkpoint from one
+    # process resumed sharded): each rank reads only its own rows of them.
+    sliced = _plain_into_dtensor(tree, into) if into is not None else {}
+    needed = [e for e in referenced_entries(tree, skip=set(sliced)) if 0 <= e < len(f.entries)]
     local = [e for e in needed if f.entries[e].kind != "remote"]
     storages.update(f.read_entries(local, pool))
     kinds.update({e: f.entries[e].content_kind for e in local})
@@ -264,6 +267,8 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
         storages.update(other.read_entries(indices, pool))
     if step is not None:
         ctx.dtensor_loader = step.dtensor_loader(into, pool, mapper)
+    for node_id, target in sliced.items():
+        ctx.overrides[node_id] = _slice_loader(f, step, target, pool)
     try:
         state = ctx.decode(tree)
     finally:
@@ -462,32 +467,84 @@ class StepFiles:
                      pool: cf.ThreadPoolExecutor) -> None:
         """Copy into ``out`` (the global region starting at ``origin``) every
         piece (already checked by _cover), reading only the rows needed."""
-        from .providers import dtype_from_name
         for piece in pieces:
-            offsets, t = piece["offsets"], piece["tensor"]
-            shape = t["shape"]
-            lo = [max(o, r) for o, r in zip(offsets, origin)]
-            hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, shape, origin, out.shape)]
-            f = self.file(piece["rank"])
-            e = t["e"]
-            dtype = dtype_from_name(t["dtype"], ctx)
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            contiguous = torch.empty(shape, dtype=dtype, device="meta").stride()
-            if out.dim() > 0 and list(contiguous) == t["stride"]:
-                # Rows [lo0, hi0) of a row-major shard are one contiguous byte range.
-                row = math.prod(shape[1:]) * itemsize
-                first, last = lo[0] - offsets[0], hi[0] - offsets[0]
-                start = t["offset"] * itemsize + first * row
-                data = f.read_range(e, start, start + (last - first) * row, pool)
-                src = data.view(dtype).reshape([last - first] + list(shape[1:]))
-                src = src[(slice(None),) + tuple(slice(a - o, b - o) for a, b, o in
-                                                  zip(lo[1:], hi[1:], offsets[1:]))]
-            else:
-                storage = f.read_entries([e], pool)[e]
-                whole = torch.empty((0,), dtype=dtype).set_(storage, t["offset"], shape, t["stride"])
-                src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
-            dst = out[tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, origin))]
-            dst.copy_(src)
+            _copy_region(self.file(piece["rank"]), piece["tensor"], piece["offsets"], out, origin, ctx, pool)
+
+
+def _copy_region(f: CheckpointFile, t: Dict[str, Any], offsets: list, out: torch.Tensor, origin: list,
+                 ctx: LoadContext, pool: cf.ThreadPoolExecutor) -> None:
+    """Copy the part of saved tensor node ``t`` (placed at ``offsets`` in the
+    global tensor) that overlaps ``out`` (the region starting at ``origin``),
+    reading only the rows needed when ``t`` is row-major."""
+    from .providers import dtype_from_name
+    shape = t["shape"]
+    lo = [max(o, r) for o, r in zip(offsets, origin)]
+    hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, shape, origin, out.shape)]
+    if not all(a < b for a, b in zip(lo, hi)):
+        return
+    e = t["e"]
+    dtype = dtype_from_name(t["dtype"], ctx)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    contiguous = torch.empty(shape, dtype=dtype, device="meta").stride()
+    if out.dim() > 0 and list(contiguous) == t["stride"]:
+        # Rows [lo0, hi0) of a row-major tensor are one contiguous byte range.
+        row = math.prod(shape[1:]) * itemsize
+        first, last = lo[0] - offsets[0], hi[0] - offsets[0]
+        start = t["offset"] * itemsize + first * row
+        data = f.read_range(e, start, start + (last - first) * row, pool)
+        src = data.view(dtype).reshape([last - first] + list(shape[1:]))
+        src = src[(slice(None),) + tuple(slice(a - o, b - o) for a, b, o in
+                                          zip(lo[1:], hi[1:], offsets[1:]))]
+    else:
+        storage = f.read_entries([e], pool)[e]
+        whole = torch.empty((0,), dtype=dtype).set_(storage, t["offset"], shape, t["stride"])
+        src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
+    dst = out[tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, origin))]
+    dst.copy_(src)
+
+
+def _plain_into_dtensor(tree: Any, into: Any) -> Dict[int, Any]:
+    """id(tensor node) -> the DTensor of ``into`` at the same path, for plain saved tensors."""
+    targets = _dtensor_targets(into)
+    if not targets:
+        return {}
+    from .tools import walk
+    return {id(leaf.node): targets[key] for leaf in walk(tree)
+            if leaf.type == "tensor" and (key := json.dumps(list(leaf.path))) in targets}
+
+
+def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
+                  pool: cf.ThreadPoolExecutor) -> Callable[[Dict[str, Any], LoadContext], Any]:
+    """Build this rank's shard of ``target`` from a plain saved tensor, reading its rows only."""
+    def load(node: Dict[str, Any], ctx: LoadContext) -> Any:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from .providers import dtype_from_name, tensor_bytes_needed
+        dtype = dtype_from_name(node.get("dtype"), ctx)
+        shape, e = node.get("shape"), node.get("e")
+        if list(target.shape) != shape or target.dtype != dtype:
+            raise StateMismatchError(
+                f"{f.path}: entry {'/'.join(ctx.trail)} is {dtype} {tuple(shape or ())} in the checkpoint "
+                f"but {target.dtype} {tuple(target.shape)} in into=", path=f.path, entry="/".join(ctx.trail))
+        if type(e) is not int or not 0 <= e < len(f.entries):
+            raise ctx.corrupt(f"reference to unknown entry {e!r}")
+        holder = f
+        if f.entries[e].kind == "remote":
+            if step is None:
+                raise ctx.corrupt("refers to another rank's file; load the step directory")
+            holder = step.file(f.entries[e].rank)
+            if e >= len(holder.entries) or holder.entries[e].kind == "remote":
+                raise ctx.corrupt(f"{holder.path} does not hold entry {e}")
+        if holder.entries[e].content_kind != "data" or \
+                tensor_bytes_needed(node, dtype, ctx) > holder.entries[e].size:
+            raise ctx.corrupt(f"entry {e} does not hold this tensor's bytes")
+        local_shape, origin = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                    target.placements)
+        local = torch.empty(list(local_shape), dtype=dtype, device=target.to_local().device)
+        _copy_region(holder, node, [0] * len(shape), local, list(origin), ctx, pool)
+        return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
+                                  shape=target.shape, stride=target.stride())
+    return load
 
 
 def _dtensor_targets(into: Any) -> Dict[str, Any]:

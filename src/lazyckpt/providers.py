@@ -150,6 +150,9 @@ class LoadContext:
     #: Builds a DTensor node's value from the global shard index (multi-rank loads).
     dtensor_loader: Optional[Callable[[Dict[str, Any], "LoadContext"], Any]] = None
     trail: List[str] = field(default_factory=list)
+    #: id(node) -> what builds that node's value instead of its provider (the
+    #: loader's rows-only path for plain tensors loaded into DTensors).
+    overrides: Dict[int, Callable[[Dict[str, Any], "LoadContext"], Any]] = field(default_factory=dict)
 
     def corrupt(self, why: str) -> CorruptCheckpointError:
         name = "/".join(self.trail) or "<root>"
@@ -165,6 +168,8 @@ class LoadContext:
                 return node
             if not isinstance(node, dict) or not isinstance(node.get("$"), str):
                 raise self.corrupt(f"unexpected node {type(node).__name__}")
+            if self.overrides and id(node) in self.overrides:
+                return self.overrides[id(node)](node, self)
             provider = _registry.by_tag(node["$"])
             if provider is None:
                 raise self.corrupt(f"unknown tag {node['$']!r}")
@@ -690,12 +695,15 @@ def flatten(state: Any, rank: int = 0, world_size: int = 1,
     return Flattened(tree, ctx.sources, ctx.shards, digest)
 
 
-def referenced_entries(node: Any, out: Optional[set] = None) -> set:
-    """Indices of the entries a (sub)tree needs, to read only those bytes."""
+def referenced_entries(node: Any, out: Optional[set] = None, skip: Optional[set] = None) -> set:
+    """Indices of the entries a (sub)tree needs, to read only those bytes
+    (nodes whose id is in ``skip`` are read otherwise)."""
     out = set() if out is None else out
     stack = [node]
     while stack:
         n = stack.pop()
+        if skip and id(n) in skip:
+            continue
         if isinstance(n, dict):
             if n.get("$") == "dtensor":
                 continue            # read through the shard index, not this rank's entry
