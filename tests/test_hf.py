@@ -172,6 +172,27 @@ def test_an_incremental_step_exports_through_its_references(tmp_path):
     assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items())
 
 
+def _pipeline_stages(rank, world, run_dir):
+    """Two pipeline stages: each rank holds other layers of the model (and both the step)."""
+    import torch.distributed as dist
+    torch.manual_seed(rank)
+    layers = {f"layers.{rank * 2 + i}.weight": torch.randn(8, 4) for i in range(2)}
+    if rank == 1:
+        layers["head.weight"] = torch.randn(3, 4)
+    with lazyckpt.Checkpointer(run_dir) as ckpt:
+        ckpt.save({"model": layers, "step": 1}, step=1).wait()
+    dist.barrier()
+    return layers
+
+
+def test_a_step_of_pipeline_stages_exports_every_rank_s_keys(tmp_path):
+    stages = run_ranks(2, _pipeline_stages, str(tmp_path / "run"), timeout=120)
+    lazyckpt.export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    got = _safetensors(str(tmp_path / "out"))
+    expected = {**stages[0], **stages[1]}
+    assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
 def _leftovers(directory):
     return [n for n in os.listdir(directory) if n.startswith(".")]
 

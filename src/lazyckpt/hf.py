@@ -45,7 +45,8 @@ from .fileio import fsync_dir
 from .knobs import resolve as resolve_options
 from .layout import StepDir, new_token, remove_tree
 from .reader import CheckpointFile
-from .tools import Leaf, resolve as resolve_target, walk
+from .loader import load_step_dir
+from .tools import Leaf, Target, resolve as resolve_target, walk
 
 #: Where training states usually keep the model (autodetected in this order).
 MODEL_KEYS = ("model", "module", "state_dict")
@@ -96,6 +97,7 @@ class _Tensor:
     dtype: torch.dtype          # as saved
     out_dtype: torch.dtype      # as written
     shape: List[int]
+    rank: Optional[int] = None  # whose tree holds it (None: a lone file)
 
     @property
     def nbytes(self) -> int:
@@ -136,12 +138,10 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
         raise CheckpointError(f"{config}: no config.json there (--config takes a Hugging Face model or "
                               f"config directory)", path=config)
     target = resolve_target(src)
-    load_path = target.step_dir or target.path
     step = StepDir(target.step_dir, target.step) if target.step_dir else None
     # Hold the step for the whole export: retention elsewhere must not delete it between batches.
     with (step.reading() if step is not None else contextlib.nullcontext()):
-        f = CheckpointFile(target.files[0][1], resolve_options())
-        chosen, tensors = _model_tensors(f, key, prefix, strip, out_dtype)
+        chosen, tensors = _model_tensors(target, key, prefix, strip, out_dtype)
         if config is not None:
             _check_against_config(config, tensors)
         shards = _plan_shards(tensors, limit)
@@ -157,7 +157,7 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
                 # Largest elements first inside a file: every tensor stays aligned to its element size.
                 order = sorted(shard, key=lambda t: -_itemsize(t.out_dtype))
                 specs = [TensorSpec(t.name, t.out_dtype, t.shape) for t in order]
-                write_safetensors(os.path.join(tmp, name), specs, _read(load_path, order, budget),
+                write_safetensors(os.path.join(tmp, name), specs, _read(target, order, budget),
                                   {"format": "pt"}, progress)
                 weight_map.update((t.name, name) for t in shard)
             if len(shards) > 1:
@@ -201,53 +201,77 @@ def _split_key(key: Optional[str]) -> Optional[Tuple[str, ...]]:
     return tuple(k for k in str(key).split("/") if k) if key not in ("", "/") else ()
 
 
-def _model_tensors(f: CheckpointFile, key: Optional[str], prefix: str, strip: str,
+def _model_tensors(target: Target, key: Optional[str], prefix: str, strip: str,
                    out_dtype: Optional[torch.dtype]) -> Tuple[Tuple[str, ...], List[_Tensor]]:
-    """The model's tensors as they will be written (name, dtype, shape), in state order."""
-    leaves = list(walk(f.footer.tree))
+    """The model's tensors as they will be written (name, dtype, shape), in state
+    order: the union over the saving ranks' trees (pipeline stages hold
+    different keys; a key several ranks hold is read from the first)."""
+    options = resolve_options()
+    first = CheckpointFile(target.files[0][1], options)
     chosen = _split_key(key)
     if chosen is None:
-        tops = {leaf.path[0] for leaf in leaves if leaf.path}
-        chosen = next(((k,) for k in MODEL_KEYS if k in tops), None)
-        if chosen is None:
-            if leaves and all(leaf.type in ("tensor", "dtensor") for leaf in leaves):
-                chosen = ()
-            else:
-                raise CheckpointError(f"{f.path}: no model state found (none of the top-level keys "
-                                      f"{sorted(tops)[:10]} is {'/'.join(MODEL_KEYS)}): pass key= / --key")
-    under = [leaf for leaf in leaves if leaf.path[:len(chosen)] == chosen]
+        chosen = _detect_key(first)
     where = "/".join(chosen) or "<root>"
-    if not under:
-        raise CheckpointError(f"{f.path}: the checkpoint has nothing under {where!r}", path=f.path)
-    bad = [leaf.name for leaf in under if leaf.type not in ("tensor", "dtensor") or not leaf.selectable
-           or (leaf.type == "tensor" and leaf.node.get("e") is None)]
-    if bad:
-        raise CheckpointError(f"{f.path}: {len(bad)} value(s) under {where!r} are not tensors in nested dicts "
-                              f"(a model state holds only tensors): {', '.join(bad[:8])}"
-                              f"{', ...' if len(bad) > 8 else ''}; pass another key= / --key", path=f.path)
     out: List[_Tensor] = []
-    seen: Dict[str, str] = {}
-    for leaf in under:
-        name = ".".join(leaf.path[len(chosen):])
-        if strip and name.startswith(strip):
-            name = name[len(strip):]
-        name = prefix + name
-        if not name:
-            raise CheckpointError(f"{f.path}: {leaf.name} maps to an empty name", path=f.path)
-        if name in seen:
-            raise CheckpointError(f"{f.path}: {seen[name]} and {leaf.name} both map to the name {name!r}",
-                                  path=f.path)
-        seen[name] = leaf.name
-        node = leaf.node
-        saved = getattr(torch, str(node.get("dtype")), None)
-        shape = node.get("global_shape" if leaf.type == "dtensor" else "shape")
-        if not isinstance(saved, torch.dtype) or not isinstance(shape, list):
-            raise CheckpointError(f"{f.path}: {leaf.name}: bad dtype or shape", path=f.path)
-        written = out_dtype if out_dtype is not None and saved.is_floating_point else saved
-        if _ST_CODES.get(str(written).replace("torch.", "")) is None:
-            raise CheckpointError(f"{f.path}: {leaf.name}: safetensors cannot hold {written}", path=f.path)
-        out.append(_Tensor(name, leaf, saved, written, list(shape)))
+    by_name: Dict[str, _Tensor] = {}
+    for rank, path in target.files:
+        f = first if rank == target.files[0][0] else CheckpointFile(path, options)
+        under = [leaf for leaf in walk(f.footer.tree) if leaf.path[:len(chosen)] == chosen]
+        bad = [leaf.name for leaf in under if leaf.type not in ("tensor", "dtensor") or not leaf.selectable
+               or (leaf.type == "tensor" and leaf.node.get("e") is None)]
+        if bad:
+            raise CheckpointError(f"{f.path}: {len(bad)} value(s) under {where!r} are not tensors in nested "
+                                  f"dicts (a model state holds only tensors): {', '.join(bad[:8])}"
+                                  f"{', ...' if len(bad) > 8 else ''}; pass another key= / --key", path=f.path)
+        mine: Dict[str, str] = {}
+        for leaf in under:
+            t = _describe(f, leaf, chosen, prefix, strip, out_dtype, rank)
+            if t.name in mine:
+                raise CheckpointError(f"{f.path}: {mine[t.name]} and {leaf.name} both map to the name "
+                                      f"{t.name!r}", path=f.path)
+            mine[t.name] = leaf.name
+            known = by_name.get(t.name)
+            if known is None:
+                by_name[t.name] = t
+                out.append(t)
+            elif (known.dtype, known.shape) != (t.dtype, t.shape):
+                raise CheckpointError(f"{target.step_dir}: {leaf.name} is {known.dtype} {known.shape} in rank "
+                                      f"{known.rank}'s file but {t.dtype} {t.shape} in rank {rank}'s (a shard "
+                                      f"saved as a plain tensor?)", path=target.step_dir)
+    if not out:
+        raise CheckpointError(f"{first.path}: the checkpoint has nothing under {where!r}", path=first.path)
     return chosen, out
+
+
+def _detect_key(f: CheckpointFile) -> Tuple[str, ...]:
+    leaves = list(walk(f.footer.tree))
+    tops = {leaf.path[0] for leaf in leaves if leaf.path}
+    chosen = next(((k,) for k in MODEL_KEYS if k in tops), None)
+    if chosen is not None:
+        return chosen
+    if leaves and all(leaf.type in ("tensor", "dtensor") for leaf in leaves):
+        return ()
+    raise CheckpointError(f"{f.path}: no model state found (none of the top-level keys "
+                          f"{sorted(tops)[:10]} is {'/'.join(MODEL_KEYS)}): pass key= / --key", path=f.path)
+
+
+def _describe(f: CheckpointFile, leaf: Leaf, chosen: Tuple[str, ...], prefix: str, strip: str,
+              out_dtype: Optional[torch.dtype], rank: Optional[int]) -> _Tensor:
+    name = ".".join(leaf.path[len(chosen):])
+    if strip and name.startswith(strip):
+        name = name[len(strip):]
+    name = prefix + name
+    if not name:
+        raise CheckpointError(f"{f.path}: {leaf.name} maps to an empty name", path=f.path)
+    node = leaf.node
+    saved = getattr(torch, str(node.get("dtype")), None)
+    shape = node.get("global_shape" if leaf.type == "dtensor" else "shape")
+    if not isinstance(saved, torch.dtype) or not isinstance(shape, list):
+        raise CheckpointError(f"{f.path}: {leaf.name}: bad dtype or shape", path=f.path)
+    written = out_dtype if out_dtype is not None and saved.is_floating_point else saved
+    if _ST_CODES.get(str(written).replace("torch.", "")) is None:
+        raise CheckpointError(f"{f.path}: {leaf.name}: safetensors cannot hold {written}", path=f.path)
+    return _Tensor(name, leaf, saved, written, list(shape), rank)
 
 
 def _plan_shards(tensors: List[_Tensor], limit: int) -> List[List[_Tensor]]:
@@ -269,19 +293,19 @@ def _shard_names(n: int) -> List[str]:
     return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-def _read(load_path: str, tensors: List[_Tensor], batch_bytes: int) -> Iterator[Tuple[str, torch.Tensor]]:
+def _read(target: Target, tensors: List[_Tensor], batch_bytes: int) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield (name, tensor as written) in ``tensors`` order, loading batches of at
     most ``batch_bytes`` saved bytes (only the entries and rows they need)."""
     batch: List[_Tensor] = []
     total = 0
     for t in tensors + [None]:                       # type: ignore[list-item]
         saved = 0 if t is None else t.saved_bytes
-        if t is not None and (not batch or total + saved <= batch_bytes):
+        if t is not None and (not batch or (total + saved <= batch_bytes and t.rank == batch[0].rank)):
             batch.append(t)
             total += saved
             continue
         if batch:
-            part = api.load(load_path, map_location="cpu", keys=[b.leaf.select for b in batch])
+            part = _load(target, batch[0].rank, [b.leaf.select for b in batch])
             for b in batch:
                 value = _as_tensor(_navigate(part, b.leaf), b.leaf.name)
                 yield b.name, value.to(b.out_dtype) if value.dtype != b.out_dtype else value
@@ -290,6 +314,15 @@ def _read(load_path: str, tensors: List[_Tensor], batch_bytes: int) -> Iterator[
             gc.collect()            # the load's read buffers may sit in a cycle: free them per batch
         if t is not None:
             batch, total = [t], saved
+
+
+def _load(target: Target, rank: Optional[int], selects: List[Tuple[Any, ...]]) -> Any:
+    """``keys=selects`` of the tree of saving rank ``rank``."""
+    if target.step_dir is None:
+        return api.load(target.path, map_location="cpu", keys=selects)
+    options = resolve_options()
+    return load_step_dir(target.step_dir, options, api._resources(options).readers, rank=rank,
+                         map_location="cpu", keys=selects)
 
 
 def _check_against_config(config: str, tensors: List[_Tensor]) -> None:
