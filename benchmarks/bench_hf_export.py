@@ -49,10 +49,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _common import drop_caches, emit_json, fsync_file, machine_line, print_table, remove  # noqa: E402
+from _common import drop_caches, emit_json, fsync_file, machine_line, print_table, remove
 
 WORLD = 4
-METHODS = ("lazyckpt", "dcp_consolidate")
+#: lazyckpt_buffered: the same export reading without O_DIRECT (which read mode is
+#: faster depends on the disk and its day; see BENCHMARKS.md).
+METHODS = ("lazyckpt", "lazyckpt_buffered", "dcp_consolidate")
 
 
 # ----------------------------------------------------------------------------- setup (4 ranks)
@@ -64,6 +66,7 @@ def _save_rank(rank, world, cfg, lzc_dir, dcp_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
+
     import lazyckpt
     torch.manual_seed(0)      # same full weights on every rank before sharding
     config = LlamaConfig(hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
@@ -98,16 +101,21 @@ def pack(tensors, max_bytes):
 # ----------------------------------------------------------------------------- one measured run (child)
 
 def child(args) -> None:
+    # Every import before the RSS baseline, so the peak is the call's own.
     import gc
-    import lazyckpt  # noqa: F401   every import before the baseline
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
     from bench_memory import Sampler, proc_status, reset_peak
-    if args.child == "lazyckpt":
-        call = lambda: lazyckpt.export_hf(args.src, args.out, max_shard_size=args.max_shard_bytes)  # noqa: E731
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+    import lazyckpt
+    if args.child.startswith("lazyckpt"):
+        o_direct = args.child == "lazyckpt"
+        call = lambda: lazyckpt.export_hf(args.src, args.out, max_shard_size=args.max_shard_bytes,
+                                          o_direct=o_direct)
     else:
         with open(args.mapping) as f:
             mapping = json.load(f)
-        call = lambda: consolidate_safetensors_files(args.src, args.out, fqn_to_index_mapping=mapping,  # noqa: E731
+        call = lambda: consolidate_safetensors_files(args.src, args.out, fqn_to_index_mapping=mapping,
                                                      num_threads=args.dcp_threads)
         os.makedirs(args.out, exist_ok=True)   # DCP expects the output directory to exist
     gc.collect()
@@ -137,7 +145,7 @@ def measure(method, args, src, out, mapping_path):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", method, "--src", src, "--out", out,
            "--max-shard-bytes", str(args.max_shard_bytes), "--dcp-threads", str(args.dcp_threads),
            "--mapping", mapping_path]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{method} failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -151,7 +159,7 @@ def compare(dir_a, dir_b):
 
     def index(d):
         return {k: p for p in glob.glob(os.path.join(d, "*.safetensors"))
-                for k in safe_open(p, "pt").keys()}
+                for k in safe_open(p, "pt").keys()}  # noqa: SIM118  (not a dict)
     a, b = index(dir_a), index(dir_b)
     diffs = [f"only in {os.path.basename(d)}: {k}" for d, x, y in ((dir_a, a, b), (dir_b, b, a))
              for k in sorted(set(x) - set(y))]
@@ -178,6 +186,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-drop-caches", action="store_true")
     p.add_argument("--dir", default=None, help="work directory (default: a fresh one under /tmp)")
+    p.add_argument("--reuse", action="store_true", help="with --dir: keep the checkpoints a previous run "
+                   "saved there (same model options) instead of saving them again")
     p.add_argument("--json", default=os.path.join(HERE, "..", "bench-out", "hf_export.json"))
     p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     for hidden in ("--src", "--out", "--mapping"):
@@ -187,25 +197,29 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    import lazyckpt
     from _dist import run_ranks
-    try:                        # transformers' reading: 5GB = 5 * 10**9, 2GiB = 2 * 2**30
-        from lazyckpt.hf import parse_shard_size
-    except ImportError:
-        from lazyckpt.knobs import parse_size as parse_shard_size
+
+    from lazyckpt.hf import parse_shard_size       # transformers' reading: 5GB = 5 * 10**9
     args.max_shard_bytes = parse_shard_size(args.max_shard_size)
     cfg = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
            "intermediate": args.intermediate or args.hidden * 11 // 4}
     work = args.dir or tempfile.mkdtemp(prefix="bench_hf_export_", dir="/tmp")
     lzc_dir, dcp_dir = os.path.join(work, "lazyckpt"), os.path.join(work, "dcp_sharded")
-    for d in (lzc_dir, dcp_dir):
-        remove(d)
-    methods = [m for m in METHODS if m != "lazyckpt" or hasattr(lazyckpt, "export_hf")]
-    if "lazyckpt" not in methods:
-        print("NOTE: lazyckpt.export_hf not available in this tree: measuring dcp_consolidate only")
-
+    listing = os.path.join(work, "tensors.json")
+    methods = list(METHODS)
     t0 = time.perf_counter()
-    tensors = run_ranks(WORLD, _save_rank, cfg, lzc_dir, dcp_dir, timeout=3600)[0]
+    if args.reuse and args.dir and os.path.isfile(listing):
+        with open(listing) as f:
+            saved = json.load(f)
+        if saved["model"] != cfg:
+            raise SystemExit(f"--reuse: {work} holds a {saved['model']} model, not {cfg}")
+        tensors = saved["tensors"]
+    else:
+        for d in (lzc_dir, dcp_dir):
+            remove(d)
+        tensors = run_ranks(WORLD, _save_rank, cfg, lzc_dir, dcp_dir, timeout=3600)[0]
+        with open(listing, "w") as f:
+            json.dump({"model": cfg, "tensors": tensors}, f)
     setup_s = time.perf_counter() - t0
     mapping_path = os.path.join(work, "fqn_to_index.json")
     with open(mapping_path, "w") as f:
@@ -219,7 +233,8 @@ def main() -> None:
           f"repeat={args.repeat}; page cache dropped before each run: "
           f"{'yes' if dropped else 'no (--no-drop-caches)' if args.no_drop_caches else 'no (not permitted)'}")
 
-    src = {"lazyckpt": os.path.join(lzc_dir, "step_0000000001"), "dcp_consolidate": dcp_dir}
+    step_dir = os.path.join(lzc_dir, "step_0000000001")
+    src = {"lazyckpt": step_dir, "lazyckpt_buffered": step_dir, "dcp_consolidate": dcp_dir}
     runs = {m: [] for m in methods}
     verified = None
     for r in range(args.repeat):
@@ -230,10 +245,12 @@ def main() -> None:
             if dropped:
                 drop_caches()
             runs[m].append(measure(m, args, src[m], outs[m], mapping_path))
-            if verified is not None or len(methods) < 2:
+            if verified is not None:
                 remove(outs[m])
-        if verified is None and len(methods) == 2:    # once, while both outputs of round 0 exist
+        if verified is None:                           # once, while the outputs of round 0 exist
             diffs, count = compare(outs["lazyckpt"], outs["dcp_consolidate"])
+            more, _ = compare(outs["lazyckpt_buffered"], outs["dcp_consolidate"])
+            diffs += more
             verified = {"identical": not diffs, "tensors": count, "differences": diffs[:20]}
             print(f"outputs compared: {'OK, ' + str(count) + ' tensors bit-identical' if not diffs else 'DIFFER'}")
             for d in diffs[:20]:
@@ -254,12 +271,17 @@ def main() -> None:
                      f"{nbytes / s['median_s'] / 1e9:.2f}", f"{len(s['files'])}: {', '.join(s['files'])}"])
     print_table(["method", "median s", "min / max s", "durable s", "peak extra MiB", "GB/s", "output files"], rows)
     ratios = {}
-    if len(summary) == 2:
-        a, b = summary["lazyckpt"], summary["dcp_consolidate"]
-        ratios = {"time": a["median_s"] / b["median_s"], "durable": a["median_durable_s"] / b["median_durable_s"],
-                  "peak_extra": a["median_peak_extra_bytes"] / max(1, b["median_peak_extra_bytes"])}
-        print(f"lazyckpt / dcp: time {ratios['time']:.2f}x, durable {ratios['durable']:.2f}x, "
-              f"peak extra memory {ratios['peak_extra']:.2f}x")
+    b = summary["dcp_consolidate"]
+    largest = max(n for _k, _d, n in tensors)
+    for m in ("lazyckpt", "lazyckpt_buffered"):
+        a = summary[m]
+        ratios[m] = {"time": a["median_s"] / b["median_s"], "durable": a["median_durable_s"] / b["median_durable_s"],
+                     "peak_extra": a["median_peak_extra_bytes"] / max(1, b["median_peak_extra_bytes"]),
+                     "peak_extra_per_largest_tensor": a["median_peak_extra_bytes"] / largest}
+        r = ratios[m]
+        print(f"{m} / dcp: time {r['time']:.2f}x, durable {r['durable']:.2f}x, peak extra memory "
+              f"{r['peak_extra']:.2f}x ({r['peak_extra_per_largest_tensor']:.2f}x the largest tensor, "
+              f"{largest / 2**20:.1f} MiB)")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     emit_json({"machine": machine_line(), "model": cfg, "state_bytes": nbytes, "tensors": len(tensors),
                "world": WORLD, "max_shard_bytes": args.max_shard_bytes, "dcp_threads": args.dcp_threads,

@@ -34,6 +34,7 @@ that are not tensors are left out (reported as skipped).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import gc
 import io
 import json
@@ -625,6 +626,37 @@ def _commit(tmp: str, dst: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(dst)) or ".")
 
 
+class _EarlyWriteback:
+    """Flush a file being written sequentially in the background every
+    ``every`` bytes, so the disk writes while the source is still being read
+    (the kernel would otherwise hold everything dirty until the final fsync,
+    which then waits for all of it)."""
+
+    def __init__(self, f: Any, every: int = 64 << 20):
+        self.f, self.every, self.since = f, every, 0
+        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazyckpt-writeback")
+        self.job: Optional[cf.Future] = None
+
+    def wrote(self, n: int) -> None:
+        self.since += n
+        if self.since >= self.every and (self.job is None or self.job.done()):
+            if self.job is not None:
+                self.job.result()               # an error of the last flush surfaces here
+            self.f.flush()
+            self.since = 0
+            self.job = self.pool.submit(os.fdatasync, self.f.fileno())
+
+    def __enter__(self) -> "_EarlyWriteback":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        try:
+            if self.job is not None and exc_type is None:
+                self.job.result()
+        finally:
+            self.pool.shutdown(wait=True)       # before the file is closed
+
+
 def write_safetensors(dst: str, specs: List[TensorSpec], tensors: Iterator[Tuple[str, torch.Tensor]],
                       metadata: Optional[Dict[str, str]] = None,
                       progress: Optional[Callable[[int], None]] = None) -> int:
@@ -643,7 +675,7 @@ def write_safetensors(dst: str, specs: List[TensorSpec], tensors: Iterator[Tuple
     raw += b" " * (-len(raw) % 8)                 # data starts 8-byte aligned
     tmp = _atomic_output(dst)
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f, _EarlyWriteback(f) as writeback:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             expected = iter(specs)
@@ -655,6 +687,7 @@ def write_safetensors(dst: str, specs: List[TensorSpec], tensors: Iterator[Tuple
                 if s.nbytes:
                     data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
                     f.write(memoryview(data))
+                    writeback.wrote(s.nbytes)
                 if progress is not None:
                     progress(s.nbytes)
             if next(expected, None) is not None:

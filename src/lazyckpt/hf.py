@@ -8,10 +8,11 @@ else ``model-0000K-of-0000N.safetensors`` plus ``model.safetensors.index.json``
 with ``weight_map`` and ``metadata.total_size``), and ``config.json`` plus the
 tokenizer and generation files of a ``config`` directory.
 
-Memory is bounded by the largest tensor, not the model: tensors are read in
-batches of at most the largest tensor's size with ``lazyckpt.load(keys=...)``
-(a DTensor is assembled from only the rows of the shards that hold it) and
-streamed into the shard being written; a ``dtype`` cast adds one tensor. The
+Memory is bounded by the largest tensor, not the model: whole tensors are
+read ahead by a few threads (a DTensor assembled from only the rows of the
+pieces that hold it, every block checksum verified) while the previous ones
+are written, and the tensors read but not yet written never exceed twice the
+largest one (once, plus its converted copy, with a ``dtype`` cast). The
 output is built in a hidden sibling directory and renamed into place, so an
 interrupted export leaves nothing half-visible.
 
@@ -24,8 +25,9 @@ rows of that rank's shard.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
 import contextlib
-import gc
 import json
 import math
 import os
@@ -38,14 +40,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from . import api
-from .convert import (SafetensorsSource, TensorSpec, _as_tensor, _itemsize, _navigate, _ST_CODES,
+from .convert import (SafetensorsSource, TensorSpec, _itemsize, _ST_CODES,
                       read_safetensors_header, write_safetensors)
 from .errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from .fileio import fsync_dir
-from .knobs import resolve as resolve_options
+from .knobs import Options, resolve as resolve_options
 from .layout import StepDir, new_token, remove_tree
-from .reader import CheckpointFile
-from .loader import load_step_dir
+from .loader import StepFiles
+from .providers import LoadContext, tensor_bytes_needed
+from .reader import CheckpointFile, RefResolver, resolver_for
 from .tools import Leaf, Target, resolve as resolve_target, walk
 
 #: Where training states usually keep the model (autodetected in this order).
@@ -116,7 +119,7 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
               dtype: Union[None, str, torch.dtype] = None, max_shard_size: Union[int, str] = "5GB",
               config: Optional[str] = None, overwrite: bool = False,
               progress: Optional[Callable[[int], None]] = None,
-              on_total: Optional[Callable[[int], None]] = None) -> ExportResult:
+              on_total: Optional[Callable[[int], None]] = None, **knobs: Any) -> ExportResult:
     """Write the model of the committed step ``src`` (a step directory, a
     Checkpointer directory: its latest step, or one checkpoint file) as a
     Hugging Face model directory ``out_dir``.
@@ -128,7 +131,8 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
     ``prefix`` adds one. ``dtype`` casts floating-point tensors (and the
     config's ``torch_dtype``). ``config`` is a directory whose config.json
     (required) and tokenizer/generation files are copied; with transformers
-    installed, the weights are checked against the architecture it names."""
+    installed, the weights are checked against the architecture it names.
+    ``knobs`` are lazyckpt's read knobs (``o_direct``, ``reader_threads``, ...)."""
     t0 = time.perf_counter()
     limit = parse_shard_size(max_shard_size)
     out_dtype = _parse_dtype(dtype)
@@ -141,7 +145,8 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
     step = StepDir(target.step_dir, target.step) if target.step_dir else None
     # Hold the step for the whole export: retention elsewhere must not delete it between batches.
     with (step.reading() if step is not None else contextlib.nullcontext()):
-        chosen, tensors = _model_tensors(target, key, prefix, strip, out_dtype)
+        options = resolve_options(None, **knobs)
+        chosen, tensors = _model_tensors(target, key, prefix, strip, out_dtype, options)
         if config is not None:
             _check_against_config(config, tensors)
         shards = _plan_shards(tensors, limit)
@@ -149,15 +154,19 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
             on_total(sum(t.nbytes for t in tensors))
         tmp = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.tmp-{new_token()}")
         os.makedirs(tmp)
+        reader = _StepReader(target, options)
         try:
-            budget = max(t.saved_bytes for t in tensors)
+            # Tensors read ahead and not yet written: twice the largest, or once if
+            # a cast adds a converted copy of the one being written.
+            largest = max(t.saved_bytes for t in tensors)
+            budget = largest if out_dtype is not None else 2 * largest
             names = _shard_names(len(shards))
             weight_map: Dict[str, str] = {}
             for name, shard in zip(names, shards):
                 # Largest elements first inside a file: every tensor stays aligned to its element size.
                 order = sorted(shard, key=lambda t: -_itemsize(t.out_dtype))
                 specs = [TensorSpec(t.name, t.out_dtype, t.shape) for t in order]
-                write_safetensors(os.path.join(tmp, name), specs, _read(target, order, budget),
+                write_safetensors(os.path.join(tmp, name), specs, _read(reader, order, budget),
                                   {"format": "pt"}, progress)
                 weight_map.update((t.name, name) for t in shard)
             if len(shards) > 1:
@@ -170,6 +179,8 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
         except BaseException:
             remove_tree(tmp)
             raise
+        finally:
+            reader.close()
     return ExportResult(os.path.abspath(src), out_dir, target.step, chosen, names, len(tensors),
                         sum(t.nbytes for t in tensors), time.perf_counter() - t0, copied)
 
@@ -202,11 +213,10 @@ def _split_key(key: Optional[str]) -> Optional[Tuple[str, ...]]:
 
 
 def _model_tensors(target: Target, key: Optional[str], prefix: str, strip: str,
-                   out_dtype: Optional[torch.dtype]) -> Tuple[Tuple[str, ...], List[_Tensor]]:
+                   out_dtype: Optional[torch.dtype], options: Options) -> Tuple[Tuple[str, ...], List[_Tensor]]:
     """The model's tensors as they will be written (name, dtype, shape), in state
     order: the union over the saving ranks' trees (pipeline stages hold
     different keys; a key several ranks hold is read from the first)."""
-    options = resolve_options()
     first = CheckpointFile(target.files[0][1], options)
     chosen = _split_key(key)
     if chosen is None:
@@ -217,11 +227,11 @@ def _model_tensors(target: Target, key: Optional[str], prefix: str, strip: str,
     for rank, path in target.files:
         f = first if rank == target.files[0][0] else CheckpointFile(path, options)
         under = [leaf for leaf in walk(f.footer.tree) if leaf.path[:len(chosen)] == chosen]
-        bad = [leaf.name for leaf in under if leaf.type not in ("tensor", "dtensor") or not leaf.selectable
+        bad = [leaf.name for leaf in under if leaf.type not in ("tensor", "dtensor")
                or (leaf.type == "tensor" and leaf.node.get("e") is None)]
         if bad:
-            raise CheckpointError(f"{f.path}: {len(bad)} value(s) under {where!r} are not tensors in nested "
-                                  f"dicts (a model state holds only tensors): {', '.join(bad[:8])}"
+            raise CheckpointError(f"{f.path}: {len(bad)} value(s) under {where!r} are not tensors "
+                                  f"(a model state holds only tensors): {', '.join(bad[:8])}"
                                   f"{', ...' if len(bad) > 8 else ''}; pass another key= / --key", path=f.path)
         mine: Dict[str, str] = {}
         for leaf in under:
@@ -293,36 +303,79 @@ def _shard_names(n: int) -> List[str]:
     return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-def _read(target: Target, tensors: List[_Tensor], batch_bytes: int) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield (name, tensor as written) in ``tensors`` order, loading batches of at
-    most ``batch_bytes`` saved bytes (only the entries and rows they need)."""
-    batch: List[_Tensor] = []
-    total = 0
-    for t in tensors + [None]:                       # type: ignore[list-item]
-        saved = 0 if t is None else t.saved_bytes
-        if t is not None and (not batch or (total + saved <= batch_bytes and t.rank == batch[0].rank)):
-            batch.append(t)
-            total += saved
-            continue
-        if batch:
-            part = _load(target, batch[0].rank, [b.leaf.select for b in batch])
-            for b in batch:
-                value = _as_tensor(_navigate(part, b.leaf), b.leaf.name)
-                yield b.name, value.to(b.out_dtype) if value.dtype != b.out_dtype else value
+class _StepReader:
+    """Reads whole tensors of one committed step (or file), footers and manifest
+    parsed once, from several threads: a DTensor is assembled from the rows of
+    the pieces that hold it, a plain tensor read from the file that holds it
+    (another rank's for a replicated entry, an earlier step's for a reference)."""
+
+    def __init__(self, target: Target, options: Options):
+        self.options = options
+        self.pool = api._resources(self.options).readers
+        self.path = target.step_dir or target.path
+        if target.step_dir is not None:
+            self.refs = RefResolver(os.path.dirname(target.step_dir), self.options)
+            self.step: Optional[StepFiles] = StepFiles(target.step_dir, target.manifest, self.options, self.refs)
+            self.files = {rank: self.step.file(rank) for rank, _ in target.files}   # opened here, not racing
+        else:
+            self.refs = resolver_for(target.path, self.options)
+            self.step = None
+            self.files = {None: CheckpointFile(target.path, self.options, self.refs)}
+
+    def close(self) -> None:
+        self.refs.close()
+
+    def tensor(self, t: _Tensor) -> torch.Tensor:
+        leaf, node = t.leaf, t.leaf.node
+        ctx = LoadContext(entry_value=_no_entry, storage=_no_entry, allow_pickle=False, path=self.path,
+                          trail=list(leaf.path))
+        if leaf.type == "dtensor":
+            info = self.step.shards.get(json.dumps(list(leaf.path))) if self.step is not None else None
+            if not isinstance(info, dict):
+                raise ctx.corrupt("no shard index for this DTensor (load it from its step directory)")
+            return self.step._assemble(info, node, None, ctx, self.pool)
+        holder, e = self.files[t.rank], node.get("e")
+        if type(e) is not int or not 0 <= e < len(holder.entries):
+            raise ctx.corrupt(f"reference to unknown entry {e!r}")
+        if holder.entries[e].kind == "remote":
+            if self.step is None:
+                raise ctx.corrupt("refers to another rank's file")
+            holder = self.step.file(holder.entries[e].rank)
+        storage = holder.read_entries([e], self.pool)[e]
+        if holder.entries[e].content_kind != "data" or tensor_bytes_needed(node, t.dtype, ctx) > storage.nbytes():
+            raise ctx.corrupt(f"entry {e} does not hold this tensor's bytes")
+        return torch.empty((0,), dtype=t.dtype).set_(storage, node["offset"], node["shape"], node["stride"])
+
+
+def _no_entry(*_: Any) -> Any:
+    raise AssertionError("the export reads entries itself")
+
+
+def _read(reader: _StepReader, tensors: List[_Tensor], budget: int,
+          workers: int = 4) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield (name, tensor as written) in ``tensors`` order. Up to ``workers``
+    tensors are read ahead concurrently while the caller writes, as long as
+    the tensors read and not yet written stay within ``budget`` bytes (one is
+    always allowed, whatever its size)."""
+    pending: collections.deque = collections.deque()
+    held = 0
+    upcoming = iter(tensors)
+    nxt = next(upcoming, None)
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lazyckpt-export") as ex:
+        try:
+            while pending or nxt is not None:
+                while nxt is not None and len(pending) < workers and (not pending or held + nxt.saved_bytes <= budget):
+                    pending.append((nxt, ex.submit(reader.tensor, nxt)))
+                    held += nxt.saved_bytes
+                    nxt = next(upcoming, None)
+                t, job = pending.popleft()
+                value = job.result()
+                yield t.name, value.to(t.out_dtype) if value.dtype != t.out_dtype else value
                 value = None
-            del part
-            gc.collect()            # the load's read buffers may sit in a cycle: free them per batch
-        if t is not None:
-            batch, total = [t], saved
-
-
-def _load(target: Target, rank: Optional[int], selects: List[Tuple[Any, ...]]) -> Any:
-    """``keys=selects`` of the tree of saving rank ``rank``."""
-    if target.step_dir is None:
-        return api.load(target.path, map_location="cpu", keys=selects)
-    options = resolve_options()
-    return load_step_dir(target.step_dir, options, api._resources(options).readers, rank=rank,
-                         map_location="cpu", keys=selects)
+                held -= t.saved_bytes
+        finally:
+            for _, job in pending:
+                job.cancel()
 
 
 def _check_against_config(config: str, tensors: List[_Tensor]) -> None:

@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import contextlib
 import mmap
 import os
+import threading
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -243,26 +244,17 @@ class RefResolver:
         self.options = options
         self._files: Dict[tuple, CheckpointFile] = {}
         self._holds = contextlib.ExitStack()
+        self._lock = threading.Lock()       # a load may resolve from several threads
 
     def resolve(self, referrer: CheckpointFile, index: int) -> Tuple[CheckpointFile, int]:
-        from .layout import StepDir, rank_filename, step_dirname
+        from .layout import rank_filename, step_dirname
         e = referrer.entries[index]
         ref = e.ref
         here = f"{referrer.path} (step {referrer.step})"
         key = (ref["step"], ref["rank"])
-        other = self._files.get(key)
         path = os.path.join(self.directory, step_dirname(ref["step"]), rank_filename(ref["rank"]))
-        if other is None:
-            try:
-                self._holds.enter_context(StepDir(os.path.dirname(path), ref["step"]).reading())
-                other = CheckpointFile(path, self.options, self)
-            except CheckpointNotFoundError as exc:
-                raise CorruptCheckpointError(f"{here}: entry {e.name!r} refers to step {ref['step']}, whose "
-                                             f"file is missing ({exc})", path=referrer.path, entry=e.name) from None
-            except CorruptCheckpointError as exc:
-                raise CorruptCheckpointError(f"{here}: entry {e.name!r} refers to step {ref['step']}, whose "
-                                             f"file is damaged: {exc}", path=referrer.path, entry=e.name) from None
-            self._files[key] = other
+        with self._lock:
+            other = self._open(key, path, referrer, here, e)
         j = ref["entry"]
         target = other.entries[j] if j < len(other.entries) else None
         if other.save_id != ref["save_id"] or target is None or target.kind != "data" \
@@ -273,6 +265,25 @@ class RefResolver:
                                          f"({path}), which does not hold those bytes (the file was replaced "
                                          f"or damaged)", path=referrer.path, entry=e.name)
         return other, j
+
+    def _open(self, key: tuple, path: str, referrer: CheckpointFile, here: str, e: fmt.Entry) -> CheckpointFile:
+        """The referred-to file, opened once per load and held with a read lock."""
+        from .layout import StepDir
+        other = self._files.get(key)
+        if other is not None:
+            return other
+        step = e.ref["step"]
+        try:
+            self._holds.enter_context(StepDir(os.path.dirname(path), step).reading())
+            other = CheckpointFile(path, self.options, self)
+        except CheckpointNotFoundError as exc:
+            raise CorruptCheckpointError(f"{here}: entry {e.name!r} refers to step {step}, whose "
+                                         f"file is missing ({exc})", path=referrer.path, entry=e.name) from None
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{here}: entry {e.name!r} refers to step {step}, whose "
+                                         f"file is damaged: {exc}", path=referrer.path, entry=e.name) from None
+        self._files[key] = other
+        return other
 
     def close(self) -> None:
         self._files.clear()
