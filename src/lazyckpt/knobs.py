@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 MiB = 1 << 20
 INCREMENTAL_MODES = ("off", "version", "content")
@@ -25,8 +25,10 @@ class Options:
     writer_threads: int = 4
     #: Threads that read entries on load.
     reader_threads: int = 4
-    #: Use O_DIRECT where the file system accepts it (falls back to buffered I/O).
-    o_direct: bool = True
+    #: O_DIRECT (True), buffered I/O (False), or "auto": per file system and
+    #: direction, whichever a short probe at first use measures faster (see
+    #: lazyckpt/iomode.py). O_DIRECT falls back to buffered where refused.
+    o_direct: Union[bool, str] = "auto"
     #: Size of one host-cache chunk: the unit of copy, write and checksum.
     chunk_bytes: int = 32 * MiB
     #: Size of the reused host cache that stages data on its way to disk. 0 (the
@@ -70,6 +72,12 @@ class Options:
         if self.host_cache_bytes != 0 and self.host_cache_bytes < 2 * 4096:
             raise ValueError(f"host_cache_bytes must be 0 (auto) or at least 8192, "
                              f"got {self.host_cache_bytes}")
+        o_direct = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                    "off": False, "auto": "auto"}.get(
+            self.o_direct.strip().lower() if isinstance(self.o_direct, str) else None, self.o_direct)
+        if o_direct not in (True, False, "auto"):
+            raise ValueError(f"o_direct must be True, False or 'auto', got {self.o_direct!r}")
+        object.__setattr__(self, "o_direct", o_direct)
         if self.queue_policy not in ("block", "skip"):
             raise ValueError(f"queue_policy must be 'block' or 'skip', got {self.queue_policy!r}")
         if self.exit_policy not in ("drain", "warn"):

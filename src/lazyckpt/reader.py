@@ -21,6 +21,7 @@ import torch
 from . import format as fmt
 from .errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .fileio import InputFile, NotARegularFile, open_regular
+from .iomode import use_o_direct
 from .knobs import Options
 
 
@@ -75,7 +76,8 @@ class CheckpointFile:
 
     def _open_input(self) -> InputFile:
         try:
-            return InputFile(self.path, self.options.o_direct)
+            return InputFile(self.path, use_o_direct(self.path, "read", self.options.o_direct,
+                                                     self.options.reader_threads))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.path}: no such checkpoint file", path=self.path) from None
         except OSError as exc:

@@ -34,6 +34,7 @@ from . import manifest as manifests
 from .incremental import owned_bytes, referenced_steps
 from .errors import CheckpointError, CheckpointNotFoundError
 from .fileio import open_for_read, pread_into, read_small_file
+from .iomode import use_o_direct
 from .knobs import Options, resolve as resolve_options
 from .layout import MANIFEST, CheckpointDir, remove_tree, tree_bytes
 from .reader import CheckpointFile, RefResolver, resolver_for
@@ -511,7 +512,7 @@ def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecuto
     damaged: Dict[int, List[int]] = {}
     errors: Dict[int, str] = {}
     try:
-        fd, _direct = open_for_read(f.path, options.o_direct)
+        fd, _direct = open_for_read(f.path, use_o_direct(f.path, "read", options.o_direct, threads))
     except OSError as exc:
         report.problems.append(Problem(f.path, "file", f"{f.path}: cannot open: {exc.strerror or exc}"))
         return

@@ -30,6 +30,7 @@ import numpy as np
 from . import format as fmt
 from .capture import DeviceCopier, wait_copies
 from .fileio import OutputFile
+from .iomode import use_o_direct
 from .hostcache import HostCache
 from .knobs import Options
 from .providers import Source
@@ -119,7 +120,8 @@ class FileWriteJob:
         self._start = time.perf_counter()
         pickles: List[Tuple[int, cf.Future]] = []
         try:
-            self._file = OutputFile(self.path, self.options.o_direct)
+            self._file = OutputFile(self.path, use_o_direct(self.path, "write", self.options.o_direct,
+                                                            self.options.writer_threads))
             # Serialize objects in the background while tensors stream out.
             pickles = [(i, self.serializer.submit(s.make_bytes))
                        for i, s in enumerate(self.sources) if s.deferred and s.kind not in ("remote", "ref")]
