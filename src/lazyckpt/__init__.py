@@ -4,13 +4,14 @@ Public surface::
 
     lazyckpt.save(state, path)            # one file, synchronous, durable on return
     lazyckpt.load(path, map_location=None, keys=None, into=None, allow_pickle=False, strict=True)
+    lazyckpt.load_async(...) -> RestoreHandle   # the same in the background; handle.wait() is the barrier
     lazyckpt.Checkpointer(directory, keep_last=None, host_cache_bytes=None, ...)
     lazyckpt.register_provider(cls, to_state, from_state)
     lazyckpt.export_hf(step_or_run_dir, out_dir, ...)   # -> a Hugging Face model directory
     lazyckpt.import_hf(hf_dir, out_file)                  # <- one, loadable into= any sharding
 """
 
-from .api import load, save
+from .api import load, load_async, save
 from .checkpointer import Checkpointer
 from .engine import SaveHandle
 from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError, CheckpointWriteError,
@@ -20,11 +21,12 @@ from .format import FORMAT_VERSION, SUPPORTED_VERSIONS
 from .hf import export_hf, import_hf
 from .knobs import Options
 from .providers import register_provider
+from .restore import RestoreHandle
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "Checkpointer", "export_hf", "import_hf", "SaveHandle", "Options", "register_provider",
+    "save", "load", "load_async", "RestoreHandle", "Checkpointer", "export_hf", "import_hf", "SaveHandle", "Options", "register_provider",
     "CheckpointError", "CorruptCheckpointError", "CheckpointNotFoundError",
     "UnsupportedVersionError", "UnsafeObjectError", "CheckpointWriteError", "CheckpointReadError",
     "MissingKeyError", "StateMismatchError", "FORMAT_VERSION", "SUPPORTED_VERSIONS",

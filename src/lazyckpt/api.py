@@ -15,6 +15,7 @@ from .loader import KeySpec, MapLocation, load_file, load_step_dir
 from .manifest import check_metadata
 from .providers import flatten
 from .resources import Resources
+from .restore import RestoreHandle
 
 #: Host cache of the synchronous functional save (the Checkpointer's default is larger:
 #: there a cache that holds the whole state lets the capture finish at memory speed).
@@ -87,3 +88,18 @@ def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[Ke
             raise CheckpointNotFoundError(f"{path}: no committed checkpoint in this directory", path=path)
         return load_step_dir(CheckpointDir(path).step_path(latest), opts, pool, **kwargs)
     return load_file(path, opts, pool, **kwargs)
+
+
+def load_async(path: str, map_location: MapLocation = None, keys: Optional[Iterable[KeySpec]] = None,
+               into: Any = None, allow_pickle: bool = False, strict: bool = True, *,
+               options: Optional[Options] = None, **knobs: Any) -> RestoreHandle:
+    """``load()`` on a background thread: returns a :class:`RestoreHandle` at
+    once; ``handle.wait()`` returns the state (or raises). With ``into``, do
+    not use its tensors before the barrier (``handle.attach(optimizer)`` and
+    ``handle.guard(model)`` install it as hooks). A path that does not exist
+    is refused here; every other error surfaces at the barrier."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
+    opts = resolve(options, **knobs)
+    return RestoreHandle(lambda: load(path, map_location, keys, into, allow_pickle, strict, options=opts), path)

@@ -26,6 +26,7 @@ from .layout import CheckpointDir
 from .loader import KeySpec, MapLocation, load_step_dir
 from .manifest import check_metadata
 from .providers import flatten
+from .restore import RestoreHandle
 
 
 class Checkpointer:
@@ -175,6 +176,21 @@ class Checkpointer:
         return load_step_dir(self.step_path(step), self.options, self._engine.resources.readers,
                              rank=self._dist.rank, map_location=map_location, keys=keys, into=into,
                              allow_pickle=allow_pickle, strict=strict)
+
+    def load_async(self, step: Optional[int] = None, map_location: MapLocation = None,
+                   keys: Optional[List[KeySpec]] = None, into: Any = None, allow_pickle: bool = False,
+                   strict: bool = True) -> RestoreHandle:
+        """``load()`` on a background thread (the step is chosen now): returns a
+        :class:`RestoreHandle`; ``handle.wait()`` is the barrier before first use
+        (``handle.attach(optimizer)``, ``handle.guard(model)`` make it a hook)."""
+        self._check_open()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"{self.directory}: no committed checkpoint",
+                                              path=self.directory)
+        return RestoreHandle(lambda: self.load(step, map_location, keys, into, allow_pickle, strict),
+                             self.step_path(step))
 
     # ------------------------------------------------------------------ closing
 

@@ -1,0 +1,120 @@
+"""Asynchronous restore: load_async returns at once, the load runs in the
+background, and there is one barrier before first use (wait, or the optimizer
+and forward hooks), where errors surface.
+
+To hold a load in progress deterministically the tests do what retention in
+another process does before deleting a step: take an exclusive lock on its
+manifest. A load takes a shared lock on it first, so it waits until the test
+lets go."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import lazyckpt
+
+
+@contextlib.contextmanager
+def held(step_dir):
+    fd = os.open(os.path.join(step_dir, "manifest.json"), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _trained(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    with lazyckpt.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}, step=1).wait()
+    return model, opt
+
+
+def test_load_async_returns_at_once_and_the_barrier_returns_the_state(tmp_path):
+    model, _ = _trained(tmp_path)
+    step_dir = str(tmp_path / "run" / "step_0000000001")
+    with held(step_dir):
+        handle = lazyckpt.load_async(str(tmp_path / "run"))
+        time.sleep(0.3)
+        assert not handle.done()                  # still waiting for the step: we went on
+        with pytest.raises(TimeoutError):
+            handle.wait(timeout=0.05)
+    state = handle.wait(timeout=60)
+    assert handle.done() and handle.seconds >= 0.3
+    assert state["step"] == 1
+    assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+    assert handle.wait() is state                # the barrier can be asked again
+
+
+def test_into_with_hooks_waits_exactly_at_first_use(tmp_path):
+    trained, trained_opt = _trained(tmp_path)
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()      # optimizer state exists, to be filled
+    opt.step()
+    opt.zero_grad()
+    target = {"model": model.state_dict(), "optim": opt.state_dict()}
+    x = torch.randn(5, 8)
+    out = {}
+    with lazyckpt.Checkpointer(tmp_path / "run") as ckpt:
+        step_dir = ckpt.step_path(1)
+        with held(step_dir):
+            handle = ckpt.load_async(into=target, keys=["model"]).guard(model)
+            forward = threading.Thread(target=lambda: out.setdefault("y", model(x)))
+            forward.start()
+            forward.join(0.3)
+            assert forward.is_alive()                # the forward waits at the guard
+        forward.join(60)
+        assert not forward.is_alive()
+    with torch.no_grad():
+        assert torch.equal(out["y"], trained(x))    # it ran on the restored weights
+    handle.wait()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.state_dict().items())
+
+
+def test_errors_surface_at_the_barrier_and_in_the_hooks(tmp_path):
+    _trained(tmp_path)
+    data = tmp_path / "run" / "step_0000000001" / "rank_00000.lzc"
+    raw = bytearray(data.read_bytes())
+    raw[4096 + 3] ^= 0xFF                            # inside the first entry's bytes
+    data.write_bytes(bytes(raw))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = lazyckpt.load_async(str(tmp_path / "run"), into={"model": model.state_dict()},
+                                 keys=["model"]).attach(opt)
+    model(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(lazyckpt.CorruptCheckpointError):
+        opt.step()                                   # the training loop sees it before stepping
+    with pytest.raises(lazyckpt.CorruptCheckpointError):
+        handle.wait()
+    with pytest.raises(lazyckpt.CheckpointNotFoundError):
+        lazyckpt.load_async(str(tmp_path / "nowhere"))
+
+
+def test_the_step_is_chosen_when_load_async_is_called(tmp_path):
+    with lazyckpt.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save({"v": torch.tensor([1.0])}, step=1).wait()
+        with held(ckpt.step_path(1)):
+            handle = ckpt.load_async()
+            ckpt.save({"v": torch.tensor([2.0])}, step=2).wait()
+        assert handle.wait(timeout=60)["v"].item() == 1.0
+        assert ckpt.load()["v"].item() == 2.0
