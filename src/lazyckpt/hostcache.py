@@ -25,6 +25,8 @@ from typing import Callable, List, Optional
 
 import torch
 
+from .fileio import anonymous_buffer
+
 log = logging.getLogger(__name__)
 
 PAGE = 4096
@@ -48,7 +50,7 @@ class PinnedBuffer:
                             "slower", nbytes)
         if tensor is None:
             # An anonymous mapping is page-aligned, as O_DIRECT needs.
-            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._map = anonymous_buffer(nbytes)
             tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.tensor = tensor
         self.array = tensor.numpy()
@@ -60,7 +62,7 @@ class PinnedBuffer:
             runtime = cudart() if cudart is not None else None
             if runtime is None or not hasattr(runtime, "cudaHostRegister"):
                 return None
-            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._map = anonymous_buffer(nbytes)
             tensor = torch.frombuffer(self._map, dtype=torch.uint8)
             rc = runtime.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
             if int(getattr(rc, "value", rc)) != 0:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import mmap
 import os
 import threading
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -20,7 +19,7 @@ import torch
 
 from . import format as fmt
 from .errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
-from .fileio import InputFile, NotARegularFile, open_regular
+from .fileio import InputFile, NotARegularFile, anonymous_buffer, open_regular
 from .iomode import use_o_direct
 from .knobs import Options
 
@@ -109,7 +108,7 @@ class CheckpointFile:
             for run in runs:
                 start = self.entries[run[0]].offset
                 end = self.entries[run[-1]].offset + self.entries[run[-1]].length
-                buf = mmap.mmap(-1, fmt.align_up(end - start), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                buf = anonymous_buffer(fmt.align_up(end - start))
                 view = memoryview(buf)
                 # One read per checksum block: each piece is read and verified by one
                 # thread while other threads read the next pieces.
@@ -218,7 +217,7 @@ class CheckpointFile:
                          e.name)
         fd = self._open_input()
         try:
-            buf = mmap.mmap(-1, fmt.align_up(hi - lo), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buf = anonymous_buffer(fmt.align_up(hi - lo))
             view = memoryview(buf)
             jobs = [pool.submit(self._read_block, fd, view, lo, a, b, [span])
                     for a, b in fmt.block_spans(lo, hi - lo, block)]

@@ -33,7 +33,7 @@ from . import format as fmt
 from . import manifest as manifests
 from .incremental import owned_bytes, referenced_steps
 from .errors import CheckpointError, CheckpointNotFoundError
-from .fileio import open_for_read, pread_into, read_small_file
+from .fileio import anonymous_buffer, open_for_read, pread_into, read_small_file
 from .iomode import use_o_direct
 from .knobs import Options, resolve as resolve_options
 from .layout import MANIFEST, CheckpointDir, remove_tree, tree_bytes
@@ -437,7 +437,7 @@ class VerifyReport:
 
 
 def _aligned_buffer(n: int) -> mmap.mmap:
-    return mmap.mmap(-1, max(fmt.ALIGNMENT, fmt.align_up(n)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return anonymous_buffer(max(fmt.ALIGNMENT, fmt.align_up(n)))
 
 
 def verify(path: str, options: Optional[Options] = None,
