@@ -85,3 +85,16 @@ def no_leaked_threads():
     capture = [t for t in threading.enumerate()
                if t not in before and t.is_alive() and t.name == "lazyckpt-capture"]
     assert not capture
+
+
+@pytest.fixture
+def spy_open(monkeypatch):
+    """Records (path, flags) of every os.open made by lazyckpt's file I/O."""
+    calls = []
+    real_open = os.open
+
+    def recording_open(path, flags, *args, **kwargs):
+        calls.append((os.fspath(path), flags))
+        return real_open(path, flags, *args, **kwargs)
+    monkeypatch.setattr(lazyckpt.fileio.os, "open", recording_open)
+    return calls

@@ -77,19 +77,6 @@ def test_checkpointer_round_trip_in_every_io_mode(tmp_path, knobs, no_leaked_thr
     assert_same(state, out)
 
 
-@pytest.fixture
-def spy_open(monkeypatch):
-    """Records (path, flags) of every os.open made by lazyckpt's file I/O."""
-    calls = []
-    real_open = os.open
-
-    def recording_open(path, flags, *args, **kwargs):
-        calls.append((os.fspath(path), flags))
-        return real_open(path, flags, *args, **kwargs)
-    monkeypatch.setattr(lazyckpt.fileio.os, "open", recording_open)
-    return calls
-
-
 def _data_opens(calls):
     """Opens of checkpoint data files for bulk I/O (not directories, not
     manifests, not the small buffered header/footer read, which opens the file

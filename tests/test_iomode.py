@@ -16,6 +16,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import iomode
+from test_io_modes import _data_opens
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 pytestmark = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this platform")
@@ -30,22 +31,6 @@ def fresh(tmp_path, monkeypatch):
     iomode.forget()
     yield cache
     iomode.forget()
-
-
-def _spy(monkeypatch):
-    calls = []
-    real_open = os.open
-
-    def recording_open(path, flags, *args, **kwargs):
-        calls.append((os.fspath(path), flags))
-        return real_open(path, flags, *args, **kwargs)
-    monkeypatch.setattr(lazyckpt.fileio.os, "open", recording_open)
-    return calls
-
-
-def _bulk_opens(calls):
-    return [(p, f) for p, f in calls if (p.endswith(".lzc") or ".lzc.tmp-" in p)
-            and not f & os.O_NONBLOCK and f & os.O_ACCMODE != os.O_RDWR]
 
 
 def test_auto_probes_once_per_direction_logs_and_leaves_nothing(tmp_path, fresh, caplog):
@@ -107,17 +92,16 @@ def test_an_expired_verdict_is_measured_again(tmp_path, fresh):
     assert now["at"] > old["at"] + iomode.CACHE_TTL_S and now["direct_gbps"] != 0.1
 
 
-def test_forced_modes_never_probe(tmp_path, fresh, monkeypatch):
+def test_forced_modes_never_probe(tmp_path, fresh, monkeypatch, spy_open):
     def no(*a):
         raise AssertionError("probed although the mode is forced")
     monkeypatch.setattr(iomode, "_probe", no)
-    calls = _spy(monkeypatch)
     state = {"w": torch.randn(10_000)}
     lazyckpt.save(state, tmp_path / "d.lzc", o_direct=True)
     lazyckpt.save(state, tmp_path / "b.lzc", o_direct=False)
     monkeypatch.setenv("LAZYCKPT_O_DIRECT", "0")
     lazyckpt.load(tmp_path / "d.lzc")
-    opens = _bulk_opens(calls)
+    opens = _data_opens(spy_open)
     assert any(f & O_DIRECT for p, f in opens if "d.lzc" in p and ".tmp-" in p)
     assert not any(f & O_DIRECT for p, f in opens if "b.lzc" in p)
     assert not any(f & O_DIRECT for p, f in opens if p.endswith("d.lzc"))     # the load, forced buffered

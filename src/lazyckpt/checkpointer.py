@@ -167,12 +167,7 @@ class Checkpointer:
              strict: bool = True) -> Any:
         """Load a committed checkpoint (the latest when ``step`` is None). With
         ``into``, every tensor of ``into`` must be filled unless ``strict=False``."""
-        self._check_open()
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise CheckpointNotFoundError(f"{self.directory}: no committed checkpoint",
-                                              path=self.directory)
+        step = self._step_to_load(step)
         return load_step_dir(self.step_path(step), self.options, self._engine.resources.readers,
                              rank=self._dist.rank, map_location=map_location, keys=keys, into=into,
                              allow_pickle=allow_pickle, strict=strict)
@@ -183,14 +178,18 @@ class Checkpointer:
         """``load()`` on a background thread (the step is chosen now): returns a
         :class:`RestoreHandle`; ``handle.wait()`` is the barrier before first use
         (``handle.attach(optimizer)``, ``handle.guard(model)`` make it a hook)."""
+        step = self._step_to_load(step)
+        return RestoreHandle(lambda: self.load(step, map_location, keys, into, allow_pickle, strict),
+                             self.step_path(step))
+
+    def _step_to_load(self, step: Optional[int]) -> int:
         self._check_open()
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"{self.directory}: no committed checkpoint",
                                               path=self.directory)
-        return RestoreHandle(lambda: self.load(step, map_location, keys, into, allow_pickle, strict),
-                             self.step_path(step))
+        return step
 
     # ------------------------------------------------------------------ closing
 
