@@ -1,9 +1,14 @@
 """Synchronous save/load throughput on a >= 1 GB model+AdamW-like state.
 
-Prints, from one run: the raw O_DIRECT write and read ceilings for the same
-bytes, lazyckpt.save/load, torch.save/torch.load and safetensors
-save_file/load_file, each as seconds (median ± half-range over --reps),
-GB/s and the ratio to the ceiling and to torch.save.
+Prints, from one run (every method once per repetition, interleaved): the raw
+methods on the same number of bytes -- O_DIRECT pwrite/pread from lazyckpt's
+writer/reader thread counts, buffered write() + fsync / sequential read() from
+one thread, and mmap (every page touched) for reads -- then lazyckpt.save/load,
+torch.save/torch.load and safetensors save_file/load_file, each as seconds
+(median ± half-range over --reps), GB/s, the ratio to the best raw method of
+the run (the ceiling: the fastest raw write, the fastest raw read) and to
+torch.save; under the table each raw method's figure and lazyckpt as a
+fraction of the best raw method and of each one.
 
     python benchmarks/bench_core.py --gib 1 --reps 3 --dir /path/on/the/disk
 """
@@ -22,7 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import lazyckpt  # noqa: E402
 from _common import (drop_caches, fsync_file, machine_line, median_spread, print_table,  # noqa: E402
-                     raw_read, raw_write, remove, state_bytes, time_call)
+                     remove, state_bytes, time_call)
+from lazyckpt import _bench as ceiling  # noqa: E402  (the raw methods, shared with `lazyckpt bench`)
 
 
 def make_state(gib: float) -> dict:
@@ -73,20 +79,32 @@ def main() -> None:
     state = make_state(args.gib)
     nbytes = state_bytes(state)
     dropped = drop_caches()
+    opts = lazyckpt.Options()
     print(machine_line())
     print(f"state: {nbytes / 1e9:.3f} GB of tensors ({len(tensors_only(state))} tensors), "
-          f"reps={args.reps}, page-cache drop before loads: {'yes' if dropped else 'not permitted'}")
+          f"reps={args.reps}, page-cache drop before loads: {'yes' if dropped else 'not permitted'}; "
+          f"raw O_DIRECT with {opts.writer_threads} writer / {opts.reader_threads} reader threads")
     path = lambda name: os.path.join(args.dir, name)  # noqa: E731
     results = {}
 
     def record(name, kind, seconds):
         results.setdefault((name, kind), []).append(seconds)
 
+    raw_rows = {"raw O_DIRECT": "O_DIRECT", "raw buffered": "buffered", "raw mmap": "mmap"}
     for _ in range(args.reps):
+        # The ceiling: every raw method on the same number of bytes, in this repetition.
         remove(path("raw.bin"))
-        record("raw O_DIRECT", "save", raw_write(path("raw.bin"), nbytes))
+        record("raw O_DIRECT", "save", ceiling.raw_write(path("raw.bin"), nbytes, opts.writer_threads)[0])
         drop_caches()
-        record("raw O_DIRECT", "load", raw_read(path("raw.bin"), nbytes))
+        record("raw O_DIRECT", "load", ceiling.raw_read(path("raw.bin"), nbytes, opts.reader_threads))
+        remove(path("raw.bin"))
+        record("raw buffered", "save", ceiling.raw_write_buffered(path("raw.bin"), nbytes))
+        drop_caches()
+        record("raw buffered", "load", ceiling.raw_read_buffered(path("raw.bin"), nbytes))
+        remove(path("raw.bin"))
+        ceiling.raw_write(path("raw.bin"), nbytes, opts.writer_threads)    # untimed: a file not read before
+        drop_caches()
+        record("raw mmap", "load", ceiling.raw_read_mmap(path("raw.bin"), nbytes))
         remove(path("raw.bin"))
 
         remove(path("ckpt.lzc"))
@@ -120,16 +138,34 @@ def main() -> None:
         remove(path("ckpt.safetensors"))
 
     med = {k: statistics.median(v) for k, v in results.items()}
+    gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
+    write = {short: gbps[(name, "save")] for name, short in raw_rows.items() if (name, "save") in gbps}
+    read = {short: gbps[(name, "load")] for name, short in raw_rows.items() if (name, "load") in gbps}
+    best_write, best_read = ceiling.best_raw(write)[1], ceiling.best_raw(read)[1]
     rows = []
     for name in dict.fromkeys(n for n, _ in results):
-        s, l = med[(name, "save")], med[(name, "load")]
-        rows.append([name, median_spread(results[(name, "save")]), f"{nbytes / s / 1e9:.2f}",
-                     f"{med[('raw O_DIRECT', 'save')] / s:.0%}",
-                     f"{med[('torch.save', 'save')] / s:.2f}x" if ("torch.save", "save") in med else "-",
-                     median_spread(results[(name, "load")]), f"{nbytes / l / 1e9:.2f}",
-                     f"{med[('raw O_DIRECT', 'load')] / l:.0%}"])
-    print_table(["method", "save s", "save GB/s", "of raw write", "speed vs torch.save",
-                 "load s", "load GB/s", "of raw read"], rows)
+        row = [name]
+        if (name, "save") in med:
+            s = med[(name, "save")]
+            row += [median_spread(results[(name, "save")]), f"{gbps[(name, 'save')]:.2f}",
+                    f"{gbps[(name, 'save')] / best_write:.0%}",
+                    f"{med[('torch.save', 'save')] / s:.2f}x" if ("torch.save", "save") in med else "-"]
+        else:
+            row += ["-", "-", "-", "-"]
+        row += [median_spread(results[(name, "load")]), f"{gbps[(name, 'load')]:.2f}",
+                f"{gbps[(name, 'load')] / best_read:.0%}"]
+        rows.append(row)
+    print_table(["method", "save s", "save GB/s", "of best raw write", "speed vs torch.save",
+                 "load s", "load GB/s", "of best raw read"], rows)
+    for line in ceiling.ceiling_lines(write, read):
+        print(line)
+    print(ceiling.fraction_line("lazyckpt", gbps[("lazyckpt", "save")], gbps[("lazyckpt", "load")], write, read))
+    peers = [n for n in dict.fromkeys(n for n, _ in results) if n not in raw_rows and n != "lazyckpt"]
+    for what, kind in (("save", "save"), ("load", "load")):
+        if peers:
+            best = max(peers, key=lambda n: gbps[(n, kind)])
+            print(f"fastest peer, {what}: {best} {gbps[(best, kind)]:.2f} GB/s; lazyckpt "
+                  f"{gbps[('lazyckpt', kind)] / gbps[(best, kind)]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,21 @@ the same config, seed and batches:
                       (async staging, shared memory); needs a 1-rank gloo group; the
                       daemon process is spawned by a warm-up save outside the timing
     lazyckpt          Checkpointer(keep_last=2).attach(optimizer); ckpt.save(state, step)
+    torch_checkpointing
+                      torch-checkpointing's CheckpointManager, asynchronous saver (its
+                      default): save() stages in a background thread (shared memory
+                      on CPU) and a spawned process writes; the optimizer step runs
+                      under manager.lock() (a pre-step hook takes it, a post-step hook
+                      releases it: the wait is the stall); the writer process is
+                      spawned by a warm-up save outside the timing. It does not
+                      fsync: "to durable" includes an fsync of its files, taken when
+                      its write future completes. Its storage is probed as in
+                      `lazyckpt bench` (O_DIRECT writes, its default, fail on ext4:
+                      buffered writes there). Needs the `bench` extra.
 
 Not measurable on a CPU-only machine (printed as notes): pinned staging memory
-(StagingOptions.use_pinned_memory is ignored without CUDA) and
+(StagingOptions.use_pinned_memory is ignored without CUDA; torch-checkpointing's
+stager turns it off without CUDA) and
 BlockingAsyncStager(cache_staged_state_dict=True) (it pins memory and raises).
 
 A checkpoint is taken after the optimizer step of every --every'th iteration;
@@ -42,7 +54,7 @@ timing) and its directory is removed at the end unless --keep. Per mode:
 Means are over the saves after the first. With --repeat R the modes run R times
 interleaved and each figure is the median of the R per-round means (the machine
 is shared: repeat to average out other load). At the end the last lazyckpt
-checkpoint is loaded and compared bit-exactly with the model/optimizer state at
+(and torch-checkpointing) checkpoint is loaded and compared bit-exactly with the model/optimizer state at
 that step (OK/FAIL), and the final losses of all modes are compared
 (checkpointing must not change training).
 
@@ -79,10 +91,12 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lazyckpt  # noqa: E402
 from _common import emit_json, fsync_file, machine_line, print_table, remove, state_bytes  # noqa: E402
+from lazyckpt._bench import fsync_path  # noqa: E402
 from lazyckpt.layout import tree_bytes  # noqa: E402
 
 MODES = ["none", "torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_proc",
-         "lazyckpt", "lazyckpt_incr", "none#2"]
+         "torch_checkpointing", "lazyckpt", "lazyckpt_incr", "none#2"]
+VERIFIED = ("lazyckpt", "lazyckpt_incr", "torch_checkpointing")   # last checkpoint compared bit-exactly
 KEEP = 2
 
 
@@ -191,6 +205,10 @@ class Saver:
 
     def latest_path(self) -> str:
         return self.paths[-1]
+
+    def load_latest(self) -> Any:
+        """The last checkpoint, loaded back (for the bit-exact check)."""
+        return lazyckpt.load(self.latest_path())
 
     def _retire_old(self) -> None:
         """Delete checkpoints beyond the newest KEEP; the time is excluded from the iteration."""
@@ -335,6 +353,90 @@ class DcpAsyncProcess(DcpAsync):
             dist.destroy_process_group()
 
 
+class TorchCheckpointing(Saver):
+    """torch-checkpointing (meta-pytorch): CheckpointManager with its asynchronous saver."""
+    name = "torch_checkpointing"
+
+    def __init__(self, directory, args):
+        super().__init__(directory, args)
+        import threading
+        from lazyckpt._bench import tc_manager, tc_staging_note, tc_storage
+        self._threading = threading
+        storage, self.extra["storage"] = tc_storage(directory)
+        self.manager = tc_manager(True, storage)
+        self.extra["staging"] = tc_staging_note(self.manager)
+        self.lock = self.manager.lock()      # the read side of its staging lock
+        self.synced: List[Any] = []          # one Event per save: fsynced after its write future
+        self.prev = None
+        self.pending = False                 # a save since the last optimizer step
+        self._held = False
+        # Spawn the writer process with a tiny save, outside the timed loop.
+        t = time.perf_counter()
+        warm = os.path.join(directory, "warmup")
+        self.manager.save(warm, {"warmup": {"x": torch.zeros(1)}}).result()
+        self.extra["daemon_spawn_s"] = time.perf_counter() - t
+        remove(warm)
+
+    def attach(self, opt):
+        def pre_step(_opt, _args, _kwargs):
+            t = time.perf_counter()
+            self.lock.acquire_or_raise()        # waits while a save is still staging the state
+            self._held = True
+            if self.pending:
+                self.stall.append(time.perf_counter() - t)
+                self.pending = False
+
+        def post_step(_opt, _args, _kwargs):
+            if self._held:
+                self._held = False
+                self.lock.release()
+        opt.register_step_pre_hook(pre_step)
+        opt.register_step_post_hook(post_step)
+
+    def save(self, model, opt, step, t0):
+        path = os.path.join(self.dir, f"step_{step:010d}")
+        # save() itself waits for the previous write (its staging buffer is reused).
+        future = self.manager.save(path, train_state(model, opt, step))
+        self.pending = True
+        event = self._threading.Event()
+        self.synced.append(event)
+
+        def done(f, step=step, t0=t0, path=path, event=event):
+            try:
+                if f.exception() is None:
+                    fsync_path(path)           # it does not fsync: durable only after this
+                    self.durable[step] = time.perf_counter() - t0
+                    self.bytes[step] = tree_bytes(path)
+            finally:
+                event.set()
+        future.add_done_callback(done)
+        self.prev = future
+        self.paths.append(path)
+        # Every earlier write has finished (save() waited for it): retire the oldest.
+        t = time.perf_counter()
+        while len(self.paths) > KEEP:
+            old = self.paths.pop(0)
+            self.synced[0].wait()
+            self.synced.pop(0)
+            remove(old)
+        self.excluded += time.perf_counter() - t
+
+    def finish(self):
+        if self.prev is not None:
+            self.prev.result()
+        for event in self.synced:
+            event.wait()
+
+    def load_latest(self):
+        loaded = self.manager.load(self.latest_path(), into={"model": None, "optim": None, "step": None})
+        return dict(loaded)
+
+    def close(self):
+        if self.manager is not None:
+            self.manager.close()
+            self.manager = None
+
+
 class Lazy(Saver):
     name = "lazyckpt"
     incremental = False
@@ -385,8 +487,8 @@ class LazyIncremental(Lazy):
 
 
 SAVERS = {"torch_save": TorchSave, "dcp_save": DcpSave, "dcp_async": DcpAsync,
-          "dcp_async_stager": DcpAsyncStager, "dcp_async_proc": DcpAsyncProcess, "lazyckpt": Lazy,
-          "lazyckpt_incr": LazyIncremental}
+          "dcp_async_stager": DcpAsyncStager, "dcp_async_proc": DcpAsyncProcess,
+          "torch_checkpointing": TorchCheckpointing, "lazyckpt": Lazy, "lazyckpt_incr": LazyIncremental}
 
 
 # ----------------------------------------------------------------------------- run
@@ -460,7 +562,7 @@ def _loop(saver, model, opt, batches, args, verify: bool, directory: str) -> Dic
             if reference is None:
                 reference = train_state(model, opt, save_steps[-1])
             try:
-                why = bit_equal(lazyckpt.load(saver.latest_path()), reference)
+                why = bit_equal(saver.load_latest(), reference)
                 # Every step still on disk, not only the last (incremental: across references).
                 for path in getattr(saver, "ckpt", None) and [saver.ckpt.step_path(s)
                                                              for s in saver.ckpt.steps()] or []:
@@ -503,6 +605,9 @@ def aggregate(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
     spawn = [r["daemon_spawn_s"] for r in ok if "daemon_spawn_s" in r]
     if spawn:
         out["daemon_spawn_s"] = statistics.median(spawn)
+    for key in ("storage", "staging"):            # torch_checkpointing's configuration notes
+        if any(key in r for r in ok):
+            out[key] = next(r[key] for r in ok if key in r)
     return out
 
 
@@ -571,7 +676,8 @@ def main() -> None:
           f"{args.writer_threads} writers"
           + (f"; {args.frozen_fraction:.0%} of the parameters frozen "
              f"({sum(p.numel() for p in trainable) / 1e6:.1f}M trainable)" if args.frozen_fraction else ""))
-    print("notes: pinned staging memory needs CUDA (ignored on CPU); "
+    print("notes: pinned staging memory needs CUDA (ignored on CPU; torch-checkpointing's stager turns it off "
+          "without CUDA and stages into shared memory); "
           "BlockingAsyncStager(cache_staged_state_dict=True) pins memory and raises on CPU: not run.")
 
     runs: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes}
@@ -586,7 +692,7 @@ def main() -> None:
         for mode in order:
             t = time.perf_counter()
             try:
-                r = run_mode(mode, args, verify=mode.startswith("lazyckpt"))
+                r = run_mode(mode, args, verify=mode in VERIFIED)
             except Exception as exc:  # keep going: one broken peer must not lose the others
                 runs[mode].append({"error": f"{type(exc).__name__}: {exc}"})
                 print(f"[{mode}] FAILED: {runs[mode][-1]['error']}", flush=True)
@@ -624,7 +730,8 @@ def main() -> None:
     ratios = {}
     lz = summary.get("lazyckpt")
     if lz and lz["blocking_s"]:
-        for peer in ("torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_proc"):
+        for peer in ("torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_proc",
+                     "torch_checkpointing"):
             if peer in summary and summary[peer]["blocking_s"]:
                 ratios[f"blocking_lazyckpt/{peer}"] = lz["blocking_s"] / summary[peer]["blocking_s"]
                 pause_lz = lz["blocking_s"] + (lz["stall_s"] or 0)
@@ -657,8 +764,16 @@ def main() -> None:
     if "verify" in results.get("lazyckpt_incr", {}):
         print(f"lazyckpt_incr last checkpoint bit-exact (through its references): "
               f"{results['lazyckpt_incr']['verify']}")
-    if "dcp_async_proc" in results and "daemon_spawn_s" in results["dcp_async_proc"]:
-        print(f"dcp_async_proc: daemon spawn (warm-up, untimed) {results['dcp_async_proc']['daemon_spawn_s']:.2f} s")
+    tc = results.get("torch_checkpointing", {})
+    if "verify" in tc:
+        print(f"torch_checkpointing last checkpoint bit-exact vs live state at that step (loaded with its "
+              f"CheckpointManager): {tc['verify']}")
+    for mode in ("dcp_async_proc", "torch_checkpointing"):
+        if mode in results and "daemon_spawn_s" in results[mode]:
+            print(f"{mode}: daemon spawn (warm-up, untimed) {results[mode]['daemon_spawn_s']:.2f} s")
+    for key in ("storage", "staging"):
+        if tc.get(key):
+            print(f"torch_checkpointing {key}: {tc[key]}")
 
     blob = {"machine": machine_line(), "config": {k: v for k, v in vars(args).items()},
             "params": n_params, "checkpoint_bytes_est": ckpt_bytes, "summary": summary,

@@ -8,7 +8,9 @@ tensors cycling through ``--dtypes``), saved and loaded in the same run by:
 =========================  ===============================================  =================
 row                        save / load                                      installed by
 =========================  ===============================================  =================
-raw O_DIRECT               aligned pwrite + fsync / pread (the ceiling)     --
+raw O_DIRECT               aligned pwrite + fsync / pread, N threads        --
+raw buffered               write() + fsync, 1 thread / sequential read()    --
+raw mmap (read)            -- / mmap + one byte of every page touched       --
 torch.save                 torch.save + fsync / torch.load(weights_only)    torch
 safetensors                save_file + fsync / load_file                    ``safetensors``
 dcp.save (1 thread)        FileSystemWriter(thread_count=1) / dcp.load      torch (distributed)
@@ -16,10 +18,22 @@ dcp.save (2 threads)       FileSystemWriter(thread_count=2) / dcp.load      torc
 dcp.async_save             future returned / future done / dcp.load         torch (distributed)
 torchsnapshot take         Snapshot.take / restore                          ``torchsnapshot``
 torchsnapshot async_take   Snapshot.async_take, wait() / restore            ``torchsnapshot``
+torch-checkpointing        CheckpointManager sync save + fsync / load       ``torch-checkpointing``
+torch-checkpointing async  save() returns / future done + fsync / load      ``torch-checkpointing``
 deepspeed save_checkpoint  engine.save_checkpoint + fsync / load_checkpoint ``lazyckpt[deepspeed]``
 lazyckpt.save (sync)       lazyckpt.save (durable on return) / load         --
 lazyckpt Checkpointer      save() returns / handle.wait() / load            --
 =========================  ===============================================  =================
+
+The three raw rows are the ceiling: the same number of bytes written and read
+back by the plain methods a program can use, measured in the same interleaved
+repetitions as the others. The **best raw write** is the faster of O_DIRECT
+pwrite (as many threads as lazyckpt writes with) and buffered write + fsync
+(one thread, the way a plain program writes); the **best raw read** the
+fastest of O_DIRECT pread (lazyckpt's reader threads), buffered sequential
+read() (the kernel's default readahead, 32 MiB calls) and mmap (every page
+touched once, as a zero-copy loader must at least). Which one wins depends on
+the storage and its state, so each run measures all of them.
 
 Figures per row (median over ``--reps``, with half the min-max range):
 
@@ -28,9 +42,10 @@ Figures per row (median over ``--reps``, with half the min-max range):
   not fsync themselves (torch.save, safetensors, torchsnapshot, DeepSpeed)
   are followed by an fsync of every file and directory they wrote, inside
   the timing: without it a "save" is only a copy into the page cache;
-* **GB/s** = state bytes / durable s; **of raw write** = that over the raw
-  O_DIRECT ceiling measured in the same run (same bytes, same threads);
-* **load s**, **load GB/s**, **of raw read**: the same for loading back
+* **GB/s** = state bytes / durable s; **of best write** = that over the best
+  raw write method's GB/s (median) in the same run; the JSON also keeps
+  ``of_raw_write``, the ratio to the raw O_DIRECT row alone;
+* **load s**, **load GB/s**, **of best read**: the same for loading back
   (into freshly allocated memory; dcp/torchsnapshot/DeepSpeed restore into
   preallocated tensors, allocation included in the timing). One byte of
   every page of the loaded tensors is read inside the timing, so loaders
@@ -41,6 +56,10 @@ globally (``/proc/sys/vm/drop_caches``, root only) or else file by file
 (``posix_fadvise(DONTNEED)`` after fsync, permitted to any user). Without it,
 buffered loaders (torch, safetensors, dcp) may read from memory while
 O_DIRECT ones (raw, lazyckpt) always read the disk.
+
+Under the table: each raw method's figure, the best raw write and read, and
+lazyckpt's save and load as a fraction of the best raw method and of each
+raw method, and against the fastest peer.
 
 ``--timeline PNG`` also runs a short training loop with a lazyckpt
 Checkpointer and draws per iteration the forward/backward, optimizer step
@@ -56,6 +75,7 @@ import contextlib
 import errno
 import gc
 import logging
+import math
 import mmap
 import os
 import platform
@@ -72,6 +92,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 import lazyckpt
+from .fileio import anonymous_buffer
 from .knobs import Options
 
 GB = 1e9
@@ -193,15 +214,29 @@ def _o_direct_flag() -> int:
     return getattr(os, "O_DIRECT", 0)
 
 
+# The raw methods move bytes between the file and the same kind of memory as
+# lazyckpt's loader and host cache (fileio.anonymous_buffer: page-aligned, huge
+# pages asked for), so the ceiling is not slowed by 4 KiB page faults that
+# lazyckpt does not pay.
+
+
+def _pattern(size: int) -> mmap.mmap:
+    """``size`` bytes of page-aligned anonymous memory holding one random MiB
+    repeated: what the raw writers write (incompressible, identical pieces)."""
+    buf = anonymous_buffer(max(1, size))
+    seed = os.urandom(min(len(buf), 1 << 20))
+    for off in range(0, len(buf), len(seed)):
+        buf[off:off + len(seed)] = seed[:len(buf) - off]
+    return buf
+
+
 def raw_write(path: str, nbytes: int, threads: int) -> Tuple[float, bool]:
     """Seconds to write ``nbytes`` of random data with aligned O_DIRECT pwrites
-    from ``threads`` threads, fsynced: the write ceiling. (buffered if refused)"""
+    from ``threads`` threads, fsynced; and whether O_DIRECT was used (buffered
+    where the file system refuses it)."""
     total = (nbytes + 4095) // 4096 * 4096
     piece = min(CHUNK, total)
-    buf = mmap.mmap(-1, piece * threads)
-    seed = os.urandom(min(piece, 1 << 20))
-    for off in range(0, piece * threads, len(seed)):
-        buf[off:off + len(seed)] = seed[:piece * threads - off]
+    buf = _pattern(piece * threads)
     view = memoryview(buf)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     direct = bool(_o_direct_flag())
@@ -232,8 +267,35 @@ def raw_write(path: str, nbytes: int, threads: int) -> Tuple[float, bool]:
     return elapsed, direct
 
 
+def raw_write_buffered(path: str, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` (the same pattern as :func:`raw_write`) with
+    plain write() calls of 32 MiB from one thread, then fsync: the way a
+    program that does not use O_DIRECT writes (page cache, kernel writeback)."""
+    piece = min(CHUNK, max(1, nbytes))
+    buf = _pattern(piece)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        t = time.perf_counter()
+        off = 0
+        while off < nbytes:
+            n = min(piece, nbytes - off)
+            done = 0
+            while done < n:
+                done += os.write(fd, view[done:n])
+            off += n
+        os.fsync(fd)
+        elapsed = time.perf_counter() - t
+    finally:
+        os.close(fd)
+        view.release()
+        buf.close()
+    return elapsed
+
+
 def raw_read(path: str, nbytes: int, threads: int) -> float:
-    """Seconds to read ``nbytes`` with O_DIRECT into fresh aligned memory: the read ceiling."""
+    """Seconds to read ``nbytes`` with O_DIRECT preads of 32 MiB from ``threads``
+    threads into fresh aligned memory (allocation included)."""
     total = (nbytes + 4095) // 4096 * 4096
     try:
         fd = os.open(path, os.O_RDONLY | _o_direct_flag())
@@ -243,7 +305,7 @@ def raw_read(path: str, nbytes: int, threads: int) -> float:
         fd = os.open(path, os.O_RDONLY)
     try:
         t = time.perf_counter()
-        buf = mmap.mmap(-1, total)
+        buf = anonymous_buffer(total)
         view = memoryview(buf)
         with cf.ThreadPoolExecutor(threads) as pool:
             list(pool.map(lambda off: os.preadv(fd, [view[off:off + CHUNK]], off), range(0, total, CHUNK)))
@@ -253,6 +315,90 @@ def raw_read(path: str, nbytes: int, threads: int) -> float:
     finally:
         os.close(fd)
     return elapsed
+
+
+def raw_read_buffered(path: str, nbytes: int) -> float:
+    """Seconds to read ``nbytes`` with sequential read() calls of 32 MiB through
+    the page cache (the kernel's default readahead), one thread, into fresh
+    memory (allocation included)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t = time.perf_counter()
+        buf = anonymous_buffer(max(1, nbytes))
+        view = memoryview(buf)
+        off = 0
+        while off < nbytes:
+            n = os.readv(fd, [view[off:off + CHUNK]])
+            if n <= 0:
+                raise EOFError(f"{path}: {off} bytes of {nbytes}")
+            off += n
+        elapsed = time.perf_counter() - t
+        view.release()
+        buf.close()
+    finally:
+        os.close(fd)
+    return elapsed
+
+
+def raw_read_mmap(path: str, nbytes: int) -> float:
+    """Seconds to map ``nbytes`` of the file and touch one byte of every page
+    (each fault reads ahead): the least a loader that maps the file instead of
+    reading it pays before the bytes are in memory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t = time.perf_counter()
+        mm = mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    try:
+        view = memoryview(mm)
+        touched = bytes(view[::mmap.PAGESIZE])          # one byte per page, in order
+        view.release()
+        elapsed = time.perf_counter() - t
+    finally:
+        mm.close()
+    assert len(touched) == -(-nbytes // mmap.PAGESIZE)
+    return elapsed
+
+
+#: The raw methods, by the key of their row: the names the ceiling lines print.
+RAW_NAMES = {"raw": "O_DIRECT", "raw_buffered": "buffered", "raw_mmap": "mmap"}
+
+
+def best_raw(figures: Dict[str, Optional[float]]) -> Tuple[str, float]:
+    """The fastest raw method of ``figures`` ({method: GB/s}; None, zero or
+    non-finite figures are ignored) as (method, GB/s): the ceiling of that run."""
+    usable = {k: v for k, v in figures.items() if v is not None and math.isfinite(v) and v > 0}
+    if not usable:
+        raise ValueError("no raw figure to choose from")
+    name = max(usable, key=lambda k: usable[k])
+    return name, usable[name]
+
+
+def ceiling_lines(write: Dict[str, float], read: Dict[str, float]) -> List[str]:
+    """One line each for the raw write and read methods: every figure, the best first."""
+    lines = []
+    for kind, figures in (("write", write), ("read", read)):
+        if not figures:
+            continue
+        name, best = best_raw(figures)
+        others = [f"{k} {v:.2f}" for k, v in figures.items() if k != name and v]
+        lines.append(f"best raw {kind}: {name} {best:.2f} GB/s"
+                     + (f" (also measured: {', '.join(others)} GB/s)" if others else ""))
+    return lines
+
+
+def fraction_line(label: str, save_gbps: Optional[float], load_gbps: Optional[float],
+                  write: Dict[str, float], read: Dict[str, float]) -> str:
+    """``label``'s save and load as a fraction of the best raw method, and of each one."""
+    parts = []
+    for what, gbps, figures in (("save (durable)", save_gbps, write), ("load", load_gbps, read)):
+        if not gbps or not figures:
+            continue
+        name, best = best_raw(figures)
+        each = ", ".join(f"{gbps / v:.0%} of {k}" for k, v in figures.items() if v)
+        parts.append(f"{what} {gbps:.2f} GB/s = {gbps / best:.0%} of the best raw ({name}; {each})")
+    return f"{label}: " + ("; ".join(parts) if parts else "-")
 
 
 def touch(obj: Any) -> None:
@@ -329,7 +475,8 @@ class Method:
     def setup(self, b: "Bench") -> None:
         pass
 
-    def save(self, b: "Bench", path: str) -> SaveTimes:
+    def save(self, b: "Bench", path: str) -> Optional[SaveTimes]:
+        """The save's timings; None for a method that only reads (its file written untimed)."""
         raise NotImplementedError
 
     def load(self, b: "Bench", path: str) -> Any:
@@ -356,7 +503,11 @@ def _have(module: str) -> bool:
 
 class Raw(Method):
     key, label = "raw", "raw O_DIRECT"
-    note = "ceiling: aligned pwrite/pread of the same bytes from as many threads as lazyckpt uses"
+    note = "ceiling: aligned O_DIRECT pwrite + fsync / pread of the same bytes, as many threads as lazyckpt uses"
+
+    def setup(self, b):
+        self.note = (f"ceiling: aligned O_DIRECT pwrite from {b.options.writer_threads} threads + fsync / "
+                     f"pread from {b.options.reader_threads} threads, 32 MiB pieces")
 
     def save(self, b, path):
         s, direct = raw_write(path, b.nbytes, b.options.writer_threads)
@@ -366,6 +517,31 @@ class Raw(Method):
 
     def load(self, b, path):
         return raw_read(path, b.nbytes, b.options.reader_threads)
+
+
+class RawBuffered(Method):
+    key, label = "raw_buffered", "raw buffered"
+    note = ("ceiling: write() of 32 MiB from one thread + fsync / sequential read() of 32 MiB, default "
+            "readahead, into fresh memory")
+
+    def save(self, b, path):
+        s = raw_write_buffered(path, b.nbytes)
+        return SaveTimes(s, s)
+
+    def load(self, b, path):
+        return raw_read_buffered(path, b.nbytes)
+
+
+class RawMmap(Method):
+    key, label = "raw_mmap", "raw mmap (read)"
+    note = "ceiling: mmap of the file, one byte of every page touched (its file is written untimed)"
+
+    def save(self, b, path):
+        raw_write(path, b.nbytes, b.options.writer_threads)
+        return None                       # a read method only
+
+    def load(self, b, path):
+        return raw_read_mmap(path, b.nbytes)
 
 
 class TorchSave(Method):
@@ -484,6 +660,129 @@ class TorchSnapshot(Method):
         return target
 
 
+# torch-checkpointing (meta-pytorch, PyPI ``torch-checkpointing``): a CheckpointManager
+# saves {item: value} payloads, one torch.save file per item (``<item>_<rank>.pt``)
+# in a temporary directory renamed onto the checkpoint path; the async saver stages
+# the tensors in a background thread (into pinned memory with CUDA, shared memory
+# without) and writes from a spawned process. It never fsyncs.
+
+TC_INSTALL = "pip install 'lazyckpt[bench]'  (torch-checkpointing)"
+
+
+def tc_storage(directory: str) -> Tuple[Any, str]:
+    """torch-checkpointing's local file storage for ``directory`` and a note saying
+    which: its default (O_DIRECT writes) where a tiny synchronous save works there,
+    else buffered writes (``use_direct_io=False``). Its writer streams torch.save
+    through an O_DIRECT file object, and ext4/XFS refuse the unaligned writes that
+    makes (EINVAL); tmpfs takes them."""
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+    logging.getLogger("torch_checkpointing").setLevel(logging.ERROR)
+    probe = tempfile.mkdtemp(prefix=".tc-probe-", dir=directory)
+    manager = CheckpointManager(CheckpointManager.Config(save=SyncCheckpointSaverConfig(),
+                                                         storage_config=LocalFileSystemStorageConfig()))
+    try:
+        manager.save(os.path.join(probe, "ckpt"), {"probe": {"x": torch.arange(1000.0)}})
+        return LocalFileSystemStorageConfig(), "its default O_DIRECT writes"
+    except Exception as exc:          # the first error of a chain: OSError EINVAL, then torch's RuntimeError
+        first = exc
+        while first.__context__ is not None:
+            first = first.__context__
+        why = (str(first).strip().splitlines() or [""])[0][:80]
+        return (LocalFileSystemStorageConfig(use_direct_io=False),
+                f"buffered writes (use_direct_io=False): its default O_DIRECT writes fail on this file system "
+                f"({type(first).__name__}: {why})")
+    finally:
+        manager.close()
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+def tc_manager(asynchronous: bool, storage_config: Any) -> Any:
+    """A torch-checkpointing CheckpointManager with its default configuration but
+    ``storage_config``: synchronous (writes in the calling thread) or asynchronous
+    (background staging thread + spawned writer process; on CPU the stager's
+    defaults turn pinned memory off and stage into shared memory)."""
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.config import AsyncCheckpointSaverConfig, SyncCheckpointSaverConfig
+    logging.getLogger("torch_checkpointing").setLevel(logging.ERROR)
+    save = AsyncCheckpointSaverConfig() if asynchronous else SyncCheckpointSaverConfig()
+    return CheckpointManager(CheckpointManager.Config(save=save, storage_config=storage_config))
+
+
+def tc_staging_note(manager: Any) -> str:
+    stager = getattr(getattr(manager, "_saver", None), "stager", None)
+    cfg = getattr(stager, "_config", None)
+    if cfg is None:
+        return ""
+    if getattr(cfg, "use_pinned_memory", False):
+        return "staging into pinned memory"
+    return ("staging into " + ("shared" if getattr(cfg, "use_shared_memory", False) else "plain") +
+            " memory, not pinned (" + ("pinning needs CUDA: its default turns it off here"
+                                       if not torch.cuda.is_available() else "pinning off") + ")")
+
+
+class TorchCheckpointing(Method):
+    install = TC_INSTALL
+    self_durable = False
+
+    def __init__(self, asynchronous: bool):
+        self.asynchronous = asynchronous
+        self.key = "torch_checkpointing_async" if asynchronous else "torch_checkpointing"
+        self.label = "torch-checkpointing async" if asynchronous else "torch-checkpointing (sync)"
+        self.manager: Any = None
+        self.note = ""
+
+    def unavailable(self):
+        return None if _have("torch_checkpointing") else "not installed"
+
+    def setup(self, b):
+        if "tc_storage" not in b.cache:
+            b.cache["tc_storage"] = tc_storage(b.workdir)
+        storage, storage_note = b.cache["tc_storage"]
+        self.manager = tc_manager(self.asynchronous, storage)
+        notes = ["CheckpointManager, one torch.save file per item ({'model': state})", storage_note]
+        if self.asynchronous:
+            # Outside the timing, as a training job would have them: the writer process
+            # (spawned; a tiny first save waits for it) and the staging buffers.
+            t = time.perf_counter()
+            warm = os.path.join(b.workdir, "tc-warmup")
+            self.manager.save(warm, {"warmup": {"x": torch.zeros(1)}}).result()
+            remove(warm)
+            self.manager.prewarm_staging({"model": b.state})
+            prewarm = getattr(self.manager, "_prewarm_staging_future", None)   # else the first save waits
+            if prewarm is not None:
+                prewarm.result()
+            notes.append(f"writer process spawned and staging buffers allocated (prewarm_staging) in setup, "
+                         f"untimed ({time.perf_counter() - t:.1f} s)")
+            notes.append(tc_staging_note(self.manager))
+            notes.append("durable = write future done + fsync; capture = staging done")
+        self.note = "; ".join(n for n in notes if n)
+
+    def save(self, b, path):
+        t0 = time.perf_counter()
+        future = self.manager.save(path, {"model": b.state})
+        t1 = time.perf_counter()
+        extra: Dict[str, float] = {}
+        if future is not None:
+            staging = getattr(self.manager, "_staging_future", None)   # no public handle on staging
+            if staging is not None:
+                staging.result()
+                extra["capture_s"] = time.perf_counter() - t0
+            future.result()
+        fsync_path(path)
+        return SaveTimes(t1 - t0, time.perf_counter() - t0, extra)
+
+    def load(self, b, path):
+        return self.manager.load(path, into={"model": None})["model"]
+
+    def teardown(self, b):
+        if self.manager is not None:
+            with stdout_to_stderr():
+                self.manager.close()
+            self.manager = None
+
+
 class DeepSpeed(Method):
     key, label, install = "deepspeed", "deepspeed save_checkpoint", "pip install 'lazyckpt[deepspeed]'"
     isolated = True
@@ -597,8 +896,9 @@ class LazyAsync(Method):
 
 
 def all_methods() -> List[Method]:
-    return [Raw(), TorchSave(), Safetensors(), DcpSave(1), DcpSave(2), DcpAsync(), TorchSnapshot(False),
-            TorchSnapshot(True), DeepSpeed(), LazySync(), LazyAsync()]
+    return [Raw(), RawBuffered(), RawMmap(), TorchSave(), Safetensors(), DcpSave(1), DcpSave(2), DcpAsync(),
+            TorchSnapshot(False), TorchSnapshot(True), TorchCheckpointing(False), TorchCheckpointing(True),
+            DeepSpeed(), LazySync(), LazyAsync()]
 
 
 METHOD_KEYS = [m.key for m in all_methods()]
@@ -615,6 +915,7 @@ class Bench:
     options: Options
     drop: str                  # "global", "fadvise" or "no"
     paths: Dict[str, str] = field(default_factory=dict)
+    cache: Dict[str, Any] = field(default_factory=dict)     # what setups share (a probe's result)
 
 
 def _summary(values: List[float]) -> Dict[str, Any]:
@@ -631,7 +932,7 @@ def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dt
         unknown = set(methods) - set(METHOD_KEYS)
         if unknown:
             raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(METHOD_KEYS)}")
-        chosen = [m for m in chosen if m.key in methods or m.key == "raw"]
+        chosen = [m for m in chosen if m.key in methods or m.key in RAW_NAMES]
     own_dir = directory is None
     workdir = tempfile.mkdtemp(prefix=".lazyckpt-bench-", dir=os.getcwd() if own_dir else directory)
     log(f"generating the state: {size} bytes in {tensors} tensors ({', '.join(map(str, dtypes))})")
@@ -682,9 +983,12 @@ def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dt
             return
         finally:
             remove(b.paths.get(m.key, path))
+        times[m.key]["load_s"].append(load_s)
+        if st is None:                    # a read-only method (raw mmap)
+            log(f"{m.label}: rep {rep + 1}: load {load_s:.4f} s")
+            return
         times[m.key]["blocking_s"].append(st.blocking)
         times[m.key]["durable_s"].append(st.durable)
-        times[m.key]["load_s"].append(load_s)
         if "capture_s" in st.extra:
             times[m.key]["capture_s"].append(st.extra["capture_s"])
         log(f"{m.label}: rep {rep + 1}: save call {st.blocking:.4f} s, durable {st.durable:.4f} s, "
@@ -732,19 +1036,28 @@ def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dt
         if row["status"] != "ok":
             continue
         t = times[m.key]
-        row["blocking_s"] = _summary(t["blocking_s"])
-        row["durable_s"] = _summary(t["durable_s"])
         row["load_s"] = _summary(t["load_s"])
+        row["load_gbps"] = nbytes / row["load_s"]["median"] / GB
+        if t["durable_s"]:
+            row["blocking_s"] = _summary(t["blocking_s"])
+            row["durable_s"] = _summary(t["durable_s"])
+            row["save_gbps"] = nbytes / row["durable_s"]["median"] / GB
+            row["fsync_added"] = not m.self_durable
         if t["capture_s"]:
             row["capture_s"] = _summary(t["capture_s"])
-        row["save_gbps"] = nbytes / row["durable_s"]["median"] / GB
-        row["load_gbps"] = nbytes / row["load_s"]["median"] / GB
-        row["fsync_added"] = not m.self_durable
+    ceiling = ceiling_of(rows)
     raw = rows.get("raw")
     for row in rows.values():
-        if row["status"] == "ok" and raw is not None and raw["status"] == "ok":
-            row["of_raw_write"] = row["save_gbps"] / raw["save_gbps"]
-            row["of_raw_read"] = row["load_gbps"] / raw["load_gbps"]
+        if row["status"] != "ok":
+            continue
+        for kind, field_ in (("write", "save_gbps"), ("read", "load_gbps")):
+            gbps = row.get(field_)
+            if gbps is None:
+                continue
+            if raw is not None and raw["status"] == "ok" and raw.get(field_):
+                row[f"of_raw_{kind}"] = gbps / raw[field_]        # the raw O_DIRECT row alone
+            if ceiling[kind]["gbps"]:
+                row[f"of_best_{kind}"] = gbps / ceiling[kind]["gbps"]
     return {
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
                     "python": platform.python_version(), "torch": torch.__version__,
@@ -755,8 +1068,22 @@ def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dt
                    "filesystem": filesystem_of(workdir if keep else os.path.dirname(workdir)),
                    "drop_caches": drop, "writer_threads": b.options.writer_threads,
                    "reader_threads": b.options.reader_threads},
+        "ceiling": ceiling,
         "rows": [rows[m.key] for m in chosen],
     }
+
+
+def ceiling_of(rows: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """The raw rows' median GB/s per method, and the best, for writes and reads."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for kind, field_ in (("write", "save_gbps"), ("read", "load_gbps")):
+        methods = {name: rows[key][field_] for key, name in RAW_NAMES.items()
+                   if key in rows and rows[key]["status"] == "ok" and rows[key].get(field_)}
+        entry: Dict[str, Any] = {"methods": methods, "best": None, "gbps": None}
+        if methods:
+            entry["best"], entry["gbps"] = best_raw(methods)
+        out[kind] = entry
+    return out
 
 
 def _cell(summary: Optional[Dict[str, Any]]) -> str:
@@ -782,16 +1109,17 @@ def format_table(result: Dict[str, Any]) -> str:
              ""]
     if cfg["size_bytes"] < 64 << 20:
         lines.insert(3, "note: a state this small measures per-call overheads more than throughput")
-    headers = ["method", "save call s", "durable s", "GB/s", "of raw write", "load s", "load GB/s", "of raw read"]
+    headers = ["method", "save call s", "durable s", "GB/s", "of best write", "load s", "load GB/s",
+               "of best read"]
+    pct = lambda row, key: f"{row[key]:.0%}" if key in row else "-"  # noqa: E731
     body = []
     for row in result["rows"]:
         if row["status"] != "ok":
             continue
-        body.append([row["method"] + (" *" if row.get("fsync_added") else ""), _cell(row["blocking_s"]),
-                     _cell(row["durable_s"]), f"{row['save_gbps']:.2f}",
-                     f"{row['of_raw_write']:.0%}" if "of_raw_write" in row else "-",
-                     _cell(row["load_s"]), f"{row['load_gbps']:.2f}",
-                     f"{row['of_raw_read']:.0%}" if "of_raw_read" in row else "-"])
+        body.append([row["method"] + (" *" if row.get("fsync_added") else ""), _cell(row.get("blocking_s")),
+                     _cell(row.get("durable_s")),
+                     f"{row['save_gbps']:.2f}" if row.get("save_gbps") else "-", pct(row, "of_best_write"),
+                     _cell(row["load_s"]), f"{row['load_gbps']:.2f}", pct(row, "of_best_read")])
     if body:
         widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
         lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
@@ -805,13 +1133,40 @@ def format_table(result: Dict[str, Any]) -> str:
         if row["status"] == "ok" and row.get("capture_s"):
             lines.append(f"{row['method']}: capture (bytes copied out of the live state) "
                          f"{_cell(row['capture_s'])} s")
+    lines.extend(summary_lines(result))
     for row in result["rows"]:
         if row["status"] == "skipped":
             lines.append(f"skipped: {row['method']}: {row['reason']}"
                          + (f" -- {row['install']}" if row.get("install") else ""))
         elif row["status"] == "failed":
             lines.append(f"failed: {row['method']}: {row['reason']}")
+    notes = [f"  {row['method']}: {row['note']}" for row in result["rows"] if row["status"] == "ok" and row.get("note")]
+    if notes:
+        lines.append("notes:")
+        lines.extend(notes)
     return "\n".join(lines)
+
+
+def summary_lines(result: Dict[str, Any]) -> List[str]:
+    """The ceiling (each raw method, the best), lazyckpt against it, and against the fastest peer."""
+    ceiling = result.get("ceiling") or {}
+    write = (ceiling.get("write") or {}).get("methods") or {}
+    read = (ceiling.get("read") or {}).get("methods") or {}
+    lines = ceiling_lines(write, read)
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    for row in ok:
+        if row["key"].startswith("lazyckpt"):
+            lines.append(fraction_line(row["method"], row.get("save_gbps"), row.get("load_gbps"), write, read))
+    peers = [r for r in ok if r["key"] not in RAW_NAMES and not r["key"].startswith("lazyckpt")]
+    ours = [r for r in ok if r["key"].startswith("lazyckpt")]
+    for what, field_ in (("save (durable)", "save_gbps"), ("load", "load_gbps")):
+        candidates = [r for r in peers if r.get(field_)]
+        if not candidates or not ours:
+            continue
+        best = max(candidates, key=lambda r: r[field_])
+        vs = ", ".join(f"{r['method']} {r[field_] / best[field_]:.2f}x" for r in ours if r.get(field_))
+        lines.append(f"fastest peer, {what}: {best['method']} {best[field_]:.2f} GB/s; {vs}")
+    return lines
 
 
 def _pyplot():
@@ -834,8 +1189,9 @@ def plot(result: Dict[str, Any], png: str) -> None:
     names = [r["method"] for r in rows][::-1]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.0), sharey=True)
     y = range(len(rows))
-    dur = [r["durable_s"]["median"] for r in rows][::-1]
-    blk = [r["blocking_s"]["median"] for r in rows][::-1]
+    med = lambda r, key: r[key]["median"] if r.get(key) else 0.0  # noqa: E731  (raw mmap: no save)
+    dur = [med(r, "durable_s") for r in rows][::-1]
+    blk = [med(r, "blocking_s") for r in rows][::-1]
     load = [r["load_s"]["median"] for r in rows][::-1]
     ax1.barh(y, dur, color="#9ecae1", label="to durable")
     ax1.barh(y, blk, color="#08519c", height=0.45, label="save call (blocking)")
@@ -847,14 +1203,14 @@ def plot(result: Dict[str, Any], png: str) -> None:
     ax2.set_xlabel("seconds")
     ax2.set_title("load")
     for ax, key in ((ax1, "durable_s"), (ax2, "load_s")):
-        raw = next((r for r in rows if r["key"] == "raw"), None)
-        if raw is not None:
-            ax.axvline(raw[key]["median"], color="k", lw=0.8, ls="--")
+        raws = [r[key]["median"] for r in rows if r["key"] in RAW_NAMES and r.get(key)]
+        if raws:
+            ax.axvline(min(raws), color="k", lw=0.8, ls="--")
     cfg = result["config"]
     size = cfg["size_bytes"]
     size_text = f"{size / GB:.2f} GB" if size >= GB else f"{size / 1e6:.1f} MB"
     fig.suptitle(f"{size_text}, {cfg['tensors']} tensors ({', '.join(cfg['dtypes'])}), "
-                 f"median of {cfg['reps']}; dashed: raw O_DIRECT ceiling", fontsize=10)
+                 f"median of {cfg['reps']}; dashed: best raw method (ceiling)", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
