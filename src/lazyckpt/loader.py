@@ -549,10 +549,10 @@ def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
 
 def _dtensor_targets(into: Any) -> Dict[str, Any]:
     """DTensors in ``into`` by key path (as the loader names them)."""
+    from .providers import _dtensor_type
     targets: Dict[str, Any] = {}
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
+    DTensor = _dtensor_type()
+    if DTensor is None or into is None:
         return targets
     stack = [(into, [])]
     while stack:
@@ -594,8 +594,6 @@ def fill_into(dst: Any, src: Any, path: str, trail: str = "") -> Any:
 
 
 def _is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(value, DTensor)
+    from .providers import _dtensor_type
+    cls = _dtensor_type()
+    return cls is not None and isinstance(value, cls)
