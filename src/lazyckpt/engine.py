@@ -581,24 +581,27 @@ class SaveEngine:
 
     def _at_exit(self) -> None:
         pending = [h for h in self.pending() if not h.done()]
-        if not pending:
-            return
-        self.seal_all()
-        if self.options.exit_policy == "drain":
-            log.info("lazyckpt: interpreter exit: finishing %d pending save(s): %s", len(pending),
-                     ", ".join(h.name for h in pending))
+        if pending:
+            self.seal_all()
+            if self.options.exit_policy == "drain":
+                log.info("lazyckpt: interpreter exit: finishing %d pending save(s): %s", len(pending),
+                         ", ".join(h.name for h in pending))
+            else:
+                self.cancel_pending()
             for handle in pending:
                 handle._done.wait()
-            return
-        self.cancel_pending()
-        for handle in pending:
-            handle._done.wait()
-        lost = [h.name for h in pending if h.error is not None]
-        if lost:
-            message = (f"lazyckpt: interpreter exit with saves pending: {', '.join(lost)} lost "
-                       f"(exit_policy='warn'; 'drain' would have waited for them)")
-            warnings.warn(message, RuntimeWarning, stacklevel=1)
-            log.warning("%s", message)
+            lost = [h.name for h in pending if h.error is not None]
+            if lost and self.options.exit_policy != "drain":
+                message = (f"lazyckpt: interpreter exit with saves pending: {', '.join(lost)} lost "
+                           f"(exit_policy='warn'; 'drain' would have waited for them)")
+                warnings.warn(message, RuntimeWarning, stacklevel=1)
+                log.warning("%s", message)
+        # Join the capture thread too: a handle is done before that daemon thread
+        # has dropped the job (freeing tensors, running its end callback), and
+        # native torch code still running while the interpreter finalizes can
+        # abort the process ("terminate called without an active exception",
+        # seen once in CI with exit_policy="warn").
+        self.close(raise_errors=False)
 
 
 def _release(resources: Resources, barrier: CaptureBarrier) -> None:
