@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -118,3 +120,21 @@ def test_the_step_is_chosen_when_load_async_is_called(tmp_path):
             ckpt.save({"v": torch.tensor([2.0])}, step=2).wait()
         assert handle.wait(timeout=60)["v"].item() == 1.0
         assert ckpt.load()["v"].item() == 2.0
+
+
+EXIT_SCRIPT = """
+import atexit, sys, lazyckpt
+handle = lazyckpt.load_async(sys.argv[1])
+# atexit handlers run after threading's exit hooks: by then the restore must be over.
+atexit.register(lambda: print("restore done at exit:", handle.done(), flush=True))
+"""
+
+
+def test_a_restore_in_flight_is_finished_before_the_interpreter_exits(tmp_path):
+    """A daemon thread still running torch code while the interpreter
+    finalizes can abort the process: exit waits for the restore instead."""
+    lazyckpt.save({f"t{i}": torch.randn(1 << 20) for i in range(64)}, str(tmp_path / "big.lzc"))   # 256 MiB
+    r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path / "big.lzc")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "restore done at exit: True" in r.stdout, r.stdout + r.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -41,6 +42,7 @@ class RestoreHandle:
         self._started = time.perf_counter()
         self.seconds: Optional[float] = None       # how long the load took, once done
         self._thread = threading.Thread(target=self._run, name="lazyckpt-restore", daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
 
     def _run(self) -> None:
@@ -52,6 +54,7 @@ class RestoreHandle:
             self._load = None
             self.seconds = time.perf_counter() - self._started
             self._done.set()
+            _RUNNING.discard(self)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -91,3 +94,21 @@ class RestoreHandle:
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
         return f"RestoreHandle({self.name!r}, {state})"
+
+
+#: Restores whose thread is running. At interpreter exit they are waited for:
+#: a daemon thread still running torch code while the interpreter finalizes
+#: can abort the process.
+_RUNNING: "weakref.WeakSet[RestoreHandle]" = weakref.WeakSet()
+
+
+def _finish_at_exit() -> None:
+    for handle in list(_RUNNING):
+        handle._thread.join()
+
+
+try:
+    threading._register_atexit(_finish_at_exit)     # type: ignore[attr-defined]
+except AttributeError:                              # pragma: no cover (CPython < 3.9)
+    import atexit
+    atexit.register(_finish_at_exit)
