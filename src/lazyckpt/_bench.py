@@ -92,7 +92,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 import lazyckpt
-from .fileio import anonymous_buffer
+from .fileio import anonymous_buffer, open_for_read
 from .knobs import Options
 
 GB = 1e9
@@ -293,28 +293,33 @@ def raw_write_buffered(path: str, nbytes: int) -> float:
     return elapsed
 
 
+def _timed_fill(nbytes: int, fill: Callable[[memoryview], None]) -> float:
+    """Seconds to allocate fresh memory for ``nbytes`` (as lazyckpt's reader
+    does) and ``fill`` it: what every raw reader measures."""
+    t = time.perf_counter()
+    buf = anonymous_buffer(max(1, nbytes))
+    view = memoryview(buf)
+    try:
+        fill(view)
+        return time.perf_counter() - t
+    finally:
+        view.release()
+        buf.close()
+
+
 def raw_read(path: str, nbytes: int, threads: int) -> float:
     """Seconds to read ``nbytes`` with O_DIRECT preads of 32 MiB from ``threads``
     threads into fresh aligned memory (allocation included)."""
     total = (nbytes + 4095) // 4096 * 4096
-    try:
-        fd = os.open(path, os.O_RDONLY | _o_direct_flag())
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        fd = os.open(path, os.O_RDONLY)
-    try:
-        t = time.perf_counter()
-        buf = anonymous_buffer(total)
-        view = memoryview(buf)
+    fd, _direct = open_for_read(path, True)         # buffered where O_DIRECT is refused
+
+    def fill(view: memoryview) -> None:
         with cf.ThreadPoolExecutor(threads) as pool:
             list(pool.map(lambda off: os.preadv(fd, [view[off:off + CHUNK]], off), range(0, total, CHUNK)))
-        elapsed = time.perf_counter() - t
-        view.release()
-        buf.close()
+    try:
+        return _timed_fill(total, fill)
     finally:
         os.close(fd)
-    return elapsed
 
 
 def raw_read_buffered(path: str, nbytes: int) -> float:
@@ -322,22 +327,18 @@ def raw_read_buffered(path: str, nbytes: int) -> float:
     the page cache (the kernel's default readahead), one thread, into fresh
     memory (allocation included)."""
     fd = os.open(path, os.O_RDONLY)
-    try:
-        t = time.perf_counter()
-        buf = anonymous_buffer(max(1, nbytes))
-        view = memoryview(buf)
+
+    def fill(view: memoryview) -> None:
         off = 0
         while off < nbytes:
             n = os.readv(fd, [view[off:off + CHUNK]])
             if n <= 0:
                 raise EOFError(f"{path}: {off} bytes of {nbytes}")
             off += n
-        elapsed = time.perf_counter() - t
-        view.release()
-        buf.close()
+    try:
+        return _timed_fill(nbytes, fill)
     finally:
         os.close(fd)
-    return elapsed
 
 
 def raw_read_mmap(path: str, nbytes: int) -> float:
