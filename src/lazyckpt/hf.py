@@ -46,8 +46,8 @@ from .errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from .fileio import fsync_dir
 from .knobs import Options, resolve as resolve_options
 from .layout import StepDir, new_token, remove_tree
-from .loader import StepFiles
-from .providers import LoadContext, tensor_bytes_needed
+from .loader import StepFiles, plain_tensor_entry
+from .providers import LoadContext
 from .reader import CheckpointFile, RefResolver, resolver_for
 from .tools import Leaf, Target, resolve as resolve_target, walk
 
@@ -334,16 +334,8 @@ class _StepReader:
             if not isinstance(info, dict):
                 raise ctx.corrupt("no shard index for this DTensor (load it from its step directory)")
             return self.step._assemble(info, node, None, ctx, self.pool)
-        holder, e = self.files[t.rank], node.get("e")
-        if type(e) is not int or not 0 <= e < len(holder.entries):
-            raise ctx.corrupt(f"reference to unknown entry {e!r}")
-        if holder.entries[e].kind == "remote":
-            if self.step is None:
-                raise ctx.corrupt("refers to another rank's file")
-            holder = self.step.file(holder.entries[e].rank)
+        holder, e = plain_tensor_entry(self.files[t.rank], self.step, node, t.dtype, ctx)
         storage = holder.read_entries([e], self.pool)[e]
-        if holder.entries[e].content_kind != "data" or tensor_bytes_needed(node, t.dtype, ctx) > storage.nbytes():
-            raise ctx.corrupt(f"entry {e} does not hold this tensor's bytes")
         return torch.empty((0,), dtype=t.dtype).set_(storage, node["offset"], node["shape"], node["stride"])
 
 

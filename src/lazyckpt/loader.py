@@ -513,31 +513,41 @@ def _plain_into_dtensor(tree: Any, into: Any) -> Dict[int, Any]:
             if leaf.type == "tensor" and (key := json.dumps(list(leaf.path))) in targets}
 
 
+def plain_tensor_entry(f: CheckpointFile, step: Optional["StepFiles"], node: Dict[str, Any],
+                       dtype: torch.dtype, ctx: LoadContext) -> Tuple[CheckpointFile, int]:
+    """(the file holding a plain tensor node's bytes, the entry's index): ``f``,
+    or another rank's file for a replicated entry, after checking that the
+    entry is there and can hold the tensor."""
+    from .providers import tensor_bytes_needed
+    e = node.get("e")
+    if type(e) is not int or not 0 <= e < len(f.entries):
+        raise ctx.corrupt(f"reference to unknown entry {e!r}")
+    holder = f
+    if f.entries[e].kind == "remote":
+        if step is None:
+            raise ctx.corrupt("refers to another rank's file; load the step directory")
+        holder = step.file(f.entries[e].rank)
+        if e >= len(holder.entries) or holder.entries[e].kind == "remote":
+            raise ctx.corrupt(f"{holder.path} does not hold entry {e}")
+    if holder.entries[e].content_kind != "data" or tensor_bytes_needed(node, dtype, ctx) > holder.entries[e].size:
+        raise ctx.corrupt(f"entry {e} does not hold this tensor's bytes")
+    return holder, e
+
+
 def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
                   pool: cf.ThreadPoolExecutor) -> Callable[[Dict[str, Any], LoadContext], Any]:
     """Build this rank's shard of ``target`` from a plain saved tensor, reading its rows only."""
     def load(node: Dict[str, Any], ctx: LoadContext) -> Any:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        from .providers import dtype_from_name, tensor_bytes_needed
+        from .providers import dtype_from_name
         dtype = dtype_from_name(node.get("dtype"), ctx)
-        shape, e = node.get("shape"), node.get("e")
+        shape = node.get("shape")
         if list(target.shape) != shape or target.dtype != dtype:
             raise StateMismatchError(
                 f"{f.path}: entry {'/'.join(ctx.trail)} is {dtype} {tuple(shape or ())} in the checkpoint "
                 f"but {target.dtype} {tuple(target.shape)} in into=", path=f.path, entry="/".join(ctx.trail))
-        if type(e) is not int or not 0 <= e < len(f.entries):
-            raise ctx.corrupt(f"reference to unknown entry {e!r}")
-        holder = f
-        if f.entries[e].kind == "remote":
-            if step is None:
-                raise ctx.corrupt("refers to another rank's file; load the step directory")
-            holder = step.file(f.entries[e].rank)
-            if e >= len(holder.entries) or holder.entries[e].kind == "remote":
-                raise ctx.corrupt(f"{holder.path} does not hold entry {e}")
-        if holder.entries[e].content_kind != "data" or \
-                tensor_bytes_needed(node, dtype, ctx) > holder.entries[e].size:
-            raise ctx.corrupt(f"entry {e} does not hold this tensor's bytes")
+        holder, _ = plain_tensor_entry(f, step, node, dtype, ctx)
         local_shape, origin = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
                                                                     target.placements)
         local = torch.empty(list(local_shape), dtype=dtype, device=target.to_local().device)
