@@ -6,13 +6,15 @@ import os
 import threading
 from typing import Any, Dict, Iterable, Optional
 
-from .commit import FileCommit
+from . import tiers
+from .commit import FileCommit, ObjectCommit
 from .engine import FilePart, run_now
 from .errors import CheckpointNotFoundError
 from .knobs import Options, resolve
 from .layout import CheckpointDir, MANIFEST
 from .loader import KeySpec, MapLocation, load_file, load_step_dir
 from .manifest import check_metadata
+from .objstore import is_url, store_for
 from .providers import flatten
 from .resources import Resources
 from .restore import RestoreHandle
@@ -54,10 +56,14 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     opts = resolve(options, **knobs)
     metadata = check_metadata(metadata)
     flat = flatten(state)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise CheckpointNotFoundError(f"{path}: directory {directory} does not exist", path=path)
-    strategy = FileCommit(path, opts.lease_heartbeat_s, message="save failed")
+    if is_url(path):
+        store_for(path, opts.storage_options)[0].check()     # credentials, bucket: one clear error first
+        strategy = ObjectCommit(path, message="save failed")
+    else:
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            raise CheckpointNotFoundError(f"{path}: directory {directory} does not exist", path=path)
+        strategy = FileCommit(path, opts.lease_heartbeat_s, message="save failed")
     handle = run_now(strategy, [FilePart(flat, metadata)], _resources(opts), opts, name=path)
     return handle.bytes
 
@@ -80,6 +86,8 @@ def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[Ke
     opts = resolve(options, **knobs)
     kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
     pool = _resources(opts).readers
+    if is_url(path):
+        return tiers.load_url(path, opts, pool, **kwargs)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, MANIFEST)):
             return load_step_dir(path, opts, pool, **kwargs)
@@ -99,7 +107,7 @@ def load_async(path: str, map_location: MapLocation = None, keys: Optional[Itera
     ``handle.guard(model)`` install it as hooks). A path that does not exist
     is refused here; every other error surfaces at the barrier."""
     path = os.fspath(path)
-    if not os.path.exists(path):
+    if not is_url(path) and not os.path.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
     opts = resolve(options, **knobs)
     return RestoreHandle(lambda: load(path, map_location, keys, into, allow_pickle, strict, options=opts), path)

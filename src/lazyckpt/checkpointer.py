@@ -9,6 +9,7 @@ retention, leftovers, leases). See docs/FORMAT.md §11 for the layout.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Dict, List, Optional
@@ -16,17 +17,21 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .capture import record_events
-from .commit import StepCommit
+from .commit import ObjectStepCommit, StepCommit
 from .distributed import rank_info, refuse
 from .engine import FilePart, SaveEngine, SaveHandle
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .incremental import IncrementalIndex
 from .knobs import Options, resolve
 from .layout import CheckpointDir
-from .loader import KeySpec, MapLocation, load_step_dir
+from .loader import KeySpec, MapLocation, load_step, load_step_dir
+from .objstore import is_url
 from .manifest import check_metadata
 from .providers import flatten
 from .restore import RestoreHandle
+from .tiers import ObjectCheckpointDir, PersistentTier, read_manifest
+
+log = logging.getLogger("lazyckpt")
 
 
 class Checkpointer:
@@ -62,20 +67,38 @@ class Checkpointer:
     def __init__(self, directory: str, keep_last: Optional[int] = None,
                  host_cache_bytes: Optional[int] = None, *, options: Optional[Options] = None,
                  replicated: Optional[List[Any]] = None, process_group: Any = None,
-                 commit_timeout_s: float = 600.0, guard_buffers: bool = True, **knobs: Any):
-        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-            raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-        self.directory = os.path.abspath(os.fspath(directory))
+                 commit_timeout_s: float = 600.0, guard_buffers: bool = True,
+                 persist_to: Optional[str] = None, persist_keep_last: Optional[int] = None,
+                 storage_options: Optional[Dict[str, Any]] = None, **knobs: Any):
+        for name, value in (("keep_last", keep_last), ("persist_keep_last", persist_keep_last)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        directory = os.fspath(directory)
         self.keep_last = keep_last
-        self.options = resolve(options, host_cache_bytes=host_cache_bytes, **knobs)
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(f"{self.directory}: cannot create checkpoint directory: {exc}",
-                                  path=self.directory) from exc
-        if not os.access(self.directory, os.W_OK | os.X_OK):
-            raise CheckpointError(f"{self.directory}: directory is not writable", path=self.directory)
-        self.layout = CheckpointDir(self.directory, self.options.lease_expiry_s)
+        self.options = resolve(options, host_cache_bytes=host_cache_bytes, storage_options=storage_options,
+                               **knobs)
+        #: Whether this directory is itself on an object store (no local tier).
+        self.on_object_store = is_url(directory)
+        if persist_to is not None and (self.on_object_store or not is_url(persist_to)):
+            raise ValueError(f"persist_to must be an s3:// URL and the directory a local one, got "
+                             f"directory={directory!r}, persist_to={persist_to!r}")
+        if (self.on_object_store or persist_to is not None) and self.options.incremental != "off":
+            raise ValueError("incremental checkpoints are not supported on object stores yet: their "
+                             "references name local step directories")
+        if self.on_object_store:
+            self.directory = directory.rstrip("/")
+            self.layout = ObjectCheckpointDir(self.directory, self.options)
+            self.layout.store.check()       # wrong credentials, a missing bucket: one clear error, now
+        else:
+            self.directory = os.path.abspath(directory)
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as exc:
+                raise CheckpointError(f"{self.directory}: cannot create checkpoint directory: {exc}",
+                                      path=self.directory) from exc
+            if not os.access(self.directory, os.W_OK | os.X_OK):
+                raise CheckpointError(f"{self.directory}: directory is not writable", path=self.directory)
+            self.layout = CheckpointDir(self.directory, self.options.lease_expiry_s)
         #: Top-level keys identical on every rank (DDP): each entry written by one rank.
         self.replicated = list(replicated or [])
         self._dist = rank_info(self.directory, process_group, commit_timeout_s)
@@ -87,6 +110,11 @@ class Checkpointer:
         self._incremental = IncrementalIndex(self.options.incremental, self.options.full_every) \
             if self.options.incremental != "off" else None
         self._engine = SaveEngine(self.options, guard_buffers=guard_buffers)
+        #: The persistent tier committed steps drain to (persist_to=), or None.
+        self.persistent = PersistentTier(persist_to, self.options, self._dist, persist_keep_last) \
+            if persist_to is not None else None
+        #: Where the last load() read from: {"step", "tier", "path"}.
+        self.loaded_from: Optional[Dict[str, Any]] = None
         if self._dist.coordinator:
             # Only what is provably dead (leases expired): never another process's live save.
             self.layout.clean_leftovers()
@@ -114,9 +142,12 @@ class Checkpointer:
                 raise ValueError(f"step must be an int in [0, 1e10), got {step!r}")
             metadata = check_metadata(metadata)
             flat = flatten(state, self._dist.rank, self._dist.world_size, self.replicated)
-            strategy = StepCommit(self.layout, self._dist, step, call, keep_last=self.keep_last,
-                                  replicated=self.replicated, metadata=metadata,
-                                  heartbeat_s=self.options.lease_heartbeat_s, incremental=self._incremental)
+            commit = ObjectStepCommit if self.on_object_store else StepCommit
+            strategy = commit(self.layout, self._dist, step, call, keep_last=self.keep_last,
+                              replicated=self.replicated, metadata=metadata,
+                              heartbeat_s=self.options.lease_heartbeat_s, incremental=self._incremental)
+            if self.persistent is not None:
+                strategy.on_committed = self._drain
             part = FilePart(flat, strategy.footer_metadata(),
                             record_events(s.data for s in flat.sources))
             job = self._engine.submit(strategy, [part], name=f"step {step}", step=step, t0=t0)
@@ -124,15 +155,32 @@ class Checkpointer:
             if self._dist.distributed:
                 refuse(self._dist, f"c{call}", exc)
             raise
+        job.handle.persistent = self.on_object_store
         return job.handle
+
+    def _drain(self, handle: SaveHandle, strategy: StepCommit) -> None:
+        self.persistent.enqueue(handle, strategy.step, strategy.call, strategy.save_id,
+                                self.layout.step_path(strategy.step))
 
     def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
         """Block until every pending save has copied its data out of the live state."""
         self._engine.wait_for_snapshot(timeout)
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until every pending save is committed and durable; raise the first failure."""
+        """Block until every pending save is committed and durable -- and, with
+        ``persist_to``, on the persistent tier (or superseded there by a newer
+        step); raise the first failure."""
+        t0 = time.monotonic()
         self._engine.wait(timeout)
+        if self.persistent is not None:
+            self.persistent.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
+            self._retain_drained()
+
+    def _retain_drained(self) -> None:
+        """Local retention skipped steps still waiting for the persistent tier;
+        once drained (and no save is running) it catches up."""
+        if self._dist.coordinator and self.keep_last is not None and not self._engine.pending():
+            self.layout.apply_retention(self.keep_last)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Call ``wait_for_snapshot()`` before every ``optimizer.step()`` (removed on close)."""
@@ -166,11 +214,65 @@ class Checkpointer:
              keys: Optional[List[KeySpec]] = None, into: Any = None, allow_pickle: bool = False,
              strict: bool = True) -> Any:
         """Load a committed checkpoint (the latest when ``step`` is None). With
-        ``into``, every tensor of ``into`` must be filled unless ``strict=False``."""
-        step = self._step_to_load(step)
-        return load_step_dir(self.step_path(step), self.options, self._engine.resources.readers,
-                             rank=self._dist.rank, map_location=map_location, keys=keys, into=into,
-                             allow_pickle=allow_pickle, strict=strict)
+        ``into``, every tensor of ``into`` must be filled unless ``strict=False``.
+
+        With ``persist_to``, the newest step on either tier is loaded, from the
+        local tier when it holds that step intact, else from the persistent
+        one (a replaced node, a corrupt or partial local copy); an older step
+        is tried only when neither tier can give the newer one. ``loaded_from``
+        says which step and tier were read."""
+        self._check_open()
+        kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
+        errors = []
+        for step_, tier, path in self._candidates(step):
+            try:
+                state = self._load_from(tier, path, kwargs)
+            except (CorruptCheckpointError, CheckpointNotFoundError, CheckpointReadError) as exc:
+                if self.persistent is None:
+                    raise
+                log.warning("lazyckpt: step %d on the %s tier cannot be loaded (%s); trying the next copy",
+                            step_, tier, exc)
+                errors.append(exc)
+                continue
+            self.loaded_from = {"step": step_, "tier": tier, "path": path}
+            if self.persistent is not None:
+                log.info("lazyckpt: loaded step %d from the %s tier (%s)", step_, tier, path)
+            return state
+        if errors:
+            raise errors[-1]
+        raise CheckpointNotFoundError(f"{self.directory}: no committed checkpoint"
+                                      + (f" of step {step}" if step is not None else ""), path=self.directory)
+
+    def _load_from(self, tier: str, path: str, kwargs: Dict[str, Any]) -> Any:
+        pool = self._engine.resources.readers
+        if tier == "local" and not self.on_object_store:
+            return load_step_dir(path, self.options, pool, rank=self._dist.rank, **kwargs)
+        return load_step(path, read_manifest(path, self.options), self.options, pool, self._dist.rank, **kwargs)
+
+    def _candidates(self, step: Optional[int]) -> List[Any]:
+        """(step, tier, path) to try, best first: newest step first, local before persistent."""
+        local = {s: self.layout.step_path(s) for s in self.layout.steps()} if not self.on_object_store \
+            else {s: self.layout.save_url(s, sid) for s, sid in self.layout.committed().items()}
+        remote = {}
+        if self.persistent is not None:
+            try:
+                remote = {s: self.persistent.dir.save_url(s, sid)
+                          for s, sid in self.persistent.dir.committed().items()}
+            except CheckpointError as exc:
+                if not local:
+                    raise
+                log.warning("lazyckpt: the persistent tier %s cannot be listed (%s); loading from the local "
+                            "tier only", self.persistent.url, exc)
+        order = sorted(set(local) | set(remote), reverse=True)
+        if step is not None:
+            order = [step] if step in local or step in remote else []
+        out = []
+        for s in order:
+            if s in local:
+                out.append((s, "local" if not self.on_object_store else "object store", local[s]))
+            if s in remote:
+                out.append((s, "persistent", remote[s]))
+        return out
 
     def load_async(self, step: Optional[int] = None, map_location: MapLocation = None,
                    keys: Optional[List[KeySpec]] = None, into: Any = None, allow_pickle: bool = False,
@@ -180,12 +282,13 @@ class Checkpointer:
         (``handle.attach(optimizer)``, ``handle.guard(model)`` make it a hook)."""
         step = self._step_to_load(step)
         return RestoreHandle(lambda: self.load(step, map_location, keys, into, allow_pickle, strict),
-                             self.step_path(step))
+                             f"{self.directory} step {step}")
 
     def _step_to_load(self, step: Optional[int]) -> int:
         self._check_open()
         if step is None:
-            step = self.latest_step()
+            candidates = self._candidates(None)
+            step = candidates[0][0] if candidates else None
             if step is None:
                 raise CheckpointNotFoundError(f"{self.directory}: no committed checkpoint",
                                               path=self.directory)
@@ -196,7 +299,13 @@ class Checkpointer:
     def close(self, cancel: bool = False) -> None:
         """Drain pending saves (or cancel them with ``cancel=True``), stop every
         thread, release the cache. Raises the first unreported failure."""
-        self._engine.close(cancel=cancel)
+        try:
+            self._engine.close(cancel=cancel)
+        finally:
+            if self.persistent is not None:
+                self.persistent.close(cancel=cancel)
+                if not cancel:
+                    self._retain_drained()
 
     def __enter__(self) -> "Checkpointer":
         return self

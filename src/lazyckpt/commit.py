@@ -65,6 +65,22 @@ class FileCommit(CommitStrategy):
         return f"{self.path}: {self.message}: {cause}"
 
 
+class ObjectCommit(CommitStrategy):
+    """One file as one object at an ``s3://`` URL. No temporary name is
+    needed: a multipart upload is invisible until completed, and completing
+    it replaces the old object atomically; a failed one is aborted."""
+
+    def __init__(self, url: str, message: str = "checkpoint save failed"):
+        self.path = url
+        self.message = message
+
+    def part_path(self, job: Job, part: FilePart) -> str:
+        return self.path
+
+    def failure_message(self, job: Job, cause: str) -> str:
+        return f"{self.path}: {self.message}: {cause}"
+
+
 class StepCommit(CommitStrategy):
     """One step of a Checkpointer directory, on one rank or several.
 
@@ -90,6 +106,8 @@ class StepCommit(CommitStrategy):
         self._reported = False
         self.incremental = incremental
         self._plan: Optional[Plan] = None
+        #: Called with (handle, self) once the step is committed (the persistent tier's enqueue).
+        self.on_committed: Optional[Callable[[Any, "StepCommit"], None]] = None
 
     def footer_metadata(self) -> Dict[str, Any]:
         """What every data file's footer carries: ties it to this save and rank."""
@@ -148,10 +166,9 @@ class StepCommit(CommitStrategy):
         if flat_shards:
             # The store refuses large values (about 8 MiB): shard geometry travels
             # through a side file in the temporary directory instead.
-            side = os.path.join(self.tmp, f".shards_{self.dist.rank:05d}.json")
-            with open(side, "w") as f:
-                json.dump(flat_shards, f, separators=(",", ":"))
-            report["shards_file"] = os.path.basename(side)
+            name = f".shards_{self.dist.rank:05d}.json"
+            self._put_side(name, json.dumps(flat_shards, separators=(",", ":")).encode())
+            report["shards_file"] = name
         self._reported = True
         agree(self.dist, self.key, report, self.step, self._commit,
               forget=[f"c{self.call - 1}/outcome"])
@@ -169,11 +186,25 @@ class StepCommit(CommitStrategy):
         for v in done.values():
             name = v.pop("shards_file", None)
             if name is not None:
-                with open(os.path.join(self.tmp, name)) as f:
-                    v["shards"] = json.load(f)
-                os.unlink(os.path.join(self.tmp, name))
+                v["shards"] = json.loads(self._take_side(name))
         raw = manifest.build(self.step, done, self.save_id, {"step": self.step, **self.metadata},
                              self.replicated)
+        self._publish(raw)
+
+    # Where the step is assembled: a local temporary directory (here) or an
+    # object-store prefix (ObjectStepCommit).
+
+    def _put_side(self, name: str, data: bytes) -> None:
+        with open(os.path.join(self.tmp, name), "wb") as f:
+            f.write(data)
+
+    def _take_side(self, name: str) -> bytes:
+        with open(os.path.join(self.tmp, name), "rb") as f:
+            data = f.read()
+        os.unlink(os.path.join(self.tmp, name))
+        return data
+
+    def _publish(self, raw: bytes) -> None:
         write_file_atomic(os.path.join(self.tmp, MANIFEST), raw)
         fsync_dir(self.tmp)
         self.layout.commit(self.tmp, self.step, keep_superseded=self.keep_last is None)
@@ -191,6 +222,9 @@ class StepCommit(CommitStrategy):
             (part,) = job.parts
             self.incremental.commit(self._plan, self.step, self.dist.rank, self.save_id, part.entries,
                                     part.block_bytes)
+        if self.on_committed is not None:
+            # Before retention: the persistent tier's drain holds the step from here on.
+            self.on_committed(job.handle, self)
         if not self.dist.coordinator:
             return
         self.layout.apply_retention(self.keep_last)
@@ -200,3 +234,56 @@ class StepCommit(CommitStrategy):
 
     def failure_message(self, job: Job, cause: str) -> str:
         return f"{self.path}: checkpoint of step {self.step} failed: {cause}"
+
+
+class ObjectStepCommit(StepCommit):
+    """One step of a Checkpointer on an object store (``Checkpointer("s3://...")``).
+
+    Every rank uploads its file under the save's own prefix
+    (``step_X/<save_id>/``; nothing there is visible yet); the coordinator
+    then writes the manifest object -- the commit -- and ``latest`` after it.
+    There is no rename: a failed save aborts its uploads and the coordinator
+    deletes what was completed under its prefix."""
+
+    def __init__(self, layout: Any, dist: RankInfo, step: int, call: int, **kwargs: Any):
+        super().__init__(layout, dist, step, call, **kwargs)
+        self.tmp = layout.save_url(step, self.save_id)
+
+    def begin(self, job: Job) -> None:
+        pass
+
+    def part_path(self, job: Job, part: FilePart) -> str:
+        return f"{self.tmp}/{rank_filename(self.dist.rank)}"
+
+    def _store(self):
+        from .objstore import store_for
+        return store_for(self.tmp, self.layout.options.storage_options)
+
+    def _put_side(self, name: str, data: bytes) -> None:
+        store, key = self._store()
+        store.put(f"{key}/{name}", data)
+
+    def _take_side(self, name: str) -> bytes:
+        store, key = self._store()
+        data = store.get(f"{key}/{name}")
+        if data is None:
+            raise CheckpointError(f"{self.tmp}/{name}: a rank's shard report is missing", step=self.step)
+        store.delete([f"{key}/{name}"])
+        return data
+
+    def _publish(self, raw: bytes) -> None:
+        self.layout.commit(self.step, self.save_id, raw)
+
+    def abort(self, job: Job, error: BaseException) -> None:
+        d = self.dist
+        if d.distributed and not self._reported:
+            refuse(d, self.key, error)
+        if not d.distributed or d.coordinator:
+            store, key = self._store()
+            try:
+                if store.size(f"{key}/{MANIFEST}") is None:     # never delete a committed step
+                    store.delete([o["Key"] for o in store.list(key + "/")])
+            except CheckpointError as exc:      # the store may be what failed; prune cleans up later
+                import logging
+                logging.getLogger("lazyckpt").warning("lazyckpt: %s: could not remove a failed save: %s",
+                                                      self.tmp, exc)

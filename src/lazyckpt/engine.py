@@ -82,6 +82,17 @@ class SaveHandle:
         #: Bytes in the checkpoint's data file(s).
         self.bytes = 0
         self._t0 = time.perf_counter() if t0 is None else t0
+        #: True where the commit itself is on persistent storage (an s3:// Checkpointer).
+        self.persistent = False
+        #: The persistent tier (Checkpointer(persist_to=)): None without one, else
+        #: "pending", "persisted", "failed" or "superseded by step N".
+        self.persist_state: Optional[str] = None
+        self.persist_error: Optional[CheckpointError] = None
+        #: Seconds from save() until the persistent tier had it; where it is.
+        self.persisted_s: Optional[float] = None
+        self.persist_url: Optional[str] = None
+        self._persisted: Optional[threading.Event] = None
+        self._superseded_by: Optional["SaveHandle"] = None
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -90,22 +101,66 @@ class SaveHandle:
     def gbps(self) -> float:
         return self.bytes / self.flush_s / 1e9 if self.flush_s else 0.0
 
-    def wait(self, timeout: Optional[float] = None) -> "SaveHandle":
-        """Block until committed and durable; raise its error if it failed."""
+    def wait(self, timeout: Optional[float] = None, persisted: bool = False) -> "SaveHandle":
+        """Block until committed and durable; raise its error if it failed.
+
+        ``persisted=True`` also waits for the persistent tier
+        (``Checkpointer(persist_to=...)``) to hold this step -- or, when a newer
+        step superseded it in the drain queue before its upload started, that
+        newer step (``persist_state`` says so) -- and raises a failed upload."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not self._done.wait(timeout):
             raise CheckpointError(f"{self.name}: not committed within {timeout} s", step=self.step)
         if self.error is not None:
             self.reported = True            # raised here: the engine will not raise it again
             raise self.error
+        if persisted:
+            if self._persisted is None:
+                if self.persistent:
+                    return self
+                raise CheckpointError(f"{self.name}: there is no persistent tier to wait for (pass "
+                                      f"persist_to= to the Checkpointer)", step=self.step)
+            handle = self
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not handle._persisted.wait(left):
+                    raise CheckpointError(f"{self.name}: not persisted within {timeout} s", step=self.step)
+                if handle._superseded_by is None:
+                    break
+                handle = handle._superseded_by
+            if handle.persist_error is not None:
+                raise handle.persist_error
         return self
+
+    def _persist_pending(self) -> None:
+        self._persisted = threading.Event()
+        self.persist_state = "pending"
+
+    def _persist_end(self, error: Optional[CheckpointError] = None, superseded_by: Optional["SaveHandle"] = None,
+                     url: Optional[str] = None) -> None:
+        self.persisted_s = time.perf_counter() - self._t0
+        if error is not None:
+            self.persist_state, self.persist_error = "failed", error
+        elif superseded_by is not None:
+            self.persist_state = f"superseded by step {superseded_by.step}"
+            self._superseded_by = superseded_by
+            self.persisted_s = None
+        else:
+            self.persist_state, self.persist_url = "persisted", url
+        self._persisted.set()
 
     def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
         if not self.snapshot_done.wait(timeout):
             raise CheckpointError(f"{self.name}: capture not finished within {timeout} s", step=self.step)
 
     def stats(self) -> Dict[str, Any]:
-        return {"step": self.step, "blocking_s": self.blocking_s, "capture_s": self.capture_s,
-                "flush_s": self.flush_s, "bytes": self.bytes, "gbps": self.gbps}
+        out = {"step": self.step, "blocking_s": self.blocking_s, "capture_s": self.capture_s,
+               "flush_s": self.flush_s, "bytes": self.bytes, "gbps": self.gbps}
+        if self.persist_state is not None:
+            # When each tier had it: seconds from save().
+            out.update(persist=self.persist_state, tiers={"local": self.flush_s, "persistent": self.persisted_s},
+                       persist_url=self.persist_url)
+        return out
 
     def __repr__(self) -> str:
         state = "failed" if self.error else "committed" if self.done() else "pending"

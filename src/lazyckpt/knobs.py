@@ -62,6 +62,14 @@ class Options:
     #: their heartbeat every twelfth of it. Must exceed the clock skew between
     #: hosts that share the file system.
     lease_expiry_s: float = 60.0
+    #: Object stores (s3:// paths, persist_to=): overrides of the standard AWS
+    #: configuration (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    #: AWS_REGION, profiles), as a dict; see lazyckpt/objstore.py for the keys.
+    #: LAZYCKPT_STORAGE_OPTIONS takes it as JSON.
+    storage_options: Any = ()
+    #: Upload bandwidth cap of the persistent tier's background drain, bytes/s
+    #: (0: none), so that draining does not starve the training's own traffic.
+    persist_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("writer_threads", "reader_threads", "max_pending_saves"):
@@ -93,6 +101,10 @@ class Options:
             raise ValueError(f"full_every must be an int >= 0, got {self.full_every!r}")
         if not self.lease_expiry_s > 0:
             raise ValueError(f"lease_expiry_s must be > 0, got {self.lease_expiry_s}")
+        from .objstore import normalize_options
+        object.__setattr__(self, "storage_options", normalize_options(self.storage_options))
+        if not self.persist_bandwidth >= 0:
+            raise ValueError(f"persist_bandwidth must be >= 0 (bytes/s, 0: no cap), got {self.persist_bandwidth}")
 
     @property
     def lease_heartbeat_s(self) -> float:

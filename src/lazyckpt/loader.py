@@ -157,6 +157,18 @@ def load_step_dir(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank
             raise
 
 
+def load_step(url: str, manifest: Dict[str, Any], options: Options, pool: cf.ThreadPoolExecutor,
+              rank: Optional[int] = None, **kwargs: Any) -> Any:
+    """Load a committed step on an object store (its save prefix and parsed
+    manifest): as :func:`load_step_dir`, without file locks (an object store
+    has none; retention deletes the manifest first, so a step deleted while
+    being read fails with a not-found error on its data, never a mix)."""
+    if rank is None:
+        rank = _current_rank()
+    step = StepFiles(url, manifest, options, None)
+    return load_tree(step.file(rank % manifest["world_size"]), step, pool, **kwargs)
+
+
 def _current_rank() -> int:
     try:
         import torch.distributed as dist

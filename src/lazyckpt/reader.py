@@ -13,7 +13,7 @@ import concurrent.futures as cf
 import contextlib
 import os
 import threading
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -21,6 +21,7 @@ from . import format as fmt
 from .errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .fileio import InputFile, NotARegularFile, anonymous_buffer, open_regular
 from .iomode import use_o_direct
+from .objstore import ObjectInput, is_url, store_for
 from .knobs import Options
 
 
@@ -33,6 +34,29 @@ class CheckpointFile:
         self.path = path
         self.options = options
         self.refs = refs
+        if is_url(path):
+            raw, trailer = self._open_object()
+        else:
+            raw, trailer = self._open_local()
+        if len(raw) != trailer.footer_length or fmt.checksum(raw) != trailer.footer_checksum:
+            raise CorruptCheckpointError(f"{path}: footer checksum mismatch (file damaged)", path=path)
+        self.footer = fmt.decode_footer(raw, trailer.footer_offset, path)
+        if self.footer.version != self.version:
+            raise CorruptCheckpointError(f"{path}: header says format version {self.version}, footer "
+                                         f"says {self.footer.version}", path=path)
+
+    def _read_ends(self, size: int, read: Callable[[int, int], bytes]):
+        """Header, trailer and footer, through ``read(offset, n)``: (footer bytes, trailer)."""
+        self.size = size
+        if size < fmt.HEADER_BYTES + fmt.TRAILER_BYTES:
+            raise CorruptCheckpointError(f"{self.path}: truncated file ({size} bytes)", path=self.path)
+        self.version = fmt.check_header(read(0, fmt.HEADER_BYTES), self.path)
+        trailer = fmt.parse_trailer(read(size - fmt.TRAILER_BYTES, fmt.TRAILER_BYTES), size, self.path,
+                                    self.options.max_footer_bytes)
+        return read(trailer.footer_offset, trailer.footer_length), trailer
+
+    def _open_local(self):
+        path = self.path
         try:
             fd = open_regular(path)
         except FileNotFoundError:
@@ -41,26 +65,24 @@ class CheckpointFile:
             raise CorruptCheckpointError(f"{path}: not a regular file", path=path) from None
         except OSError as exc:
             raise self.read_error(exc) from exc
-        self.size = os.fstat(fd).st_size
-        if self.size < fmt.HEADER_BYTES + fmt.TRAILER_BYTES:
-            os.close(fd)
-            raise CorruptCheckpointError(f"{path}: truncated file ({self.size} bytes)", path=path)
         try:
-            with os.fdopen(fd, "rb") as f:
-                self.version = fmt.check_header(f.read(fmt.HEADER_BYTES), path)
-                f.seek(self.size - fmt.TRAILER_BYTES)
-                trailer = fmt.parse_trailer(f.read(fmt.TRAILER_BYTES), self.size, path,
-                                            options.max_footer_bytes)
-                f.seek(trailer.footer_offset)
-                raw = f.read(trailer.footer_length)
+            return self._read_ends(os.fstat(fd).st_size, lambda offset, n: os.pread(fd, n, offset))
         except OSError as exc:
             raise self.read_error(exc) from exc
-        if len(raw) != trailer.footer_length or fmt.checksum(raw) != trailer.footer_checksum:
-            raise CorruptCheckpointError(f"{path}: footer checksum mismatch (file damaged)", path=path)
-        self.footer = fmt.decode_footer(raw, trailer.footer_offset, path)
-        if self.footer.version != self.version:
-            raise CorruptCheckpointError(f"{path}: header says format version {self.version}, footer "
-                                         f"says {self.footer.version}", path=path)
+        finally:
+            os.close(fd)
+
+    def _open_object(self):
+        """A HEAD for the size, then ranged GETs for the ends."""
+        store, key = store_for(self.path, self.options.storage_options)
+        size = store.size(key)
+        if size is None:
+            raise CheckpointNotFoundError(f"{self.path}: no such checkpoint object", path=self.path)
+
+        def read(offset: int, n: int) -> bytes:
+            buf = bytearray(n)
+            return bytes(buf[:store.read_into(key, memoryview(buf), offset)])
+        return self._read_ends(size, read)
 
     @property
     def entries(self) -> List[fmt.Entry]:
@@ -74,6 +96,8 @@ class CheckpointFile:
                                    errno_=exc.errno)
 
     def _open_input(self) -> InputFile:
+        if is_url(self.path):
+            return ObjectInput(self.path, self.options.storage_options)
         try:
             return InputFile(self.path, use_o_direct(self.path, "read", self.options.o_direct,
                                                      self.options.reader_threads))

@@ -31,9 +31,18 @@ from . import format as fmt
 from .capture import DeviceCopier, wait_copies
 from .fileio import OutputFile
 from .iomode import use_o_direct
+from .objstore import ObjectOutput, is_url
 from .hostcache import HostCache
 from .knobs import Options
 from .providers import Source
+
+
+def open_output(path: str, options: Options, block_bytes: int):
+    """Where a checkpoint file's bytes go: a local file (O_DIRECT or buffered,
+    as measured) or an object (multipart upload of ``block_bytes`` windows)."""
+    if is_url(path):
+        return ObjectOutput(path, options.storage_options, block_bytes)
+    return OutputFile(path, use_o_direct(path, "write", options.o_direct, options.writer_threads))
 
 
 class Aborted(Exception):
@@ -120,8 +129,12 @@ class FileWriteJob:
         self._start = time.perf_counter()
         pickles: List[Tuple[int, cf.Future]] = []
         try:
-            self._file = OutputFile(self.path, use_o_direct(self.path, "write", self.options.o_direct,
-                                                            self.options.writer_threads))
+            self._file = open_output(self.path, self.options, self.block)
+            # The header first: its version follows from the entry kinds, known
+            # now; an object store's first part is then complete early.
+            self.version = fmt.FORMAT_VERSION_2 if any(s.kind == "ref" for s in self.sources) \
+                else fmt.FORMAT_VERSION_1
+            self._write_bytes(0, fmt.pack_header(self.version))
             # Serialize objects in the background while tensors stream out.
             pickles = [(i, self.serializer.submit(s.make_bytes))
                        for i, s in enumerate(self.sources) if s.deferred and s.kind not in ("remote", "ref")]
@@ -269,16 +282,15 @@ class FileWriteJob:
                                      source.name, source.owner if source.kind == "remote" else None,
                                      source.ref if source.kind == "ref" else None))
         version = fmt.version_for(entries)
+        assert version == self.version, "the header written first must match the entries"
         footer = fmt.encode_footer(entries, self.tree, self.block, self.metadata, version)
         footer_offset = fmt.align_up(data_end)
         tail = footer + fmt.pack_trailer(footer_offset, footer)
-        self._write_bytes(0, fmt.pack_header(version))
         self._write_bytes(footer_offset, tail)
         size = footer_offset + len(tail)
         self._file.finish(size)
         self.stats.file_bytes = size
         self.entries = entries
-        self.version = version
 
     def _write_bytes(self, offset: int, data: bytes) -> None:
         """Write small metadata through the (aligned) cache, chunk by chunk."""

@@ -1,0 +1,458 @@
+"""Storage tiers: checkpoint directories on an object store, and the
+background drain of a local tier into one. See docs/STORAGE.md.
+
+Layout on the object store (no rename exists there, so every save attempt
+gets its own prefix and the manifest, written last, is the commit)::
+
+    PREFIX/step_0000000010/<save_id>/rank_00000.lzc    data, one object per rank
+    PREFIX/step_0000000010/<save_id>/manifest.json     the commit: the step exists from here on
+    PREFIX/latest                                      "10", written after the manifest (a hint)
+
+A step is committed when its manifest exists; a prefix without one (an
+interrupted or failed save) is invisible to listing and loading and is
+deleted by ``clean_leftovers`` once older than the lease expiry. Retention
+and superseding delete a step's manifest first, then its data, so a crash
+in between leaves an invisible leftover, never a step with missing files.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import logging
+import os
+import re
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import manifest as manifests
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
+from .fileio import anonymous_buffer, open_for_read, pread_into
+from .knobs import Options
+from .layout import LATEST, MANIFEST, StepDir, rank_filename, step_dirname
+from .objstore import ObjectOutput, ObjectURL, store_for
+
+log = logging.getLogger("lazyckpt")
+
+_COMMITTED = re.compile(r"^step_(\d{10})/([^/]+)/" + re.escape(MANIFEST) + "$")
+_SAVE_KEY = re.compile(r"^step_(\d{10})/([^/]+)/")
+
+
+class ObjectCheckpointDir:
+    """A directory of committed steps on an object store (the layout above)."""
+
+    def __init__(self, url: str, options: Options):
+        self.url = str(ObjectURL.parse(url))
+        self.options = options
+        self.store, self.prefix = store_for(self.url, options.storage_options)
+        self.path = self.url
+
+    def _key(self, *names: str) -> str:
+        return "/".join(([self.prefix] if self.prefix else []) + list(names))
+
+    def _relative(self, key: str) -> str:
+        return key[len(self.prefix) + 1:] if self.prefix else key
+
+    # ---------------------------------------------------------------- names
+
+    def save_url(self, step: int, save_id: str) -> str:
+        return self.store.url(self._key(step_dirname(step), save_id))
+
+    def temp_path(self, step: int, token: str) -> str:
+        """Where a save in progress puts its files: its own prefix (invisible
+        until its manifest exists)."""
+        return self.save_url(step, token)
+
+    def step_path(self, step: int) -> str:
+        """The committed save of ``step`` (its prefix)."""
+        committed = self.committed()
+        if step not in committed:
+            raise CheckpointNotFoundError(f"{self.url}: no committed step {step}", path=self.url, step=step)
+        return self.save_url(step, committed[step])
+
+    # ---------------------------------------------------------------- listing
+
+    def committed(self) -> Dict[int, str]:
+        """step -> save id of every committed step (one listing request per 1000 objects)."""
+        found: Dict[int, Tuple[str, Any]] = {}
+        for obj in self.store.list(self._key("")):
+            m = _COMMITTED.match(self._relative(obj["Key"]))
+            if m:
+                step = int(m.group(1))
+                # Two manifests for one step only after a crash inside a supersede: the newer wins.
+                if step not in found or obj["LastModified"] > found[step][1]:
+                    found[step] = (m.group(2), obj["LastModified"])
+        return {s: v[0] for s, v in found.items()}
+
+    def steps(self) -> List[int]:
+        return sorted(self.committed())
+
+    def latest(self) -> Optional[int]:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def manifest(self, step: int) -> Dict[str, Any]:
+        url = self.step_path(step)
+        return read_manifest(url, self.options)
+
+    # ---------------------------------------------------------------- commit
+
+    def commit(self, step: int, save_id: str, manifest_raw: bytes) -> List[int]:
+        """Write the manifest of ``save_id``: step ``step`` exists from here on.
+        Committed steps >= ``step`` (an abandoned line of history) are deleted
+        first, as a local directory supersedes them."""
+        committed = self.committed()
+        superseded = sorted((s for s in committed if s >= step and committed[s] != save_id), reverse=True)
+        for s in superseded:
+            self._drop(s, committed[s])
+        if superseded:
+            log.warning("lazyckpt: %s: step %d supersedes step(s) %s of an abandoned run (deleted)",
+                        self.url, step, superseded)
+        self.store.put(self._key(step_dirname(step), save_id, MANIFEST), manifest_raw)
+        return superseded
+
+    def write_latest(self, step: int) -> None:
+        self.store.put(self._key(LATEST), f"{step}\n".encode())
+
+    def _drop(self, step: int, save_id: str) -> None:
+        """Manifest first (the step is gone at once), then the data."""
+        self.store.delete([self._key(step_dirname(step), save_id, MANIFEST)])
+        prefix = self._key(step_dirname(step), save_id) + "/"
+        self.store.delete([o["Key"] for o in self.store.list(prefix)])
+
+    def delete_step(self, step: int) -> bool:
+        committed = self.committed()
+        if step not in committed:
+            return False
+        self._drop(step, committed[step])
+        return True
+
+    def apply_retention(self, keep_last: Optional[int]) -> List[int]:
+        if keep_last is None:
+            return []
+        committed = self.committed()
+        old = sorted(committed)[:-keep_last] if len(committed) > keep_last else []
+        for s in old:
+            self._drop(s, committed[s])
+        return old
+
+    # ---------------------------------------------------------------- leftovers
+
+    def leftovers(self, expiry_s: Optional[float] = None) -> List[Tuple[str, int, float]]:
+        """Save prefixes without a manifest whose newest object is older than the
+        lease expiry: (prefix, bytes, age in seconds). Younger ones may be a save
+        in progress and are never listed."""
+        expiry = self.options.lease_expiry_s if expiry_s is None else expiry_s
+        groups: Dict[str, List[Any]] = {}
+        committed = set()
+        for obj in self.store.list(self._key("")):
+            rel = self._relative(obj["Key"])
+            m = _SAVE_KEY.match(rel)
+            if not m:
+                continue
+            prefix = self._key(step_dirname(int(m.group(1))), m.group(2)) + "/"
+            if _COMMITTED.match(rel):
+                committed.add(prefix)
+            groups.setdefault(prefix, []).append(obj)
+        now = datetime.now(timezone.utc)
+        out = []
+        for prefix, objs in groups.items():
+            if prefix in committed:
+                continue
+            age = min((now - o["LastModified"]).total_seconds() for o in objs)
+            if age > expiry:
+                out.append((prefix, sum(o["Size"] for o in objs), age))
+        return out
+
+    def clean_leftovers(self, expiry_s: Optional[float] = None) -> List[str]:
+        removed = []
+        for prefix, _, _ in self.leftovers(expiry_s):
+            self.store.delete([o["Key"] for o in self.store.list(prefix)])
+            removed.append(self.store.url(prefix))
+        return removed
+
+
+def read_manifest(step_url: str, options: Options) -> Dict[str, Any]:
+    store, key = store_for(step_url, options.storage_options)
+    url = f"{step_url}/{MANIFEST}"
+    raw = store.get(f"{key}/{MANIFEST}", manifests.MAX_MANIFEST_BYTES)
+    if raw is None:
+        raise CheckpointNotFoundError(f"{step_url}: no committed checkpoint (no {MANIFEST})", path=step_url)
+    return manifests.parse(raw, url)
+
+
+def load_url(url: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
+             **kwargs: Any) -> Any:
+    """Load an object (one checkpoint file), a committed save prefix (with its
+    manifest), or the latest step of an object-store checkpoint directory."""
+    from .loader import load_file, load_step
+    store, key = store_for(url, options.storage_options)
+    if key and store.size(key) is not None:
+        return load_file(url, options, pool, **kwargs)
+    if store.size(f"{key}/{MANIFEST}" if key else MANIFEST) is not None:
+        return load_step(url, read_manifest(url, options), options, pool, rank, **kwargs)
+    directory = ObjectCheckpointDir(url, options)
+    latest = directory.latest()
+    if latest is None:
+        raise CheckpointNotFoundError(f"{url}: no checkpoint object and no committed step here", path=url)
+    step_url = directory.step_path(latest)
+    return load_step(step_url, read_manifest(step_url, options), options, pool, rank, **kwargs)
+
+
+# ---------------------------------------------------------------------- upload of a local file
+
+class _RateLimit:
+    """At most ``rate`` bytes/s on average (0: no limit), shared by the upload threads."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, nbytes: int) -> None:
+        """Called before sending ``nbytes``: returns when they fit the budget
+        (the first send waits for its own share too, so no burst exceeds it)."""
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(now, self._next) + nbytes / self.rate
+            wake = self._next
+        time.sleep(max(0.0, wake - now))
+
+
+def upload_file(path: str, url: str, options: Options, part_bytes: int, pool: cf.ThreadPoolExecutor,
+                limit: Optional[_RateLimit] = None, stop: Optional[threading.Event] = None) -> int:
+    """Upload a local file as one object, ``part_bytes`` per part, parts read and
+    sent in parallel on ``pool`` (memory: one part buffer per thread); returns
+    the bytes uploaded. A failure aborts the upload: no object appears."""
+    size = os.path.getsize(path)
+    out = ObjectOutput(url, options.storage_options, part_bytes)
+    fd, _ = open_for_read(path, False)
+    slots = threading.Semaphore(max(1, options.writer_threads))
+
+    def send(offset: int) -> None:
+        try:
+            if stop is not None and stop.is_set():
+                raise CheckpointWriteError(f"{url}: upload cancelled", path=url)
+            n = min(out.part_bytes, size - offset)
+            buf = anonymous_buffer(n)
+            view = memoryview(buf)[:n]
+            if pread_into(fd, view, offset, path) != n:
+                raise CorruptCheckpointError(f"{path}: changed size while being uploaded", path=path)
+            (limit or _RateLimit(0)).take(n)
+            out.pwrite_all(view, offset)
+            view.release()
+            buf.close()
+        finally:
+            slots.release()
+    try:
+        futures = []
+        for offset in range(0, size, out.part_bytes):
+            slots.acquire()
+            futures.append(pool.submit(send, offset))
+        for f in futures:
+            f.result()
+        out.finish(size)
+        return size
+    finally:
+        out.close()
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- the drain
+
+class _Drain:
+    """One committed local step waiting for the persistent tier."""
+
+    def __init__(self, handle: Any, step: int, call: int, save_id: str, local_path: str, rank: int,
+                 hold: contextlib.ExitStack):
+        self.handle, self.step, self.call, self.save_id = handle, step, call, save_id
+        self.local_path, self.rank, self.hold = local_path, rank, hold
+
+
+class PersistentTier:
+    """Drains committed steps of a local Checkpointer directory to an object
+    store, on one background thread, never blocking the training.
+
+    Queue: every committed step is enqueued (holding a read lock on the
+    local step, so local retention keeps it until uploaded). When the
+    thread is free it takes the *newest* waiting step; older waiting ones
+    are skipped (their handles say "superseded by step N"): a newer state
+    is on its way, and uploading every step of a fast save schedule would
+    let the backlog grow without bound. With several ranks the coordinator
+    chooses the step and publishes it through the store, so every rank
+    uploads the same one; each rank uploads its own file and the coordinator
+    writes the manifest only after every rank's upload completed (two-phase,
+    as the local commit)."""
+
+    def __init__(self, url: str, options: Options, dist: Any, keep_last: Optional[int]):
+        self.dir = ObjectCheckpointDir(url, options)
+        self.url = self.dir.url
+        self.options = options
+        self.dist = dist
+        self.keep_last = keep_last
+        self.dir.store.check()          # wrong credentials, a missing bucket: one clear error, now
+        self._cond = threading.Condition()
+        self._pending: "collections.deque[_Drain]" = collections.deque()
+        self._busy = False
+        self._thread: Optional[threading.Thread] = None
+        self._round = 0
+        self._errors: List[CheckpointError] = []
+        self._closed = False
+        self._stop = threading.Event()
+        self._limit = _RateLimit(options.persist_bandwidth)
+        self._pool = cf.ThreadPoolExecutor(max(1, options.writer_threads), thread_name_prefix="lazyckpt-persist")
+        if dist.coordinator:
+            self.dir.clean_leftovers()
+
+    def enqueue(self, handle: Any, step: int, call: int, save_id: str, local_path: str) -> None:
+        hold = contextlib.ExitStack()
+        hold.enter_context(StepDir(local_path, step).reading())
+        handle._persist_pending()
+        with self._cond:
+            self._pending.append(_Drain(handle, step, call, save_id, local_path, self.dist.rank, hold))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lazyckpt-drain", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._pending:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                self._busy = True
+            try:
+                self._one_round()
+            except BaseException as exc:        # recorded, raised at wait(); never kills training
+                log.error("lazyckpt: %s: persisting failed: %s", self.url, exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _take(self, call: int) -> _Drain:
+        """Remove and return the waiting step of ``call``; older waiting steps
+        are superseded by it (skipped), newer ones stay queued."""
+        with self._cond:
+            chosen = next(d for d in self._pending if d.call == call)
+            for d in self._pending:
+                if d.call < call:
+                    d.hold.close()
+                    d.handle._persist_end(superseded_by=chosen.handle)
+            self._pending = collections.deque(d for d in self._pending if d.call > call)
+            return chosen
+
+    def _one_round(self) -> None:
+        d = self.dist
+        key = f"persist/{self._round}"
+        self._round += 1
+        if d.distributed:
+            if d.coordinator:
+                with self._cond:
+                    target = max(self._pending, key=lambda x: x.call)
+                d.publish(f"{key}/target", {"call": target.call, "step": target.step})
+                call = target.call
+            else:
+                call = d.wait_for([f"{key}/target"], "the coordinator's choice of step to persist",
+                                  "persist")[f"{key}/target"]["call"]
+            deadline = time.monotonic() + d.timeout_s
+            while True:          # this rank's commit of that step may not have reached its queue yet
+                with self._cond:
+                    if any(x.call == call for x in self._pending):
+                        break
+                    if time.monotonic() > deadline:
+                        raise CheckpointError(f"{self.url}: step of call {call} never reached this rank's "
+                                              f"drain queue")
+                    self._cond.wait(0.1)
+        else:
+            with self._cond:
+                call = max(x.call for x in self._pending)
+        item = self._take(call)
+        try:
+            local = os.path.join(item.local_path, rank_filename(d.rank))
+            remote = f"{self.dir.save_url(item.step, item.save_id)}/{rank_filename(d.rank)}"
+            report: Dict[str, Any] = {"ok": True, "step": item.step}
+            try:
+                nbytes = upload_file(local, remote, self.options, max(self.options.chunk_bytes, 8 << 20),
+                                     self._pool, self._limit, self._stop)
+            except BaseException as exc:
+                if not d.distributed:
+                    raise
+                report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                nbytes = 0
+
+            def commit(_done: Dict[int, Dict[str, Any]]) -> None:
+                with open(os.path.join(item.local_path, MANIFEST), "rb") as f:
+                    raw = f.read()
+                self.dir.commit(item.step, item.save_id, raw)
+            if d.distributed:
+                from .distributed import agree
+                agree(d, key, report, item.step, commit)
+                if not report["ok"]:
+                    raise CheckpointError(f"step {item.step}: {report['error']}")
+            else:
+                commit({0: report})
+            if d.coordinator:
+                try:
+                    self.dir.apply_retention(self.keep_last)
+                    self.dir.write_latest(item.step)
+                except CheckpointError as exc:
+                    log.warning("lazyckpt: %s: step %d persisted, tidying up failed: %s", self.url, item.step, exc)
+            item.handle._persist_end(url=remote)
+            log.info("lazyckpt: step %d persisted to %s (%.1f MB)", item.step, self.url, nbytes / 1e6)
+        except BaseException as exc:
+            error = exc
+            if not isinstance(exc, CheckpointWriteError):
+                error = CheckpointWriteError(f"{self.url}: persisting step {item.step} failed: "
+                                             f"{type(exc).__name__}: {exc}",
+                                             path=self.url, step=item.step)
+                error.__cause__ = exc
+            item.handle._persist_end(error=error)
+            with self._cond:
+                self._errors.append(error)
+            raise error
+        finally:
+            item.hold.close()
+
+    # ---------------------------------------------------------------- waiting
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._pending and not self._busy
+
+    def wait(self, timeout: Optional[float] = None, raise_errors: bool = True) -> None:
+        """Until every committed step is persisted (or skipped); raise the first
+        persist failure not raised yet."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CheckpointError(f"{self.url}: steps still being persisted after {timeout} s")
+                self._cond.wait(left if left is not None else 0.5)
+            errors, self._errors = self._errors, []
+        if raise_errors and errors:
+            raise errors[0]
+
+    def close(self, cancel: bool = False) -> None:
+        if cancel:
+            self._stop.set()
+            with self._cond:
+                for d in self._pending:
+                    d.hold.close()
+                    d.handle._persist_end(error=CheckpointWriteError(f"{self.url}: not persisted: cancelled",
+                                                                     step=d.step))
+                self._pending.clear()
+        try:
+            self.wait(raise_errors=not cancel)
+        finally:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,362 @@
+"""Object storage and tiers, against a real S3 server (SeaweedFS on loopback,
+started by the ``s3_server`` fixture), with faults injected by a real HTTP
+proxy in front of it (tests/_s3proxy.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError,
+                             CorruptCheckpointError)
+from lazyckpt.objstore import StorageConfigError
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def s3env(s3_server, monkeypatch):
+    """The standard AWS environment pointing at the test server."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return s3_server
+
+
+def _options(server, endpoint=None, **extra):
+    return {"endpoint_url": endpoint or server.endpoint, "access_key_id": server.access_key,
+            "secret_access_key": server.secret_key, "region": server.region, **extra}
+
+
+def _state(seed=0, n=3_000_000):
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(n, generator=g), "b": torch.arange(1000, dtype=torch.int64),
+                      "h": torch.randn(300, 70, generator=g).to(torch.bfloat16)},
+            "step": seed, "name": "run", "lr": [0.1, 0.01]}
+
+
+def _equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _equal(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def _objects(server, bucket, prefix=""):
+    out = []
+    for page in server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        out += [o["Key"] for o in page.get("Contents", [])]
+    return out
+
+
+def _open_uploads(server, bucket):
+    return server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+# ---------------------------------------------------------------------- one object
+
+def test_file_roundtrip_with_parts_assembled_from_several_windows(s3env, s3_bucket):
+    """1 MiB cache windows make 5 MiB parts from five writes each, plus the
+    header, the tensor/object boundary and the footer: all must land whole."""
+    state = _state()
+    url = f"s3://{s3_bucket}/ckpt/one.lzc"
+    size = lazyckpt.save(state, url, chunk_bytes=MiB, host_cache_bytes=4 * MiB)
+    assert size > 2 * 5 * MiB          # three parts, the last one short
+    _equal(lazyckpt.load(url), state)
+    # keys= reads only what is asked; into= fills in place.
+    assert torch.equal(lazyckpt.load(url, keys=[("model", "b")])["model"]["b"], state["model"]["b"])
+    into = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    lazyckpt.load(url, keys=["model"], into=into)
+    _equal(into["model"], state["model"])
+    assert _open_uploads(s3env, s3_bucket) == []
+
+
+def test_small_file_is_one_put_and_large_windows_upload_zero_copy(s3env, s3_bucket):
+    small = {"x": torch.arange(10)}
+    lazyckpt.save(small, f"s3://{s3_bucket}/small.lzc")
+    assert torch.equal(lazyckpt.load(f"s3://{s3_bucket}/small.lzc")["x"], small["x"])
+    big = {"w": torch.randn(4 * MiB)}         # 16 MiB in 8 MiB windows: whole parts from the cache
+    lazyckpt.save(big, f"s3://{s3_bucket}/big.lzc", chunk_bytes=8 * MiB, host_cache_bytes=16 * MiB)
+    assert torch.equal(lazyckpt.load(f"s3://{s3_bucket}/big.lzc")["w"], big["w"])
+
+
+def test_storage_options_override_the_environment(s3_server, s3_bucket, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    state = {"x": torch.arange(100)}
+    with pytest.raises(CheckpointError):
+        lazyckpt.save(state, f"s3://{s3_bucket}/o.lzc")
+    lazyckpt.save(state, f"s3://{s3_bucket}/o.lzc", storage_options=_options(s3_server))
+    out = lazyckpt.load(f"s3://{s3_bucket}/o.lzc", storage_options=_options(s3_server))
+    assert torch.equal(out["x"], state["x"])
+
+
+def test_load_of_a_missing_object_is_not_found(s3env, s3_bucket):
+    with pytest.raises(CheckpointNotFoundError):
+        lazyckpt.load(f"s3://{s3_bucket}/nothing-here")
+
+
+# ---------------------------------------------------------------------- a directory on the store
+
+def test_checkpointer_on_the_object_store(s3env, s3_bucket):
+    url = f"s3://{s3_bucket}/run"
+    states = []
+    with lazyckpt.Checkpointer(url, keep_last=2, chunk_bytes=MiB) as ck:
+        for step in range(4):
+            states.append(_state(step, 200_000))
+            h = ck.save(states[-1], step)
+            h.wait(persisted=True)          # the commit is on persistent storage
+        assert ck.steps() == [2, 3]
+        _equal(ck.load(), states[3])
+        _equal(ck.load(2), states[2])
+        assert ck.loaded_from["step"] == 2
+    keys = _objects(s3env, s3_bucket, "run/")
+    assert "run/latest" in keys
+    assert not any("step_0000000000" in k or "step_0000000001" in k for k in keys)
+    _equal(lazyckpt.load(url), states[3])       # the latest step, by URL
+
+
+def test_object_store_saves_supersede_and_ignore_uncommitted_prefixes(s3env, s3_bucket):
+    url = f"s3://{s3_bucket}/run"
+    client = s3env.client()
+    # An interrupted save: data, no manifest. Invisible.
+    client.put_object(Bucket=s3_bucket, Key="run/step_0000000009/deadbeef/rank_00000.lzc", Body=b"x" * 100)
+    with lazyckpt.Checkpointer(url) as ck:
+        for step in (1, 2, 3):
+            ck.save(_state(step, 1000), step).wait()
+        assert ck.steps() == [1, 2, 3]
+        ck.save(_state(10, 1000), 2).wait()      # resumed from step 1: steps >= 2 are abandoned
+        assert ck.steps() == [1, 2]
+        _equal(ck.load(), _state(10, 1000))
+        # Young leftovers may be a save in progress: kept; old ones are cleaned.
+        assert any("deadbeef" in k for k in _objects(s3env, s3_bucket))
+        assert ck.layout.clean_leftovers(expiry_s=0)
+        assert not any("deadbeef" in k for k in _objects(s3env, s3_bucket))
+
+
+def test_failed_object_store_save_leaves_nothing_and_keeps_the_previous(s3env, s3_bucket):
+    url = f"s3://{s3_bucket}/run"
+    with lazyckpt.Checkpointer(url, chunk_bytes=MiB) as ck:
+        ck.save(_state(1, 100_000), 1).wait()
+        bad = _state(2, 100_000)
+        bad["obj"] = lambda: None           # cannot be serialized: fails after data was uploaded
+        with pytest.raises(CheckpointError):
+            ck.save(bad, 2).wait()
+        assert ck.steps() == [1]
+        _equal(ck.load(), _state(1, 100_000))
+    assert not any("step_0000000002" in k for k in _objects(s3env, s3_bucket))
+    assert _open_uploads(s3env, s3_bucket) == []
+
+
+# ---------------------------------------------------------------------- tiers
+
+def test_tiered_commit_local_then_persist(s3env, s3_bucket, tmp_path):
+    local = tmp_path / "local"
+    url = f"s3://{s3_bucket}/tiered"
+    state = _state(0)
+    with lazyckpt.Checkpointer(local, keep_last=1, persist_to=url, persist_keep_last=2, chunk_bytes=MiB) as ck:
+        handles = []
+        for step in range(3):
+            state["model"]["w"].add_(1)
+            h = ck.save(state, step)
+            h.wait(persisted=True)
+            handles.append(h)
+            assert h.persist_state == "persisted"
+            stats = h.stats()
+            assert stats["tiers"]["local"] <= stats["tiers"]["persistent"]
+        ck.wait()
+        assert ck.steps() == [2]                    # local keep_last, once drained
+        assert ck.persistent.dir.steps() == [1, 2]  # persist_keep_last
+        _equal(ck.load(), state)
+        assert ck.loaded_from["tier"] == "local"
+    # A replaced node: the local tier is empty; the newest step comes from the store.
+    shutil.rmtree(local)
+    with lazyckpt.Checkpointer(local, persist_to=url) as ck:
+        _equal(ck.load(), state)
+        assert ck.loaded_from == {"step": 2, "tier": "persistent", "path": ck.persistent.dir.step_path(2)}
+    _equal(lazyckpt.load(url), state)
+
+
+def test_load_falls_back_to_the_persistent_tier_when_the_local_copy_is_damaged(s3env, s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/tiered"
+    state = _state(3)
+    with lazyckpt.Checkpointer(tmp_path, persist_to=url) as ck:
+        ck.save(state, 7).wait(persisted=True)
+        data = os.path.join(ck.step_path(7), "rank_00000.lzc")
+        with open(data, "r+b") as f:
+            f.seek(4096 + 100)
+            f.write(b"\xff" * 8)
+        _equal(ck.load(), state)
+        assert ck.loaded_from["tier"] == "persistent"
+        os.truncate(data, 5000)
+        _equal(ck.load(), state)
+        assert ck.loaded_from["tier"] == "persistent"
+        # Damage on the persistent tier too: the error, not a wrong state.
+        client = s3env.client()
+        key = ck.persistent.dir.step_path(7)[len(f"s3://{s3_bucket}/"):] + "/rank_00000.lzc"
+        body = bytearray(client.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+        body[4096 + 200] ^= 0xFF
+        client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))
+        with pytest.raises(CorruptCheckpointError):
+            ck.load()
+
+
+def test_corrupt_or_truncated_object_is_refused(s3env, s3_bucket):
+    url = f"s3://{s3_bucket}/x.lzc"
+    state = _state(5, 300_000)
+    lazyckpt.save(state, url)
+    client = s3env.client()
+    body = client.get_object(Bucket=s3_bucket, Key="x.lzc")["Body"].read()
+    flipped = bytearray(body)
+    flipped[4096 + 10] ^= 0x01
+    client.put_object(Bucket=s3_bucket, Key="x.lzc", Body=bytes(flipped))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        lazyckpt.load(url)
+    client.put_object(Bucket=s3_bucket, Key="x.lzc", Body=body[:len(body) // 2])
+    with pytest.raises(CorruptCheckpointError):
+        lazyckpt.load(url)
+
+
+def test_drain_takes_the_newest_step_and_skips_the_backlog(s3env, s3_bucket, tmp_path):
+    """A bandwidth cap makes the drain slower than the saves: waiting steps are
+    superseded by newer ones, save() never blocks on the upload."""
+    url = f"s3://{s3_bucket}/slow"
+    state = _state(0, 1_000_000)                   # 4 MB
+    with lazyckpt.Checkpointer(tmp_path, persist_to=url, persist_bandwidth=4e6) as ck:
+        handles = []
+        for step in range(5):
+            t0 = time.perf_counter()
+            handles.append(ck.save(state, step))
+            handles[-1].wait()
+            assert time.perf_counter() - t0 < 5
+        ck.wait()
+        states = [h.persist_state for h in handles]
+        assert states[0] == "persisted" and states[-1] == "persisted"
+        assert any(s.startswith("superseded by step") for s in states), states
+        for h in handles:
+            h.wait(persisted=True)                 # a superseded step: the newer one is persisted
+        assert ck.persistent.dir.steps()[-1] == 4
+        assert ck.persistent.dir.steps() == [handles.index(h) for h in handles if h.persist_state == "persisted"]
+
+
+def test_bandwidth_cap_bounds_the_upload_rate(s3env, s3_bucket, tmp_path):
+    state = {"w": torch.randn(2_500_000)}          # 10 MB at 5 MB/s: at least ~2 s
+    with lazyckpt.Checkpointer(tmp_path, persist_to=f"s3://{s3_bucket}/cap", persist_bandwidth=5e6) as ck:
+        h = ck.save(state, 0)
+        h.wait()
+        h.wait(persisted=True)
+        assert h.stats()["tiers"]["persistent"] - h.stats()["tiers"]["local"] >= 1.5
+
+
+def test_wait_persisted_without_a_persistent_tier_is_an_error(tmp_path):
+    with lazyckpt.Checkpointer(tmp_path) as ck:
+        h = ck.save({"x": torch.arange(3)}, 0)
+        with pytest.raises(CheckpointError, match="no persistent tier"):
+            h.wait(persisted=True)
+
+
+# ---------------------------------------------------------------------- faults
+
+def test_wrong_credentials_fail_once_and_clearly(s3_server, s3_bucket, tmp_path):
+    bad = _options(s3_server, secret_access_key="not-the-secret")
+    t0 = time.perf_counter()
+    with pytest.raises(StorageConfigError, match="credentials"):
+        lazyckpt.Checkpointer(tmp_path, persist_to=f"s3://{s3_bucket}/x", storage_options=bad)
+    with pytest.raises(StorageConfigError, match="credentials"):
+        lazyckpt.Checkpointer(f"s3://{s3_bucket}/x", storage_options=bad)
+    assert time.perf_counter() - t0 < 10           # not a stack of retries
+
+
+def test_missing_bucket_fails_once_and_clearly(s3_server, tmp_path):
+    opts = _options(s3_server)
+    with pytest.raises(StorageConfigError, match="no such bucket"):
+        lazyckpt.Checkpointer(tmp_path, persist_to="s3://no-such-bucket-here/x", storage_options=opts)
+    with pytest.raises(StorageConfigError, match="no such bucket"):
+        lazyckpt.save({"x": torch.arange(3)}, "s3://no-such-bucket-here/x.lzc", storage_options=opts)
+    with pytest.raises(StorageConfigError):
+        lazyckpt.Checkpointer("s3://ab/x", storage_options=opts)       # not even a bucket name
+
+
+@pytest.fixture
+def proxy(s3_server):
+    from _s3proxy import S3FaultProxy
+    with S3FaultProxy(s3_server.endpoint) as p:
+        yield p
+
+
+def test_transient_errors_are_retried(s3_server, s3_bucket, proxy):
+    opts = _options(s3_server, endpoint=proxy.endpoint, max_attempts=5)
+    state = _state(1, 2_000_000)
+    proxy.fail_matching(lambda method, path, headers: "partNumber=" in path, status=503, count=3)
+    url = f"s3://{s3_bucket}/retry.lzc"
+    lazyckpt.save(state, url, storage_options=opts, chunk_bytes=MiB)
+    assert sum(1 for m, p, s in proxy.requests if s == 503) == 3
+    _equal(lazyckpt.load(url, storage_options=opts), state)
+
+
+def test_persistent_server_errors_fail_the_save_and_abort_the_upload(s3_server, s3_bucket, proxy):
+    opts = _options(s3_server, endpoint=proxy.endpoint, max_attempts=2)
+    url = f"s3://{s3_bucket}/run"
+    with lazyckpt.Checkpointer(url, storage_options=opts, chunk_bytes=MiB) as ck:
+        ck.save(_state(1, 100_000), 1).wait()
+        proxy.fail_matching(lambda method, path, headers: "partNumber=" in path, status=500)
+        with pytest.raises(CheckpointWriteError, match="500|InternalError|part"):
+            ck.save(_state(2, 2_000_000), 2).wait()
+        proxy.reset()
+        assert ck.steps() == [1]
+        _equal(ck.load(), _state(1, 100_000))
+        assert _open_uploads(s3_server, s3_bucket) == []
+        ck.save(_state(3, 100_000), 3).wait()      # the next one commits
+        assert ck.steps() == [1, 3]
+
+
+def test_timeouts_become_a_clear_error(s3_server, s3_bucket, proxy):
+    opts = _options(s3_server, endpoint=proxy.endpoint, max_attempts=2, read_timeout=1, connect_timeout=1)
+    lazyckpt.save({"x": torch.arange(10)}, f"s3://{s3_bucket}/t.lzc", storage_options=opts)
+    proxy.delay(3)
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match="t.lzc"):
+        lazyckpt.load(f"s3://{s3_bucket}/t.lzc", storage_options=opts)
+    assert time.perf_counter() - t0 < 30
+
+
+def test_server_killed_mid_drain(s3_server, s3_bucket, tmp_path):
+    """The persistent step is absent, the local commit intact, and after a
+    restart the next drain succeeds."""
+    opts = _options(s3_server, max_attempts=2, connect_timeout=1, read_timeout=2)
+    url = f"s3://{s3_bucket}/killed"
+    state = _state(4, 3_000_000)
+    ck = lazyckpt.Checkpointer(tmp_path, persist_to=url, storage_options=opts, persist_bandwidth=6e6,
+                               chunk_bytes=MiB)
+    try:
+        h = ck.save(state, 1)
+        h.wait()
+        time.sleep(0.5)                 # the drain is uploading (12 MB at 6 MB/s)
+        s3_server.kill()
+        with pytest.raises(CheckpointWriteError):
+            h.wait(persisted=True)
+        assert h.persist_state == "failed"
+        with pytest.raises(CheckpointWriteError):
+            ck.wait()                    # raised once more through the checkpointer...
+        ck.wait()                        # ...and then reported
+        _equal(ck.load(), state)         # the local commit is intact
+        assert ck.loaded_from["tier"] == "local"
+        s3_server.restart()
+        assert ck.persistent.dir.steps() == []     # no manifest: step 1 is not on the store
+        state["model"]["w"].add_(1)
+        ck.save(state, 2).wait(persisted=True)
+        assert ck.persistent.dir.steps() == [2]
+    finally:
+        if not s3_server.running:
+            s3_server.restart()
+        ck.close()
+    _equal(lazyckpt.load(url, storage_options=opts), state)
