@@ -10,7 +10,11 @@
     lazyckpt bench [--quick]              side-by-side save/load benchmark
 
 PATH is a ``.lzc`` file, a committed step directory, or a Checkpointer
-directory (its latest committed step). Errors are reported on one line
+directory (its latest committed step). ``ls``, ``inspect``, ``verify`` and
+``prune`` also take ``s3://BUCKET/...`` URLs: a checkpoint object, a
+committed save prefix (``.../step_XXXXXXXXXX/<save_id>``) or a Checkpointer
+directory prefix (credentials and endpoint: the standard AWS_* variables, or
+LAZYCKPT_STORAGE_OPTIONS as JSON). Errors are reported on one line
 (``lazyckpt: error: ...``) with exit status 2; ``verify`` exits with 1 when
 it finds damage.
 """
@@ -106,7 +110,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 continue
             meta = {k: v for k, v in (r.get("metadata") or {}).items() if k != "step"}
             refs = r.get("references") or []
-            rows.append([str(r["step"]), human_bytes(r["bytes"]), format_time(r.get("created_unix")),
+            # An object store's row has "mtime": when its manifest (the commit) was written.
+            committed = r["mtime"] if r.get("mtime") is not None else r.get("created_unix")
+            rows.append([str(r["step"]), human_bytes(r["bytes"]), format_time(committed),
                          str(r.get("world_size")), str(r.get("files")),
                          ",".join(map(str, refs[:6])) + (",..." if len(refs) > 6 else "") if refs else "-",
                          json.dumps(meta, separators=(",", ":"))[:60] if meta else ""])
@@ -412,19 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
     sp = sub.add_parser("ls", help="list committed steps and leftovers of a Checkpointer directory")
-    sp.add_argument("dir", metavar="DIR")
+    sp.add_argument("dir", metavar="DIR", help="a Checkpointer directory or s3:// prefix")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=cmd_ls)
 
     sp = sub.add_parser("inspect", help="entries, dtypes, shapes, sizes, state paths and shards")
-    sp.add_argument("path", metavar="PATH", help="a .lzc file, a step directory or a Checkpointer directory")
+    sp.add_argument("path", metavar="PATH", help="a .lzc file, a step directory or a Checkpointer directory "
+                    "(or the same on an object store: an s3:// URL)")
     sp.add_argument("--json", action="store_true", help="everything, machine-readable")
     sp.add_argument("--max-rows", type=int, default=200, metavar="N", help="rows per file (0: all; default 200)")
     sp.add_argument("--entries", action="store_true", help="also list the raw entries (offsets, lengths)")
     sp.set_defaults(func=cmd_inspect)
 
     sp = sub.add_parser("verify", help="read everything and check every checksum (exit 1 if damaged)")
-    sp.add_argument("path", metavar="PATH")
+    sp.add_argument("path", metavar="PATH", help="as for inspect (s3:// URLs too)")
     sp.add_argument("--json", action="store_true")
     progress_flags(sp)
     sp.set_defaults(func=cmd_verify)
@@ -479,11 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_import)
 
     sp = sub.add_parser("prune", help="delete older committed steps and leftovers of interrupted saves")
-    sp.add_argument("dir", metavar="DIR")
+    sp.add_argument("dir", metavar="DIR", help="a Checkpointer directory or s3:// prefix")
     sp.add_argument("--keep", type=int, required=True, metavar="N", help="committed steps to keep (newest)")
     sp.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     sp.add_argument("--force", action="store_true",
-                    help="also remove saves whose lease is not held, however recent their heartbeat")
+                    help="also remove saves whose lease is not held, however recent their heartbeat "
+                    "(local directories; on an object store, which has no locks or leases, it is "
+                    "accepted and ignored: only saves older than the lease expiry are removed)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_prune)
 

@@ -12,6 +12,11 @@ line is built on, usable from Python too.
 * :func:`prune` -- delete older committed steps (rename, fsync, then delete,
   as the library does), abandoned steps and the leftovers of dead saves.
 
+Every one of them also takes an ``s3://`` URL (see :mod:`lazyckpt.tiers` for
+the layout on an object store): a checkpoint object, a committed save prefix
+(``.../step_XXXXXXXXXX/<save_id>``, or ``.../step_XXXXXXXXXX``), or a
+Checkpointer directory prefix.
+
 Everything here reads the on-disk format (docs/FORMAT.md) through the
 library's own parsers (:class:`~lazyckpt.reader.CheckpointFile`,
 :func:`lazyckpt.manifest.parse`) and the directory rules of
@@ -21,10 +26,12 @@ library's own parsers (:class:`~lazyckpt.reader.CheckpointFile`,
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import math
 import mmap
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -36,7 +43,8 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .fileio import anonymous_buffer, open_for_read, pread_into, read_small_file
 from .iomode import use_o_direct
 from .knobs import Options, resolve as resolve_options
-from .layout import MANIFEST, CheckpointDir, remove_tree, tree_bytes
+from .layout import LATEST, MANIFEST, CheckpointDir, remove_tree, step_dirname, tree_bytes
+from .objstore import ObjectURL, is_url, store_for
 from .reader import CheckpointFile, RefResolver, resolver_for
 
 # --------------------------------------------------------------------------- targets
@@ -72,8 +80,11 @@ def read_manifest(step_dir: str) -> Dict[str, Any]:
     return manifests.parse(raw, path)
 
 
-def resolve(path: str) -> Target:
-    """Resolve a file, a step directory or a Checkpointer directory (-> its latest step)."""
+def resolve(path: str, options: Optional[Options] = None) -> Target:
+    """Resolve a file, a step directory or a Checkpointer directory (-> its latest
+    step); or the same on an object store (an ``s3://`` URL)."""
+    if is_url(path):
+        return _resolve_url(path, options or resolve_options())
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
@@ -96,8 +107,54 @@ def resolve(path: str) -> Target:
 
 
 def _manifest_files(step_dir: str, manifest: Dict[str, Any]) -> List[Tuple[Optional[int], str]]:
-    return [(f["rank"], os.path.join(step_dir, f["name"]))
+    return [(f["rank"], _join(step_dir, f["name"]))
             for f in sorted(manifest["files"], key=lambda f: f["rank"])]
+
+
+def _join(base: str, name: str) -> str:
+    return f"{base}/{name}" if is_url(base) else os.path.join(base, name)
+
+
+_STEP_NAME = re.compile(r"^step_(\d{10})$")
+
+
+def _object_dir(url: str, options: Options) -> Any:
+    from .tiers import ObjectCheckpointDir
+    directory = ObjectCheckpointDir(url, options)
+    directory.store.check()      # wrong credentials, a missing bucket: one clear error first
+    return directory
+
+
+def _resolve_url(path: str, options: Options) -> Target:
+    """An object, a committed save prefix (``.../step_X/<save_id>`` or
+    ``.../step_X``) or a Checkpointer directory prefix (-> its latest step)."""
+    from .tiers import read_manifest as read_object_manifest
+    url = str(ObjectURL.parse(path))
+    store, key = store_for(url, options.storage_options)
+    store.check()
+    if key and store.size(key) is not None:
+        return Target(url, "file", [(None, url)])
+    if store.size(f"{key}/{MANIFEST}" if key else MANIFEST) is not None:
+        manifest = read_object_manifest(url, options)
+        return Target(url, "step", _manifest_files(url, manifest), url, manifest)
+    u = ObjectURL.parse(url)
+    m = _STEP_NAME.match(u.name) if u.key else None
+    if m is not None:                           # DIR/step_X: its committed save
+        parent = ObjectURL(u.bucket, u.key.rpartition("/")[0])
+        committed = _object_dir(str(parent), options).committed()
+        if int(m.group(1)) in committed:
+            step_url = f"{url}/{committed[int(m.group(1))]}"
+            manifest = read_object_manifest(step_url, options)
+            return Target(url, "step", _manifest_files(step_url, manifest), step_url, manifest)
+    directory = _object_dir(url, options)
+    committed = directory.committed()
+    if not committed:
+        raise CheckpointNotFoundError(f"{url}: no checkpoint object, committed save or committed checkpoint "
+                                      f"under this prefix", path=url)
+    steps = sorted(committed)
+    step_url = directory.save_url(steps[-1], committed[steps[-1]])
+    manifest = read_object_manifest(step_url, options)
+    return Target(url, "directory", _manifest_files(step_url, manifest), step_url, manifest, steps)
 
 
 # --------------------------------------------------------------------------- tree walk
@@ -294,7 +351,7 @@ def leaf_info(leaf: Leaf, entries: List[fmt.Entry]) -> Dict[str, Any]:
 def describe(path: str, options: Optional[Options] = None) -> Dict[str, Any]:
     """Everything ``lazyckpt inspect`` shows, as JSON-able data."""
     options = options or resolve_options()
-    target = resolve(path)
+    target = resolve(path, options)
     out: Dict[str, Any] = {"path": target.path, "kind": target.kind}
     if target.step_dir is not None:
         out["step_dir"] = target.step_dir
@@ -364,7 +421,15 @@ def _shard_info(key: str, info: Any) -> Dict[str, Any]:
 
 def list_directory(directory: str, lease_expiry_s: Optional[float] = None) -> Dict[str, Any]:
     """Committed steps (with size, commit time, world size) and leftovers of a
-    Checkpointer directory. Reads only: nothing is removed or renamed."""
+    Checkpointer directory. Reads only: nothing is removed or renamed.
+
+    On an object store (an ``s3://`` prefix) a step's ``bytes`` are those of
+    every object under its committed save prefix, ``mtime`` is when its
+    manifest (the commit) was written, and the leftovers are the save
+    prefixes without a manifest whose newest object is older than the lease
+    expiry (younger ones may be a save in progress and are not listed)."""
+    if is_url(directory):
+        return _list_url(directory, lease_expiry_s)
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.exists(directory):
         raise CheckpointNotFoundError(f"{directory}: no such directory", path=directory)
@@ -391,6 +456,69 @@ def list_directory(directory: str, lease_expiry_s: Optional[float] = None) -> Di
                   "description": lo.describe()} for lo in layout.leftovers()]
     return {"directory": directory, "steps": steps, "leftovers": leftovers,
             "latest": steps[-1]["step"] if steps else None, "latest_file": layout.latest_file(),
+            "bytes": sum(r["bytes"] for r in steps)}
+
+
+def _list_url(url: str, lease_expiry_s: Optional[float] = None) -> Dict[str, Any]:
+    from .tiers import read_manifest as read_object_manifest
+    options = resolve_options()
+    url = str(ObjectURL.parse(url))
+    directory = _object_dir(url, options)
+    store, key = directory.store, directory.prefix
+    if key and store.size(key) is not None:
+        raise CheckpointError(f"{url}: this is one checkpoint object, not a directory (use `lazyckpt inspect`)",
+                              path=url)
+    if store.size(f"{key}/{MANIFEST}" if key else MANIFEST) is not None \
+            or (key and _STEP_NAME.match(key.rsplit("/", 1)[-1])):
+        raise CheckpointError(f"{url}: this is one step; list the prefix above its step_* prefix, "
+                              f"or use `lazyckpt inspect`", path=url)
+    committed = directory.committed()
+    # One listing for the sizes and commit times of every save prefix.
+    sizes: Dict[str, int] = {}
+    mtimes: Dict[str, float] = {}
+    base = f"{key}/" if key else ""
+    found = False
+    for obj in store.list(base):
+        found = True
+        rel = obj["Key"][len(base):]
+        parts = rel.split("/")
+        if len(parts) < 3:
+            continue
+        save = "/".join(parts[:2])
+        sizes[save] = sizes.get(save, 0) + int(obj["Size"])
+        if len(parts) == 3 and parts[2] == MANIFEST:
+            mtimes[save] = obj["LastModified"].timestamp()
+    if key and not found:
+        raise CheckpointNotFoundError(f"{url}: no such prefix (no object under it)", path=url)
+    steps = []
+    for step in sorted(committed):
+        name = f"{step_dirname(step)}/{committed[step]}"
+        step_url = directory.save_url(step, committed[step])
+        row: Dict[str, Any] = {"step": step, "name": name, "url": step_url, "bytes": sizes.get(name, 0),
+                               "mtime": mtimes.get(name)}
+        try:
+            manifest = read_object_manifest(step_url, options)
+            row.update(world_size=manifest["world_size"], files=len(manifest["files"]),
+                       created_unix=manifest.get("created_unix"), metadata=manifest.get("metadata"),
+                       references=manifest.get("references", []))
+        except CheckpointError as exc:
+            row["error"] = str(exc)
+        steps.append(row)
+    leftovers = []
+    for prefix, nbytes, age in sorted(directory.leftovers(lease_expiry_s)):
+        name = prefix[len(base):].rstrip("/")
+        m = _STEP_NAME.match(name.split("/")[0])
+        leftovers.append({"name": name, "kind": "interrupted-save", "bytes": nbytes,
+                          "step": int(m.group(1)) if m else None, "url": store.url(prefix.rstrip("/")),
+                          "age_s": age,
+                          "description": f"interrupted save: no {MANIFEST}, last written {age:.0f} s ago"})
+    raw = store.get(f"{base}{LATEST}", 64)
+    try:
+        latest_file: Optional[int] = int(raw.decode().strip()) if raw is not None else None
+    except (UnicodeDecodeError, ValueError):
+        latest_file = None
+    return {"directory": url, "steps": steps, "leftovers": leftovers,
+            "latest": steps[-1]["step"] if steps else None, "latest_file": latest_file,
             "bytes": sum(r["bytes"] for r in steps)}
 
 
@@ -452,14 +580,17 @@ def verify(path: str, options: Optional[Options] = None,
     checked since the last call; ``on_total(n)`` once with the total.
     """
     options = options or resolve_options()
-    target = resolve(path)
+    target = resolve(path, options)
     report = VerifyReport(target)
-    with resolver_for(target.files[0][1], options) as refs:
+    # Object stores hold no incremental steps (references name local step
+    # directories): a "ref" entry there is reported as unresolvable.
+    with (contextlib.nullcontext(None) if is_url(target.path)
+          else resolver_for(target.files[0][1], options)) as refs:
         _verify(target, report, options, refs, progress, on_total)
     return report
 
 
-def _verify(target: Target, report: VerifyReport, options: Options, refs: RefResolver,
+def _verify(target: Target, report: VerifyReport, options: Options, refs: Optional[RefResolver],
             progress: Optional[Callable[[int], None]], on_total: Optional[Callable[[int], None]]) -> None:
     opened: Dict[Optional[int], CheckpointFile] = {}
     for rank, fpath in target.files:
@@ -470,7 +601,7 @@ def _verify(target: Target, report: VerifyReport, options: Options, refs: RefRes
         report.files += 1
     if target.manifest is not None:
         for f in target.manifest["files"]:
-            fpath = os.path.join(target.step_dir, f["name"])
+            fpath = _join(target.step_dir, f["name"])
             cf_ = opened.get(f["rank"])
             if cf_ is not None and type(f.get("bytes")) is int and f["bytes"] != cf_.size:
                 report.problems.append(Problem(fpath, "manifest", f"{fpath}: manifest says {f['bytes']} bytes, "
@@ -511,11 +642,23 @@ def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecuto
         jobs.extend((i, lo, hi) for lo, hi in fmt.block_spans(e.offset, e.length, block))
     damaged: Dict[int, List[int]] = {}
     errors: Dict[int, str] = {}
-    try:
-        fd, _direct = open_for_read(f.path, use_o_direct(f.path, "read", options.o_direct, threads))
-    except OSError as exc:
-        report.problems.append(Problem(f.path, "file", f"{f.path}: cannot open: {exc.strerror or exc}"))
-        return
+    remote = is_url(f.path)
+    if remote:
+        # An object: ranged GETs of exactly the block (no page padding, no fd).
+        source = f._open_input()
+        fd = -1
+
+        def read(view: memoryview, lo: int, n: int) -> int:
+            return source.read_into(view[:n], lo)
+    else:
+        try:
+            fd, _direct = open_for_read(f.path, use_o_direct(f.path, "read", options.o_direct, threads))
+        except OSError as exc:
+            report.problems.append(Problem(f.path, "file", f"{f.path}: cannot open: {exc.strerror or exc}"))
+            return
+
+        def read(view: memoryview, lo: int, n: int) -> int:
+            return pread_into(fd, view[:fmt.align_up(n)], lo, f.path)
 
     def check(job: Tuple[int, int, int]) -> Tuple[int, int, int, Optional[str]]:
         i, lo, hi = job
@@ -523,7 +666,7 @@ def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecuto
         buf = _aligned_buffer(hi - lo)
         view = memoryview(buf)
         try:
-            got = pread_into(fd, view[:fmt.align_up(hi - lo)], lo, f.path)
+            got = read(view, lo, hi - lo)
             if got < hi - lo:
                 return i, lo, hi, f"truncated: {got} of {hi - lo} bytes at offset {lo}"
             k = lo // block - e.offset // block
@@ -532,6 +675,8 @@ def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecuto
             return i, lo, hi, None
         except OSError as exc:
             return i, lo, hi, f"read error: {exc.strerror or exc}"
+        except CheckpointError as exc:          # an object store's error (after its retries)
+            return i, lo, hi, f"read error: {exc}"
         finally:
             view.release()
             buf.close()
@@ -549,7 +694,10 @@ def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecuto
                 if progress is not None:
                     progress(hi - lo)
     finally:
-        os.close(fd)
+        if remote:
+            source.close()
+        else:
+            os.close(fd)
     users: Dict[int, List[str]] = {}
     if damaged:
         for leaf in walk(f.footer.tree):
@@ -662,6 +810,8 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
     is not held by anyone, however fresh. A step being read is kept."""
     if type(keep) is not int or keep < 1:
         raise ValueError(f"--keep must be at least 1, got {keep}")
+    if is_url(directory):
+        return _prune_url(directory, keep, dry_run)
     listing = list_directory(directory)
     directory = listing["directory"]
     layout = CheckpointDir(directory, 0.0 if force else resolve_options().lease_expiry_s)
@@ -699,6 +849,50 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
     kept = sorted(set(rows) - {a.step for a in actions if a.what == "step" and (a.done or dry_run)})
     return {"directory": directory, "kept": kept, "kept_for_references": referred, "dry_run": dry_run,
             "actions": [a.__dict__ for a in actions], "kept_leftovers": kept_leftovers,
+            "freed_bytes": sum(a.bytes for a in actions if a.done)}
+
+
+def _prune_url(url: str, keep: int, dry_run: bool) -> Dict[str, Any]:
+    """``prune`` on an object store: older committed steps (each one's manifest
+    first, then its data) and the leftovers older than the lease expiry. There
+    are no reader locks and no references (incremental steps are local only),
+    so ``force`` has nothing to act on."""
+    listing = _list_url(url)
+    url = listing["directory"]
+    directory = _object_dir(url, resolve_options())
+    rows = {r["step"]: r for r in listing["steps"]}
+    doomed = sorted(rows)[:-keep]
+    actions: List[PruneAction] = [PruneAction(rows[s]["name"], "step", rows[s]["bytes"], s) for s in doomed]
+    left = [PruneAction(lo["name"], lo["kind"], lo["bytes"], lo["step"]) for lo in listing["leftovers"]]
+    actions += left
+    if not dry_run:
+        for action in actions[:len(doomed)]:
+            try:
+                directory.delete_step(action.step)      # False: deleted concurrently, the outcome wanted
+                action.done = True
+            except CheckpointError as exc:
+                action.error = str(exc)
+        if left:
+            # The library's own cleanup (it lists again: what was written to
+            # since our listing is young again and stays).
+            try:
+                removed = {u.rstrip("/") for u in directory.clean_leftovers()}
+            except CheckpointError as exc:
+                removed = set()
+                for action in left:
+                    action.error = str(exc)
+            base = f"{directory.prefix}/" if directory.prefix else ""
+            for action in left:
+                if action.error is not None:
+                    continue
+                if directory.store.url(f"{base}{action.name}") in removed \
+                        or next(iter(directory.store.list(f"{base}{action.name}/")), None) is None:
+                    action.done = True          # removed (by us, or concurrently: the outcome wanted)
+                else:
+                    action.error = "written to since it was listed (a save may be in progress); kept"
+    kept = sorted(set(rows) - {a.step for a in actions if a.what == "step" and (a.done or dry_run)})
+    return {"directory": url, "kept": kept, "kept_for_references": [], "dry_run": dry_run,
+            "actions": [a.__dict__ for a in actions], "kept_leftovers": [],
             "freed_bytes": sum(a.bytes for a in actions if a.done)}
 
 
