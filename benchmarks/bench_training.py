@@ -64,6 +64,18 @@ Full size (~106M params, ~1.3 GB checkpoint per save), from the repository root:
         --hidden 768 --layers 8 --seq 128 --batch 1 --iters 8 --every 1 --repeat 2 \\
         --dir ./bench-out/training --json bench-out/training.json
 
+With ``--persist-to s3`` a SeaweedFS S3 server (tests/_s3server.py) is started
+and the mode ``lazyckpt_persist`` runs after ``lazyckpt``: the same Checkpointer
+with ``persist_to="s3://<bucket>/run"`` (a fresh bucket per run; incremental
+off), so the table shows the same training with the local tier only and with
+the persistent tier draining in the background; "final drain s" then includes
+the drain to the store, and a line under the table gives the seconds from
+save() until each step was on the store (``stats()["tiers"]["persistent"]``)
+and how many steps the drain skipped as superseded by a newer one:
+
+    cd /work/main && HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_training.py \\
+        --modes none,lazyckpt --persist-to s3 --repeat 2 --alternate
+
 Tiny smoke run (< 60 s):
 
     cd /work/main && HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_training.py --quick
@@ -96,7 +108,8 @@ from lazyckpt.layout import tree_bytes  # noqa: E402
 
 MODES = ["none", "torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_proc",
          "torch_checkpointing", "lazyckpt", "lazyckpt_incr", "none#2"]
-VERIFIED = ("lazyckpt", "lazyckpt_incr", "torch_checkpointing")   # last checkpoint compared bit-exactly
+PERSIST_MODE = "lazyckpt_persist"   # only with --persist-to: lazyckpt + persist_to=
+VERIFIED = ("lazyckpt", "lazyckpt_incr", "torch_checkpointing", PERSIST_MODE)   # last checkpoint compared bit-exactly
 KEEP = 2
 
 
@@ -479,6 +492,27 @@ class Lazy(Saver):
         return self.ckpt.step_path(self.handles[-1].step)
 
 
+class LazyPersist(Lazy):
+    """Checkpointer(persist_to="s3://..."): committed locally, drained to the
+    object store in the background (--persist-to)."""
+    name = PERSIST_MODE
+
+    def __init__(self, directory, args):
+        Saver.__init__(self, directory, args)
+        server = args.s3_server
+        bucket = server.make_bucket()
+        self.ckpt = lazyckpt.Checkpointer(directory, keep_last=KEEP, host_cache_bytes=args.cache_mib << 20,
+                                          writer_threads=args.writer_threads,
+                                          persist_to=f"s3://{bucket}/run", storage_options=args.s3_options)
+        self.handles = []
+        self._t = 0.0
+
+    def finish(self):
+        super().finish()              # ckpt.wait(): every step committed locally and drained
+        self.extra["persisted_s"] = [h.persisted_s for h in self.handles]
+        self.extra["persist_state"] = [h.persist_state for h in self.handles]
+
+
 class LazyIncremental(Lazy):
     """Checkpointer(incremental=True): unchanged tensors (frozen parameters) are
     referred to in the step that holds them, not written again."""
@@ -488,7 +522,8 @@ class LazyIncremental(Lazy):
 
 SAVERS = {"torch_save": TorchSave, "dcp_save": DcpSave, "dcp_async": DcpAsync,
           "dcp_async_stager": DcpAsyncStager, "dcp_async_proc": DcpAsyncProcess,
-          "torch_checkpointing": TorchCheckpointing, "lazyckpt": Lazy, "lazyckpt_incr": LazyIncremental}
+          "torch_checkpointing": TorchCheckpointing, "lazyckpt": Lazy, "lazyckpt_incr": LazyIncremental,
+          PERSIST_MODE: LazyPersist}
 
 
 # ----------------------------------------------------------------------------- run
@@ -611,6 +646,41 @@ def aggregate(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def _persist_lines(results, summary, ratios) -> None:
+    """--persist-to: the same run with the local tier only and with the
+    persistent tier, per iteration (median, max) and per save (blocking, stall)."""
+    print(f"local only vs persist_to (per round, then the median over rounds; iterations after the first):")
+    for mode in ("none", "lazyckpt", PERSIST_MODE):
+        rounds = results.get(mode, {}).get("rounds")
+        if not rounds:
+            continue
+        it_med = statistics.median(statistics.median(r["iter_s"][1:]) for r in rounds)
+        it_max = statistics.median(max(r["iter_s"][1:]) for r in rounds)
+        line = f"  {mode:17s} iter median {it_med:.3f} s, max {it_max:.3f} s"
+        if mode != "none":
+            blk = [b for r in rounds for b in r["blocking_s"]]
+            stl = [x for r in rounds for x in r["stall_s"]]
+            line += (f"; blocking median {statistics.median(blk) * 1e3:.1f} ms, max {max(blk) * 1e3:.1f} ms; "
+                     f"stall median {statistics.median(stl) * 1e3:.2f} ms, max {max(stl) * 1e3:.2f} ms; "
+                     f"final drain {statistics.median(r['drain_s'] for r in rounds):.2f} s")
+        print(line)
+    rounds = results[PERSIST_MODE]["rounds"]
+    persisted = [x for r in rounds for x in r.get("persisted_s", []) if x is not None]
+    states = [x for r in rounds for x in r.get("persist_state", [])]
+    superseded = sum(1 for x in states if x and x.startswith("superseded"))
+    local = [x for r in rounds for x in r.get("durable_s", []) if x is not None]
+    print(f"  {PERSIST_MODE}: {len(states)} saves, {len(persisted)} uploaded, {superseded} superseded in the "
+          f"drain queue by a newer step; save() -> local commit median {statistics.median(local):.2f} s, "
+          f"-> on the store median {statistics.median(persisted) if persisted else float('nan'):.2f} s "
+          f"(max {max(persisted) if persisted else float('nan'):.2f} s)")
+    a, b = summary.get("lazyckpt"), summary.get(PERSIST_MODE)
+    if a and b:
+        ratios[f"iter_{PERSIST_MODE}/lazyckpt"] = b["iter_s"] / a["iter_s"]
+        print(f"  s/iter {PERSIST_MODE} / lazyckpt: {b['iter_s'] / a['iter_s']:.3f}; blocking "
+              f"{b['blocking_s'] * 1e3:.1f} vs {a['blocking_s'] * 1e3:.1f} ms; stall "
+              f"{(b['stall_s'] or 0) * 1e3:.2f} vs {(a['stall_s'] or 0) * 1e3:.2f} ms per step")
+
+
 def fmt(v: Optional[float], spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -641,6 +711,9 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the last checkpoints of each mode")
     p.add_argument("--alternate", action="store_true",
                    help="reverse the order of the checkpointing modes every other round (ABBA)")
+    p.add_argument("--persist-to", choices=["s3"], default=None,
+                   help="also run lazyckpt with persist_to= an S3 bucket on a SeaweedFS server started "
+                        f"here (mode {PERSIST_MODE}, right after lazyckpt)")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: hidden 128, 2 layers, seq 32, vocab 1000, 4 iters")
     args = p.parse_args()
@@ -648,9 +721,13 @@ def main() -> None:
         args.hidden, args.layers, args.seq, args.vocab, args.iters = 128, 2, 32, 1000, 4
         args.cache_mib = min(args.cache_mib, 4)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES + ([PERSIST_MODE] if args.persist_to else [])]
     if bad:
-        p.error(f"unknown modes {bad}; choose from {MODES}")
+        p.error(f"unknown modes {bad}; choose from {MODES}"
+                + (f" + {PERSIST_MODE}" if args.persist_to else f" ({PERSIST_MODE} needs --persist-to)"))
+    if args.persist_to and PERSIST_MODE not in modes:
+        at = modes.index("lazyckpt") + 1 if "lazyckpt" in modes else len(modes)
+        modes.insert(at, PERSIST_MODE)
     if args.repeat < 1 or args.iters < 2 or args.every < 1 or args.every > args.iters:
         p.error("need --repeat >= 1, --iters >= 2 and 1 <= --every <= --iters")
     os.makedirs(args.dir, exist_ok=True)
@@ -659,6 +736,33 @@ def main() -> None:
     import logging
     logging.getLogger().setLevel(logging.WARNING)
 
+    with contextlib.ExitStack() as stack:
+        if args.persist_to:
+            stack.enter_context(_s3_server(args))
+        _main(args, modes)
+
+
+@contextlib.contextmanager
+def _s3_server(args):
+    """A SeaweedFS S3 server for --persist-to s3 (args.s3_server, args.s3_options)."""
+    import shutil
+    import tempfile
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from _s3server import SeaweedServer
+    tmp = tempfile.mkdtemp(prefix="bench-training-s3-", dir=args.dir)
+    try:
+        with SeaweedServer(tmp) as server:
+            args.s3_server = server
+            args.s3_options = {"endpoint_url": server.endpoint, "access_key_id": server.access_key,
+                               "secret_access_key": server.secret_key, "region": server.region}
+            print(f"persistent tier: SeaweedFS S3 at {server.endpoint} (same machine, data under {tmp})")
+            yield server
+    finally:
+        args.s3_server = args.s3_options = None
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _main(args, modes) -> None:
     model, opt, batches = build(args)
     n_params = sum(p.numel() for p in model.parameters())
     # What changes at every step: trainable parameters, their two AdamW moments, the step counters.
@@ -755,6 +859,8 @@ def main() -> None:
               f"AdamW state) are {changed / 1e6:.1f} MB, + 1% of a full checkpoint = "
               f"{(changed + 0.01 * full['bytes']) / 1e6:.1f} MB; durable {ratios['durable_full/incr']:.2f}x "
               f"sooner; blocking {inc['blocking_s'] * 1e3:.1f} vs {full['blocking_s'] * 1e3:.1f} ms")
+    if args.persist_to and "rounds" in results.get(PERSIST_MODE, {}):
+        _persist_lines(results, summary, ratios)
     losses = {m: r["losses"] for m, r in results.items() if "losses" in r}
     same_loss = len({x for v in losses.values() for x in v}) <= 1
     print(f"final losses identical across modes: {'yes' if same_loss else 'NO ' + json.dumps(losses)}")
@@ -775,7 +881,8 @@ def main() -> None:
         if tc.get(key):
             print(f"torch_checkpointing {key}: {tc[key]}")
 
-    blob = {"machine": machine_line(), "config": {k: v for k, v in vars(args).items()},
+    blob = {"machine": machine_line(),
+            "config": {k: v for k, v in vars(args).items() if k not in ("s3_server", "s3_options")},
             "params": n_params, "checkpoint_bytes_est": ckpt_bytes, "summary": summary,
             "ratios": ratios, "verify": verify, "same_final_loss": same_loss, "raw": results}
     emit_json(blob, args.json, default=float)
