@@ -139,8 +139,11 @@ def test_object_store_saves_supersede_and_ignore_uncommitted_prefixes(s3env, s3_
         _equal(ck.load(), _state(10, 1000))
         # Young leftovers may be a save in progress: kept; old ones are cleaned.
         assert any("deadbeef" in k for k in _objects(s3env, s3_bucket))
+        # A dead writer's open multipart upload is aborted too.
+        client.create_multipart_upload(Bucket=s3_bucket, Key="run/step_0000000011/cafe/rank_00000.lzc")
         assert ck.layout.clean_leftovers(expiry_s=0)
         assert not any("deadbeef" in k for k in _objects(s3env, s3_bucket))
+        assert _open_uploads(s3env, s3_bucket) == []
 
 
 def test_failed_object_store_save_leaves_nothing_and_keeps_the_previous(s3env, s3_bucket):
@@ -360,3 +363,96 @@ def test_server_killed_mid_drain(s3_server, s3_bucket, tmp_path):
             s3_server.restart()
         ck.close()
     _equal(lazyckpt.load(url, storage_options=opts), state)
+
+
+# ---------------------------------------------------------------------- several ranks
+
+def _rank_state(rank, step):
+    return {"w": torch.full((300_000,), float(rank * 100 + step)), "rank": rank, "step": step}
+
+
+def _two_ranks_persist(rank, world, local, url, opts):
+    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts, keep_last=1,
+                               commit_timeout_s=60) as ck:
+        for step in range(3):
+            ck.save(_rank_state(rank, step), step)
+        ck.wait()
+        return ck.persistent.dir.steps()
+
+
+def _two_ranks_load(rank, world, local, url, opts):
+    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as ck:
+        out = ck.load()
+        return ck.loaded_from["tier"], out["rank"], out["step"], float(out["w"][0])
+
+
+def test_two_ranks_each_upload_their_file_and_the_coordinator_commits(s3_server, s3_bucket, tmp_path):
+    from _dist import run_ranks
+    url = f"s3://{s3_bucket}/dist"
+    opts = _options(s3_server)
+    local = str(tmp_path / "local")
+    results = run_ranks(2, _two_ranks_persist, local, url, opts, timeout=180)
+    assert results[0][-1] == 2 and results[1][-1] == 2        # the newest step reached the store
+    keys = _objects(s3_server, s3_bucket, "dist/step_0000000002/")
+    assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["manifest.json", "rank_00000.lzc", "rank_00001.lzc"]
+    shutil.rmtree(local)                       # every node replaced
+    loaded = run_ranks(2, _two_ranks_load, local, url, opts, timeout=180)
+    assert loaded == [("persistent", 0, 2, 2.0), ("persistent", 1, 2, 102.0)]
+
+
+def _rank_dies_mid_drain(rank, world, local, url, opts):
+    # Rank 1 uploads slowly and dies during its upload.
+    ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts, commit_timeout_s=8,
+                               persist_bandwidth=2e6 if rank == 1 else 0)
+    h = ck.save(_rank_state(rank, 5), 5)
+    h.wait()
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    try:
+        h.wait(persisted=True)
+        return "persisted"
+    except CheckpointError as exc:
+        return f"failed: {exc}"
+    finally:
+        ck.close(cancel=True)
+
+
+def test_a_rank_dying_mid_drain_leaves_no_persistent_step_and_the_local_commit(s3_server, s3_bucket, tmp_path):
+    from _dist import run_ranks
+    url = f"s3://{s3_bucket}/dies"
+    local = str(tmp_path / "local")
+    results = run_ranks(2, _rank_dies_mid_drain, local, url, _options(s3_server), timeout=120,
+                        allow_failure=True)
+    assert results[1] == ("died", 3)
+    status, message = results[0]
+    assert status == "ok" and message.startswith("failed:") and "timed out" in message, message
+    assert lazyckpt.tiers.ObjectCheckpointDir(url, lazyckpt.knobs.resolve(
+        storage_options=_options(s3_server))).steps() == []
+    assert sorted(os.listdir(os.path.join(local, "step_0000000005"))) == \
+        ["manifest.json", "rank_00000.lzc", "rank_00001.lzc"]
+    out = lazyckpt.load(os.path.join(local, "step_0000000005"))     # rank 0's state, committed locally
+    assert out["rank"] == 0 and out["step"] == 5
+
+
+def test_a_live_save_is_never_a_leftover(s3env, s3_bucket):
+    """A save whose first object is older than the lease expiry but whose
+    heartbeat is young (a long upload elsewhere in it) is kept; once its
+    heartbeat stops, it is a leftover, its open uploads aborted too."""
+    from lazyckpt.tiers import LEASE_PREFIX, ObjectCheckpointDir, ObjectLease
+    opts = lazyckpt.knobs.resolve()
+    d = ObjectCheckpointDir(f"s3://{s3_bucket}/run", opts)
+    client = s3env.client()
+    client.put_object(Bucket=s3_bucket, Key="run/step_0000000012/live/rank_00000.lzc", Body=b"x" * 10)
+    client.create_multipart_upload(Bucket=s3_bucket, Key="run/step_0000000012/live/rank_00001.lzc")
+    lease = ObjectLease(d.store, f"run/step_0000000012/live/{LEASE_PREFIX}00000", heartbeat_s=0.3)
+    try:
+        time.sleep(2.5)
+        assert d.clean_leftovers(expiry_s=2) == []
+        assert any("rank_00000" in k for k in _objects(s3env, s3_bucket))
+    finally:
+        lease.release()
+    time.sleep(2.5)
+    assert d.clean_leftovers(expiry_s=2) == [f"s3://{s3_bucket}/run/step_0000000012/live/"]
+    assert _objects(s3env, s3_bucket, "run/") == []
+    assert _open_uploads(s3env, s3_bucket) == []

@@ -250,7 +250,10 @@ class ObjectStepCommit(StepCommit):
         self.tmp = layout.save_url(step, self.save_id)
 
     def begin(self, job: Job) -> None:
-        pass
+        from .tiers import LEASE_PREFIX, ObjectLease
+        store, key = self._store()
+        # The heartbeat keeps clean_leftovers (any process) off this save's prefix.
+        job.leases.append(ObjectLease(store, f"{key}/{LEASE_PREFIX}{self.dist.rank:05d}", self.heartbeat_s))
 
     def part_path(self, job: Job, part: FilePart) -> str:
         return f"{self.tmp}/{rank_filename(self.dist.rank)}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +39,8 @@ from typing import Any, Callable, Dict, List
 from .errors import CheckpointError
 
 _instances: Dict[str, int] = {}
+#: Longest single blocking store request (see RankInfo.wait_for).
+WAIT_SLICE_S = 0.25
 
 
 @dataclass
@@ -64,19 +67,31 @@ class RankInfo:
     def wait_for(self, keys: List[str], what: str, step: Any) -> Dict[str, Dict[str, Any]]:
         """Wait (bounded by ``timeout_s``) until every key is set; return their values.
 
-        One blocking ``store.wait`` for all keys: the store answers when the last
-        one arrives, so the coordinator sends O(1) requests, not a poll per rank.
+        Blocking ``store.wait`` calls for all keys at once: the store answers
+        when the last one arrives, so the coordinator sends O(1) requests per
+        slice, not a poll per rank. Slices of ``WAIT_SLICE_S``: a store client
+        serializes its requests, and one long wait would hold up every other
+        thread of this process using the store (the commit of the next save
+        and the persistent tier's drain wait for each other's keys).
         """
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception as exc:        # the store raises on timeout (its own error types)
-            missing = [k for k in keys if not self.store.check([k])]
-            if not missing:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            t0 = time.monotonic()
+            left = deadline - t0
+            try:
+                self.store.wait(keys, timedelta(seconds=max(0.001, min(WAIT_SLICE_S, left))))
                 return self._get_all(keys)
-            raise CheckpointError(f"{_what(step)}: timed out after {self.timeout_s:.0f} s waiting for "
-                                  f"{what} ({len(missing)} of {len(keys)} missing: {missing[:4]}); "
-                                  f"a rank may have died ({type(exc).__name__})", step=_step(step)) from None
-        return self._get_all(keys)
+            except Exception as exc:    # the store raises on timeout (its own error types)
+                if time.monotonic() < deadline:
+                    # An immediate failure (not a timeout) must not become a busy loop.
+                    time.sleep(max(0.0, WAIT_SLICE_S / 4 - (time.monotonic() - t0)))
+                    continue
+                missing = [k for k in keys if not self.store.check([k])]
+                if not missing:
+                    return self._get_all(keys)
+                raise CheckpointError(f"{_what(step)}: timed out after {self.timeout_s:.0f} s waiting for "
+                                      f"{what} ({len(missing)} of {len(keys)} missing: {missing[:4]}); "
+                                      f"a rank may have died ({type(exc).__name__})", step=_step(step)) from None
 
     def _get_all(self, keys: List[str]) -> Dict[str, Dict[str, Any]]:
         raw = self.store.multi_get(keys) if hasattr(self.store, "multi_get") else \

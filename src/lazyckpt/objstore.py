@@ -251,19 +251,22 @@ class ObjectStore:
                 raise CheckpointError(f"{self.url(first.get('Key', ''))}: delete refused: "
                                       f"{first.get('Code')} {first.get('Message')}", path=self.url(keys[i]))
 
-    def abort_uploads(self, prefix: str) -> int:
-        """Abort every multipart upload still open under ``prefix`` (a crashed
-        writer's); returns how many."""
-        n = 0
+    def uploads(self, prefix: str) -> Iterator[Dict[str, Any]]:
+        """Open multipart uploads under ``prefix`` (``Key``, ``UploadId``, ``Initiated``)."""
         try:
             for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
                                                                                    Prefix=prefix):
-                for up in page.get("Uploads", []):
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
-                    n += 1
+                yield from page.get("Uploads", [])
         except Exception as exc:
-            raise self.error(exc, prefix, "aborting uploads") from exc
-        return n
+            raise self.error(exc, prefix, "listing uploads") from exc
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except Exception as exc:
+            err = self.error(exc, key, "aborting an upload")
+            if not isinstance(err, CheckpointNotFoundError):
+                raise err from exc
 
 
 def _error_code(exc: BaseException) -> Tuple[Optional[str], Optional[int]]:

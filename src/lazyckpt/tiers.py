@@ -41,6 +41,41 @@ _COMMITTED = re.compile(r"^step_(\d{10})/([^/]+)/" + re.escape(MANIFEST) + "$")
 _SAVE_KEY = re.compile(r"^step_(\d{10})/([^/]+)/")
 
 
+LEASE_PREFIX = ".lease-"
+
+
+class ObjectLease:
+    """A save in progress on an object store: a small heartbeat object under
+    its prefix, rewritten every ``heartbeat_s`` on a thread of its own (a slow
+    or unreachable store must not delay the local leases' keeper). A prefix
+    whose newest object and newest open upload are both older than the lease
+    expiry is dead; a live save keeps its heartbeat young even while one of
+    its uploads runs for longer than that. ``release()`` deletes it."""
+
+    def __init__(self, store: Any, key: str, heartbeat_s: float):
+        self.store, self.key, self.heartbeat_s = store, key, heartbeat_s
+        self._stop = threading.Event()
+        self.store.put(self.key, b"")
+        self._thread = threading.Thread(target=self._run, name="lazyckpt-object-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.store.put(self.key, b"")
+            except CheckpointError as exc:      # the save itself will meet the same problem
+                log.debug("lazyckpt: heartbeat %s failed: %s", self.key, exc)
+
+    def release(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self.store.delete([self.key])
+        except CheckpointError:
+            pass                                # expires by age; retention deletes it with its prefix
+
+
 class ObjectCheckpointDir:
     """A directory of committed steps on an object store (the layout above)."""
 
@@ -142,37 +177,54 @@ class ObjectCheckpointDir:
     # ---------------------------------------------------------------- leftovers
 
     def leftovers(self, expiry_s: Optional[float] = None) -> List[Tuple[str, int, float]]:
-        """Save prefixes without a manifest whose newest object is older than the
-        lease expiry: (prefix, bytes, age in seconds). Younger ones may be a save
-        in progress and are never listed."""
+        """Save prefixes without a manifest that are provably dead: their newest
+        object (the heartbeat included) and their newest open multipart upload
+        are older than the lease expiry. (prefix key, bytes, age in seconds)."""
         expiry = self.options.lease_expiry_s if expiry_s is None else expiry_s
         groups: Dict[str, List[Any]] = {}
+        uploads: Dict[str, List[Any]] = {}
         committed = set()
         for obj in self.store.list(self._key("")):
-            rel = self._relative(obj["Key"])
-            m = _SAVE_KEY.match(rel)
-            if not m:
+            prefix = self._save_prefix(obj["Key"])
+            if prefix is None:
                 continue
-            prefix = self._key(step_dirname(int(m.group(1))), m.group(2)) + "/"
-            if _COMMITTED.match(rel):
+            if _COMMITTED.match(self._relative(obj["Key"])):
                 committed.add(prefix)
             groups.setdefault(prefix, []).append(obj)
+        for up in self.store.uploads(self._key("")):
+            prefix = self._save_prefix(up["Key"])
+            if prefix is not None:
+                uploads.setdefault(prefix, []).append(up)
         now = datetime.now(timezone.utc)
         out = []
-        for prefix, objs in groups.items():
+        for prefix in set(groups) | set(uploads):
             if prefix in committed:
                 continue
-            age = min((now - o["LastModified"]).total_seconds() for o in objs)
+            times = [o["LastModified"] for o in groups.get(prefix, [])] + \
+                    [u["Initiated"] for u in uploads.get(prefix, [])]
+            age = min((now - t).total_seconds() for t in times)
             if age > expiry:
-                out.append((prefix, sum(o["Size"] for o in objs), age))
+                out.append((prefix, sum(o["Size"] for o in groups.get(prefix, [])), age))
         return out
 
+    def _save_prefix(self, key: str) -> Optional[str]:
+        m = _SAVE_KEY.match(self._relative(key))
+        return self._key(step_dirname(int(m.group(1))), m.group(2)) + "/" if m else None
+
     def clean_leftovers(self, expiry_s: Optional[float] = None) -> List[str]:
+        """Delete dead saves' prefixes and abort their open uploads (never a
+        save whose heartbeat or upload is younger than the lease expiry)."""
         removed = []
         for prefix, _, _ in self.leftovers(expiry_s):
+            for up in self.store.uploads(prefix):
+                self.store.abort_upload(up["Key"], up["UploadId"])
             self.store.delete([o["Key"] for o in self.store.list(prefix)])
             removed.append(self.store.url(prefix))
         return removed
+
+
+def store_key(url: str) -> str:
+    return ObjectURL.parse(url).key
 
 
 def read_manifest(step_url: str, options: Options) -> Dict[str, Any]:
@@ -377,7 +429,11 @@ class PersistentTier:
             with self._cond:
                 call = max(x.call for x in self._pending)
         item = self._take(call)
+        lease = None
         try:
+            save_url = self.dir.save_url(item.step, item.save_id)
+            lease = ObjectLease(self.dir.store, f"{store_key(save_url)}/{LEASE_PREFIX}{d.rank:05d}",
+                                self.options.lease_heartbeat_s)
             local = os.path.join(item.local_path, rank_filename(d.rank))
             remote = f"{self.dir.save_url(item.step, item.save_id)}/{rank_filename(d.rank)}"
             report: Dict[str, Any] = {"ok": True, "step": item.step}
@@ -422,6 +478,8 @@ class PersistentTier:
             raise error
         finally:
             item.hold.close()
+            if lease is not None:
+                lease.release()
 
     # ---------------------------------------------------------------- waiting
 
