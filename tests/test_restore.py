@@ -138,3 +138,46 @@ def test_a_restore_in_flight_is_finished_before_the_interpreter_exits(tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "restore done at exit: True" in r.stdout, r.stdout + r.stderr
+
+
+class _CopyRecorder(torch.Tensor):
+    """A tensor of into= that records which thread copied into it."""
+    threads: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            cls.threads.append(threading.current_thread().name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_into_tensors_are_filled_as_their_bytes_arrive(tmp_path):
+    """Each tensor of into= is copied on a reader thread right after its own
+    entry was read and verified, not after the whole load on the caller's."""
+    state = {f"t{i}": torch.randn(40_000) for i in range(8)}
+    path = tmp_path / "s.lzc"
+    lazyckpt.save(state, path, chunk_bytes=64 << 10)
+    _CopyRecorder.threads = []
+    into = {k: torch.zeros(40_000).as_subclass(_CopyRecorder) for k in state}
+    out = lazyckpt.load(path, into=into, chunk_bytes=64 << 10)
+    assert out is into
+    assert all(torch.equal(into[k].as_subclass(torch.Tensor), state[k]) for k in state)
+    assert len(_CopyRecorder.threads) == len(state)
+    assert all(name.startswith("lazyckpt-reader") for name in _CopyRecorder.threads), _CopyRecorder.threads
+
+
+def test_a_failed_streaming_fill_never_leaves_damaged_bytes(tmp_path):
+    """A block found corrupt fails the load; every tensor of into= then holds
+    either its old value or its checkpoint value, never bytes of the damaged block."""
+    state = {f"t{i}": torch.full((40_000,), float(i)) for i in range(8)}
+    path = tmp_path / "s.lzc"
+    lazyckpt.save(state, path, chunk_bytes=64 << 10)
+    with open(path, "r+b") as f:           # damage the last tensor's bytes
+        f.seek(4096 + 7 * 163840 + 100)
+        f.write(b"\x00\x01\x02\x03")
+    into = {k: torch.full((40_000,), -1.0) for k in state}
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="checksum"):
+        lazyckpt.load(path, into=into, chunk_bytes=64 << 10)
+    for k, t in into.items():
+        assert torch.equal(t, state[k]) or torch.equal(t, torch.full((40_000,), -1.0)), k
+    assert torch.equal(into["t7"], torch.full((40_000,), -1.0))

@@ -260,8 +260,25 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     sliced = _plain_into_dtensor(tree, into) if into is not None else {}
     needed = [e for e in referenced_entries(tree, skip=set(sliced)) if 0 <= e < len(f.entries)]
     local = [e for e in needed if f.entries[e].kind != "remote"]
-    storages.update(f.read_entries(local, pool))
-    kinds.update({e: f.entries[e].content_kind for e in local})
+    # into=: a tensor filled one to one is copied as soon as its entry is read
+    # and verified, on the reader threads, while later entries are still being
+    # read (and, for device targets, its host-to-device copy with them).
+    direct = _direct_fills(into, tree, ctx) if into is not None else {}
+    filled: Dict[int, Any] = {}
+
+    def fill_now(e: int, data: torch.UntypedStorage, kind: str) -> None:
+        if e not in direct:
+            return
+        storages[e], kinds[e] = data, kind
+        for node, target in direct[e]:
+            sub = LoadContext(entry_value=entry_value, storage=storage, allow_pickle=allow_pickle, path=path)
+            value = sub.decode(node)
+            with torch.no_grad():
+                target.copy_(value)
+            filled[id(node)] = target
+    kinds_of = {e: f.entries[e].content_kind for e in local}
+    storages.update(f.read_entries(local, pool, (lambda e, d: fill_now(e, d, kinds_of[e])) if direct else None))
+    kinds.update(kinds_of)
     remote: Dict[int, list] = {}
     for e in needed:
         if f.entries[e].kind == "remote":
@@ -276,7 +293,10 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
                 raise CorruptCheckpointError(f"{other.path}: does not hold entry {e} that "
                                              f"{path} says it holds", path=other.path, entry=str(e))
             kinds[e] = other.entries[e].content_kind
-        storages.update(other.read_entries(indices, pool))
+        storages.update(other.read_entries(indices, pool, (lambda e, d, o=other: fill_now(
+            e, d, o.entries[e].content_kind)) if direct else None))
+    for node_id, target in filled.items():
+        ctx.overrides[node_id] = lambda node, c, target=target: target
     if step is not None:
         ctx.dtensor_loader = step.dtensor_loader(into, pool, mapper)
     for node_id, target in sliced.items():
@@ -569,6 +589,44 @@ def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
     return load
 
 
+def _direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tuple]]:
+    """The tensors of ``into`` that a plain tensor node fills one to one (the
+    same path as :func:`fill_into` follows, the same dtype and shape, not a
+    DTensor): entry -> [(node, target)]. Anything else is left to the full
+    decode and ``fill_into``, which also raise the mismatches."""
+    from .providers import dtype_from_name
+    out: Dict[int, List[tuple]] = {}
+    stack = [(into, tree)]
+    while stack:
+        dst, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        tag = node.get("$")
+        if tag == "dict" and isinstance(dst, dict):
+            keys, values = node.get("k"), node.get("v")
+            if not isinstance(keys, list) or not isinstance(values, list) or len(keys) != len(values):
+                continue
+            for k, v in zip(keys, values):
+                try:
+                    key = ctx.decode(k)
+                    if key in dst:
+                        stack.append((dst[key], v))
+                except (CheckpointError, TypeError):     # the full decode reports it
+                    continue
+        elif tag == "seq" and node.get("t") == "list" and isinstance(dst, list) \
+                and isinstance(node.get("v"), list) and len(dst) == len(node["v"]):
+            stack.extend(zip(dst, node["v"]))
+        elif tag == "tensor" and type(node.get("e")) is int and isinstance(dst, torch.Tensor) \
+                and not _is_dtensor(dst) and node.get("shape") == list(dst.shape):
+            try:
+                same_dtype = dtype_from_name(node.get("dtype"), ctx) == dst.dtype
+            except CheckpointError:
+                continue
+            if same_dtype:
+                out.setdefault(node["e"], []).append((node, dst))
+    return out
+
+
 def _dtensor_targets(into: Any) -> Dict[str, Any]:
     """DTensors in ``into`` by key path (as the loader names them)."""
     from .providers import _dtensor_type
@@ -601,6 +659,8 @@ def fill_into(dst: Any, src: Any, path: str, trail: str = "") -> Any:
             dst[i] = fill_into(dst[i], value, path, f"{trail}/{i}")
         return dst
     if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        if src is dst:                  # filled as its bytes arrived (_direct_fills)
+            return dst
         if _is_dtensor(dst) and _is_dtensor(src):
             with torch.no_grad():
                 dst.to_local().copy_(src.to_local())

@@ -106,9 +106,13 @@ class CheckpointFile:
         except OSError as exc:
             raise self.read_error(exc) from exc
 
-    def read_entries(self, indices: Iterable[int], pool: cf.ThreadPoolExecutor
+    def read_entries(self, indices: Iterable[int], pool: cf.ThreadPoolExecutor,
+                     on_entry: Optional[Callable[[int, torch.UntypedStorage], None]] = None
                      ) -> Dict[int, torch.UntypedStorage]:
-        """Read (and verify) the given entries in parallel."""
+        """Read (and verify) the given entries in parallel. ``on_entry(index,
+        storage)`` is called, on a reader thread, as soon as an entry's bytes
+        are read and every block of it verified (per run of adjacent entries),
+        while other runs are still being read; its errors fail the read."""
         wanted = set(indices)
         for i in wanted:
             if type(i) is not int or not 0 <= i < len(self.entries):
@@ -118,11 +122,16 @@ class CheckpointFile:
         referred = [i for i in wanted if self.entries[i].kind == "ref"]
         if referred:
             out.update(self._read_referred(referred, pool))
+            if on_entry is not None:
+                for i in referred:
+                    on_entry(i, out[i])
         wanted = sorted((i for i in wanted if self.entries[i].kind != "ref"), key=lambda i: self.entries[i].offset)
         runs = self._plan_runs([i for i in wanted if self.entries[i].length > 0])
         for i in wanted:
             if self.entries[i].length == 0:
                 out[i] = torch.UntypedStorage(0)
+                if on_entry is not None:
+                    on_entry(i, out[i])
         if not runs:
             return out
         fd = self._open_input()
@@ -134,15 +143,20 @@ class CheckpointFile:
                 end = self.entries[run[-1]].offset + self.entries[run[-1]].length
                 buf = anonymous_buffer(fmt.align_up(end - start))
                 view = memoryview(buf)
-                # One read per checksum block: each piece is read and verified by one
-                # thread while other threads read the next pieces.
-                for lo, hi in fmt.block_spans(start, end - start, block):
-                    jobs.append(pool.submit(self._read_block, fd, view, start, lo, hi,
-                                            [self.entries[i] for i in run]))
                 for i in run:
                     e = self.entries[i]
                     piece = view[e.offset - start:e.offset - start + e.length]
                     out[i] = torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
+                spans = fmt.block_spans(start, end - start, block)
+                finished = _RunDone(len(spans), run, out, on_entry) if on_entry is not None else None
+                # One read per checksum block: each piece is read and verified by one
+                # thread while other threads read the next pieces.
+                for lo, hi in spans:
+                    jobs.append(pool.submit(self._read_block, fd, view, start, lo, hi,
+                                            [self.entries[i] for i in run], finished))
+            # Every job ends before this returns or raises: none may still be
+            # filling buffers (or, through on_entry, the caller's tensors) after.
+            cf.wait(jobs)
             for job in jobs:
                 job.result()
         finally:
@@ -180,7 +194,7 @@ class CheckpointFile:
         return mine.get("save_id") if isinstance(mine, dict) else None
 
     def _read_block(self, fd: InputFile, view: memoryview, run_start: int, lo: int, hi: int,
-                    entries: List[fmt.Entry]) -> None:
+                    entries: List[fmt.Entry], finished: Optional["_RunDone"] = None) -> None:
         """Read file range [lo, hi) of a run (padded to whole pages) and verify the
         checksums of the entry pieces inside it."""
         a, b = lo - run_start, min(fmt.align_up(hi) - run_start, len(view))
@@ -192,6 +206,8 @@ class CheckpointFile:
             raise CorruptCheckpointError(f"{self.path}: truncated file (wanted {hi - lo} bytes at "
                                          f"offset {lo}, got {got})", path=self.path)
         if not self.options.verify_checksums:
+            if finished is not None:
+                finished.block_done()
             return
         block = self.footer.block_bytes
         for e in entries:
@@ -203,6 +219,8 @@ class CheckpointFile:
                 raise CorruptCheckpointError(
                     f"{self.path}: checksum mismatch in entry {e.name!r} at file offset {s} "
                     f"(data damaged)", path=self.path, entry=e.name)
+        if finished is not None:
+            finished.block_done()
 
     def _plan_runs(self, indices: List[int]) -> List[List[int]]:
         """Group entries that sit next to each other in the file into one read."""
@@ -254,6 +272,25 @@ class CheckpointFile:
 
     def verify_all(self, pool: cf.ThreadPoolExecutor) -> None:
         self.read_entries(range(len(self.entries)), pool)
+
+
+class _RunDone:
+    """Counts a run's verified blocks; the thread finishing the last one hands
+    the run's entries to ``on_entry``."""
+
+    def __init__(self, blocks: int, run: List[int], out: Dict[int, torch.UntypedStorage],
+                 on_entry: Callable[[int, torch.UntypedStorage], None]):
+        self._left = blocks
+        self._lock = threading.Lock()
+        self.run, self.out, self.on_entry = run, out, on_entry
+
+    def block_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            for i in self.run:
+                self.on_entry(i, self.out[i])
 
 
 class RefResolver:

@@ -8,6 +8,15 @@ the parallel block reads, their checksum verification and, with a
 ``map_location`` device, the host-to-device copies all run there -- and
 return a :class:`RestoreHandle`.
 
+With ``into=``, each tensor is filled as soon as its own entry has been read
+and every block of it verified, on the reader thread that finished it,
+while later entries are still being read (a device target gets its
+host-to-device copy there too, so those copies overlap the reads). If the
+load fails part way (a damaged block found late), every tensor of ``into``
+holds either its previous value or its checkpoint value -- never bytes
+that failed their checksum -- and the error names the damage; restore
+again from another step or copy before training.
+
 There is one barrier, before first use: ``handle.wait()`` returns the state
 (``into`` itself when given) or raises the load's error. With ``into=``, the
 tensors being filled must not be used before it; ``handle.attach(optimizer)``
