@@ -106,6 +106,7 @@ class StepCommit(CommitStrategy):
         self._reported = False
         self.incremental = incremental
         self._plan: Optional[Plan] = None
+        self._keyset: Optional[str] = None
         #: Called with (handle, self) once the step is committed (the persistent tier's enqueue).
         self.on_committed: Optional[Callable[[Any, "StepCommit"], None]] = None
 
@@ -122,6 +123,10 @@ class StepCommit(CommitStrategy):
         """Incremental: refer to the unchanged storages of the last committed step,
         holding a read lock on every step referred to until this one is
         committed (so no prune anywhere deletes it in between)."""
+        if self.dist.distributed:
+            # Which keys this rank holds (a digest): ranks that hold different keys
+            # (pipeline stages) are found by loaders through the manifest's keysets.
+            self._keyset = manifest.keyset_digest(part.flat.tree)
         if self.incremental is None:
             return
         sources = part.flat.sources
@@ -163,6 +168,7 @@ class StepCommit(CommitStrategy):
             self._reported = True
             self._commit({0: report})
             return
+        report["keyset"] = self._keyset
         if flat_shards:
             # The store refuses large values (about 8 MiB): shard geometry travels
             # through a side file in the temporary directory instead.

@@ -225,8 +225,21 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
 
     ctx = LoadContext(entry_value=entry_value, storage=storage, allow_pickle=allow_pickle, path=path)
     tree = f.footer.tree
+    graft: Dict[int, Tuple[CheckpointFile, int]] = {}
     if keys is not None:
         keys = _normalize_keys(keys)
+    if step is not None and (into is not None or keys is not None):
+        try:
+            tree = _graft_missing(tree, f, step, into, keys, ctx, graft)
+            if graft and into is not None:
+                # A re-partitioned load: this rank's own saved keys that into= lacks
+                # belong to another rank now; load into='s keys only.
+                tree = _restrict(tree, into, ctx)
+        except CheckpointError:
+            raise
+        except Exception as exc:     # a hostile tree
+            raise ctx.corrupt(f"{type(exc).__name__} while looking up keys on other ranks: {exc}") from None
+    if keys is not None:
         try:
             tree = select(tree, keys, ctx)
         except CheckpointError:
@@ -258,7 +271,10 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     # Plain saved tensors loaded into DTensors of into= (a checkpoint from one
     # process resumed sharded): each rank reads only its own rows of them.
     sliced = _plain_into_dtensor(tree, into) if into is not None else {}
-    needed = [e for e in referenced_entries(tree, skip=set(sliced)) if 0 <= e < len(f.entries)]
+    if graft:
+        sliced = {i: t for i, t in sliced.items() if not _grafted_node(tree, i)}
+    referenced = referenced_entries(tree, skip=set(sliced))
+    needed = [e for e in referenced if 0 <= e < len(f.entries)]
     local = [e for e in needed if f.entries[e].kind != "remote"]
     # into=: a tensor filled one to one is copied as soon as its entry is read
     # and verified, on the reader threads, while later entries are still being
@@ -295,6 +311,30 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
             kinds[e] = other.entries[e].content_kind
         storages.update(other.read_entries(indices, pool, (lambda e, d, o=other: fill_now(
             e, d, o.entries[e].content_kind)) if direct else None))
+    # Entries of keys grafted from other ranks' trees (pipeline stages).
+    by_holder: Dict[int, Tuple[CheckpointFile, List[Tuple[int, int]]]] = {}
+    for syn in sorted(e for e in referenced if e in graft):
+        other, e = graft[syn]
+        holder = other
+        if other.entries[e].kind == "remote":
+            holder = step.file(other.entries[e].rank)
+            if e >= len(holder.entries) or holder.entries[e].kind == "remote":
+                raise CorruptCheckpointError(f"{holder.path}: does not hold entry {e} that {other.path} "
+                                             f"says it holds", path=holder.path, entry=str(e))
+        by_holder.setdefault(id(holder), (holder, []))[1].append((syn, e))
+    for holder, pairs in by_holder.values():
+        to_syn: Dict[int, List[int]] = {}
+        for syn, e in pairs:
+            to_syn.setdefault(e, []).append(syn)
+
+        def arrived(e: int, data: torch.UntypedStorage, holder: CheckpointFile = holder,
+                    to_syn: Dict[int, List[int]] = to_syn) -> None:
+            for syn in to_syn[e]:
+                fill_now(syn, data, holder.entries[e].content_kind)
+        got = holder.read_entries(list(to_syn), pool, arrived if direct else None)
+        for e, syns in to_syn.items():
+            for syn in syns:
+                storages[syn], kinds[syn] = got[e], holder.entries[e].content_kind
     for node_id, target in filled.items():
         ctx.overrides[node_id] = lambda node, c, target=target: target
     if step is not None:
@@ -326,6 +366,10 @@ def unfilled_tensors(into: Any, tree: Any, ctx: LoadContext, keys: Optional[list
     """Paths ("a/b/c") of the tensors of ``into`` that ``tree`` holds no value
     for, following the rules of :func:`fill_into`; with ``keys``, only under
     the selected key paths."""
+    return sorted("/".join(map(str, t)) or "<root>" for t in _unfilled_trails(into, tree, ctx, keys))
+
+
+def _unfilled_trails(into: Any, tree: Any, ctx: LoadContext, keys: Optional[list] = None) -> List[tuple]:
     roots = [((), into, tree)]
     if keys is not None:
         roots = []
@@ -344,7 +388,7 @@ def unfilled_tensors(into: Any, tree: Any, ctx: LoadContext, keys: Optional[list
         trail, dst, node = stack.pop()
         if isinstance(dst, torch.Tensor):
             if node is _ABSENT:
-                missing.append("/".join(map(str, trail)) or "<root>")
+                missing.append(trail)
         elif isinstance(dst, dict):
             if node is not _ABSENT and not _is_tag(node, "dict"):
                 continue                        # replaced by the checkpoint's value
@@ -357,11 +401,112 @@ def unfilled_tensors(into: Any, tree: Any, ctx: LoadContext, keys: Optional[list
             if node is not _ABSENT and len(items) != len(dst):
                 continue                        # fill_into replaces a list of another length
             stack.extend((trail + (i,), v, items[i] if i < len(items) else _ABSENT) for i, v in enumerate(dst))
-    return sorted(missing)
+    return missing
 
 
 def _is_tag(node: Any, tag: str) -> bool:
     return isinstance(node, dict) and node.get("$") == tag
+
+
+#: Entry ids of nodes grafted from another rank's tree start here (far above any real index).
+GRAFT_BASE = 1 << 48
+
+
+def _graft_missing(tree: Any, f: CheckpointFile, step: "StepFiles", into: Any, keys: Optional[list],
+                   ctx: LoadContext, graft: Dict[int, Tuple[CheckpointFile, int]]) -> Any:
+    """Any key from any rank: what ``into=`` or ``keys=`` asks for and this
+    rank's saved tree lacks (state split by pipeline stage, re-partitioned)
+    is looked up in the trees of the ranks that hold other keys (one per
+    keyset of the manifest) and grafted in; its entries get ids from
+    GRAFT_BASE, mapped in ``graft`` to (that rank's file, its entry)."""
+    holders = [r for r in step.key_holders(f)]
+    if not holders:
+        return tree
+    wanted = [tuple(k) for k in keys] if keys is not None else []
+    if into is not None:
+        wanted += _unfilled_trails(into, tree, ctx, keys)
+    missing = [p for p in wanted if _lookup(tree, p, ctx) is _ABSENT]
+    for rank in holders:
+        if not missing:
+            break
+        other = step.file(rank)
+        still = []
+        for path in missing:
+            grafted = _graft(tree, other.footer.tree, path, ctx, other, graft, {})
+            if grafted is None:
+                still.append(path)
+            else:
+                tree = grafted
+        missing = still
+    return tree
+
+
+def _restrict(node: Any, dst: Any, ctx: LoadContext) -> Any:
+    """``node`` without the dict keys ``dst`` does not have (recursively)."""
+    if not (isinstance(dst, dict) and _is_tag(node, "dict")):
+        return node
+    keep_k, keep_v = [], []
+    for k, v in zip(node["k"], node["v"]):
+        key = ctx.decode(k)
+        if key in dst:
+            keep_k.append(k)
+            keep_v.append(_restrict(v, dst[key], ctx))
+    return dict(node, k=keep_k, v=keep_v)
+
+
+def _lookup(node: Any, path: tuple, ctx: LoadContext) -> Any:
+    for key in path:
+        if _is_tag(node, "seq") and type(key) is int and isinstance(node.get("v"), list) \
+                and 0 <= key < len(node["v"]):
+            node = node["v"][key]
+            continue
+        node = _dict_children(node, ctx).get(key, _ABSENT) if _is_tag(node, "dict") else _ABSENT
+        if node is _ABSENT:
+            return _ABSENT
+    return node
+
+
+def _graft(node: Any, other_node: Any, path: tuple, ctx: LoadContext, other: CheckpointFile,
+           graft: Dict[int, Tuple[CheckpointFile, int]], memo: Dict[int, int]) -> Any:
+    """A copy of ``node`` with the first key of ``path`` it lacks (and all
+    below it) taken from ``other_node``; None if ``other_node`` lacks it too."""
+    if not path or not _is_tag(node, "dict") or not _is_tag(other_node, "dict"):
+        return None
+    theirs = {ctx.decode(k): (k, v) for k, v in zip(other_node["k"], other_node["v"])}
+    key = path[0]
+    if key not in theirs:
+        return None
+    out = dict(node, k=list(node["k"]), v=list(node["v"]))
+    mine = [ctx.decode(k) for k in node["k"]]
+    if key in mine:
+        below = _graft(node["v"][mine.index(key)], theirs[key][1], path[1:], ctx, other, graft, memo)
+        if below is None:
+            return None
+        out["v"][mine.index(key)] = below
+    else:
+        out["k"].append(theirs[key][0])
+        out["v"].append(_remap_entries(theirs[key][1], other, graft, memo))
+    return out
+
+
+def _remap_entries(node: Any, other: CheckpointFile, graft: Dict[int, Tuple[CheckpointFile, int]],
+                   memo: Dict[int, int]) -> Any:
+    """A deep copy of ``node`` whose entry ids name ``other``'s entries through ``graft``
+    (one id per entry: storages shared inside the subtree stay shared)."""
+    if isinstance(node, list):
+        return [_remap_entries(v, other, graft, memo) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _remap_entries(v, other, graft, memo) for k, v in node.items() if k != "e"}
+    if "e" in node:
+        e = node["e"]
+        if type(e) is int:
+            if e not in memo:
+                memo[e] = GRAFT_BASE + len(graft)
+                graft[memo[e]] = (other, e)
+            e = memo[e]
+        out["e"] = e
+    return out
 
 
 def _dict_children(node: Any, ctx: LoadContext) -> Dict[Any, Any]:
@@ -385,6 +530,11 @@ class StepFiles:
         self.shards = manifest.get("shards", {})
         if not isinstance(self.shards, dict):
             raise CorruptCheckpointError(f"{path}: manifest shard index is not an object", path=path)
+
+    def key_holders(self, f: CheckpointFile) -> List[int]:
+        """Ranks whose trees may hold keys ``f``'s lacks (one per other keyset)."""
+        mine = next((r for r, g in self._open.items() if g is f), None)
+        return manifests.keyset_representatives(self.manifest, mine) if mine is not None else []
 
     def file(self, rank: int) -> CheckpointFile:
         if rank not in self._names:
@@ -587,6 +737,12 @@ def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
         return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
                                   shape=target.shape, stride=target.stride())
     return load
+
+
+def _grafted_node(tree: Any, node_id: int) -> bool:
+    from .tools import walk
+    return any(id(leaf.node) == node_id and type(leaf.node.get("e")) is int and leaf.node["e"] >= GRAFT_BASE
+               for leaf in walk(tree))
 
 
 def _direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tuple]]:

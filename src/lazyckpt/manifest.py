@@ -48,6 +48,9 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
         manifest["shards"] = index
     if replicated:
         manifest["replicated"] = [str(k) for k in replicated]
+    keysets = group_keysets(done)
+    if len(keysets) > 1:
+        manifest["keysets"] = keysets
     references = sorted({s for v in done.values() for s in v.get("references", [])})
     if references:
         # Incremental: the earlier steps whose files hold some of this step's
@@ -61,6 +64,62 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
         raise CheckpointError(f"step {step}: the manifest would be {len(raw)} bytes, over the loader's "
                               f"limit of {MAX_MANIFEST_BYTES}", step=step)
     return raw
+
+
+def keyset_digest(tree: Any) -> str:
+    """A digest of the key paths a rank's tree holds (not their values, shapes
+    or entries): equal on ranks that hold the same keys, such as the FSDP
+    shards of one model, different on pipeline stages."""
+    import hashlib
+    paths = []
+    stack = [(tree, "")]
+    while stack:
+        node, trail = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if node.get("$") == "dict" and isinstance(node.get("k"), list) and isinstance(node.get("v"), list):
+            for k, v in zip(node["k"], node["v"]):
+                stack.append((v, trail + "/" + json.dumps(k, sort_keys=True, separators=(",", ":"))))
+        elif node.get("$") == "seq" and isinstance(node.get("v"), list):
+            for i, v in enumerate(node["v"]):
+                stack.append((v, f"{trail}/[{i}]"))
+        else:
+            paths.append(trail)
+    return hashlib.sha1("\n".join(sorted(paths)).encode()).hexdigest()[:16]
+
+
+def group_keysets(done: Dict[int, Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Ranks grouped by the keys they hold: [{"digest", "ranks": [[first, last], ...]}],
+    O(groups + runs of ranks), not O(ranks x keys)."""
+    groups: Dict[str, List[List[int]]] = {}
+    for r in sorted(done):
+        d = done[r].get("keyset")
+        if not isinstance(d, str):
+            return []
+        runs = groups.setdefault(d, [])
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return [{"digest": d, "ranks": runs} for d, runs in groups.items()]
+
+
+def keyset_representatives(manifest: Dict[str, Any], rank: int) -> List[int]:
+    """One rank of every keyset other than ``rank``'s (the ranks whose trees
+    may hold keys ``rank``'s tree lacks); [] when every rank holds the same keys."""
+    sets = manifest.get("keysets")
+    if not isinstance(sets, list):
+        return []
+    out = []
+    for group in sets:
+        runs = group.get("ranks") if isinstance(group, dict) else None
+        if not isinstance(runs, list) or not all(isinstance(x, list) and len(x) == 2 and
+                                                  all(type(v) is int for v in x) for x in runs) or not runs:
+            continue
+        if any(a <= rank <= b for a, b in runs):
+            continue
+        out.append(runs[0][0])
+    return out
 
 
 def parse(raw: bytes, path: str) -> Dict[str, Any]:
