@@ -85,13 +85,37 @@ def _copy(src, tmp_path, name="copy"):
     return dst
 
 
-def _rewrite_manifest(step_dir, mutate=None, raw=None):
+def _rewrite_manifest(step_dir, mutate=None, raw=None, reseal=True):
+    """Apply ``mutate`` to the manifest; with ``reseal`` its checksum is
+    recomputed, so that the loader's own checks of the mutated member are what
+    is tested (a forged manifest, not a damaged one)."""
     path = step_dir / "manifest.json"
     if raw is None:
         doc = json.loads(path.read_text())
         mutate(doc)
+        if reseal:
+            doc.pop("checksum", None)
+            doc["checksum"] = lazyckpt.manifest.checksum(doc)
         raw = json.dumps(doc, indent=1).encode()
     path.write_bytes(raw)
+
+
+def _explicit(step_dir):
+    """Turn the placement-derived index into the explicit one (every piece
+    listed, as manifests before issue 12 and non-world process groups have it)."""
+    from lazyckpt.loader import dtensor_nodes
+    from lazyckpt.placement import pieces
+    from lazyckpt.reader import CheckpointFile
+
+    def convert(m):
+        shards = {}
+        for key, info in m.pop("layouts").items():
+            shards[key] = {"global_shape": info["global_shape"], "dtype": info["dtype"], "pieces": [
+                {"rank": p["rank"], "offsets": p["offsets"], "tensor": dtensor_nodes(CheckpointFile(
+                    str(step_dir / f"rank_{p['rank']:05d}.lzc"), lazyckpt.Options()).footer.tree)[key]["local"]}
+                for p in pieces(info["global_shape"], info["layout"])]}
+        m["shards"] = shards
+    _rewrite_manifest(step_dir, convert)
 
 
 def _outcome(path, **kwargs):
@@ -327,7 +351,12 @@ def huge_claims(two_rank, tmp_path_factory):
         paths[f"world_size-{i}"] = step
     for i, shape in enumerate(GLOBAL_SHAPE_CLAIMS):
         step = _copy(two_rank["fsdp"], base, f"global_shape-{i}")
+        _rewrite_manifest(step, lambda m: m["layouts"][SHARD_KEY].update(global_shape=shape))
+        paths[f"global_shape-{i}"] = step
+        step = _copy(two_rank["fsdp"], base, f"explicit-global_shape-{i}")
+        _explicit(step)
         _rewrite_manifest(step, lambda m: m["shards"][SHARD_KEY].update(global_shape=shape))
+        paths[f"explicit-global_shape-{i}"] = step
         paths[f"global_shape-{i}"] = step
     return dict(zip(paths, _load_under_memory_limit(list(paths.values()))))
 
@@ -345,9 +374,10 @@ def test_manifest_claiming_a_huge_world_size(huge_claims, i):
 def test_shard_index_claiming_a_huge_tensor_allocates_nothing(huge_claims, i):
     """The manifest's global_shape is a claim, not covered by any checksum: a
     tiny checkpoint must not make the loader allocate what it claims."""
-    kind, message, seconds = huge_claims[f"global_shape-{i}"]
-    assert kind == "CorruptCheckpointError", f"{GLOBAL_SHAPE_CLAIMS[i]}: {kind}: {message}"
-    assert "allocate" not in message, f"the loader tried to allocate the claimed size: {message}"
+    for name in (f"global_shape-{i}", f"explicit-global_shape-{i}"):
+        kind, message, seconds = huge_claims[name]
+        assert kind == "CorruptCheckpointError", f"{name} {GLOBAL_SHAPE_CLAIMS[i]}: {kind}: {message}"
+        assert "allocate" not in message, f"the loader tried to allocate the claimed size: {message}"
 
 
 def _piece(m, i):
@@ -382,6 +412,46 @@ def test_hostile_shard_index(two_rank, tmp_path, mutate):
     """The shard index says which bytes of which file form which rows of a
     sharded tensor. A wrong index must be refused; it must never assemble a
     tensor with wrong, duplicated or uninitialized rows."""
+    step = _copy(two_rank["fsdp"], tmp_path)
+    _explicit(step)
+    _rewrite_manifest(step, mutate)
+    kind, value = _outcome(step)
+    if kind == "ok":
+        assert _same(value, two_rank["fsdp_ref"]), f"wrong tensor returned:\n{value['sharded']}"
+    else:
+        assert isinstance(value, lazyckpt.CorruptCheckpointError), f"{type(value).__name__}: {value}"
+
+
+def _layout(m):
+    return m["layouts"][SHARD_KEY]["layout"]
+
+
+LAYOUT_MUTATIONS = {
+    "placement-dim-out-of-range": lambda m: _layout(m).update(placements=[["S", 5]]),
+    "placement-unknown": lambda m: _layout(m).update(placements=[["X"]]),
+    "placement-replicate": lambda m: _layout(m).update(placements=[["R"]]),
+    "placement-other-dim": lambda m: _layout(m).update(placements=[["S", 1]]),
+    "strided-split-zero": lambda m: _layout(m).update(placements=[["SS", 0, 0]]),
+    "placements-too-many": lambda m: _layout(m).update(placements=[["S", 0], ["S", 1]]),
+    "mesh-larger-than-world": lambda m: _layout(m)["mesh"].update(shape=[3]),
+    "mesh-start-out-of-range": lambda m: _layout(m)["mesh"].update(start=7),
+    "mesh-stride-out-of-range": lambda m: _layout(m)["mesh"].update(strides=[5]),
+    "mesh-ranks-swapped": lambda m: _layout(m).update(mesh={"shape": [2], "ranks": [1, 0]}),
+    "mesh-ranks-out-of-range": lambda m: _layout(m).update(mesh={"shape": [2], "ranks": [0, 9]}),
+    "mesh-not-an-object": lambda m: _layout(m).update(mesh=[2]),
+    "layout-missing": lambda m: m["layouts"][SHARD_KEY].pop("layout"),
+    "global-shape-smaller": lambda m: m["layouts"][SHARD_KEY].update(global_shape=[3, 4]),
+    "global-shape-larger": lambda m: m["layouts"][SHARD_KEY].update(global_shape=[8, 4]),
+    "dtype-changed": lambda m: m["layouts"][SHARD_KEY].update(dtype="int32"),
+    "layouts-not-an-object": lambda m: m.update(layouts=[]),
+    "layouts-missing": lambda m: m.pop("layouts"),
+}
+
+
+@pytest.mark.parametrize("mutate", list(LAYOUT_MUTATIONS.values()), ids=list(LAYOUT_MUTATIONS))
+def test_hostile_layout(two_rank, tmp_path, mutate):
+    """The placement-derived index: a forged layout must be refused or give
+    the right tensor, never wrong, duplicated or uninitialized rows."""
     step = _copy(two_rank["fsdp"], tmp_path)
     _rewrite_manifest(step, mutate)
     kind, value = _outcome(step)

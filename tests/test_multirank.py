@@ -147,11 +147,16 @@ def _same(ref, got):
 def test_fsdp2_sharded_save_and_resharding_load(tmp_path, saved_world, loaded_worlds):
     ref = run_ranks(saved_world, _fsdp_train_and_save, str(tmp_path))[0]
     manifest = json.loads((tmp_path / "step_0000000002" / "manifest.json").read_text())
-    pieces = manifest["shards"]['["model", "0.weight"]']["pieces"]
-    assert manifest["shards"]['["model", "0.weight"]']["global_shape"] == [33, 16]
-    assert sorted(p["rank"] for p in pieces) == list(range(saved_world))
+    # The placement-derived index: one layout per DTensor, no piece per rank.
+    assert "shards" not in manifest
+    weight = manifest["layouts"]['["model", "0.weight"]']
+    assert weight["global_shape"] == [33, 16]
+    assert weight["layout"] == {"mesh": {"shape": [saved_world], "start": 0, "strides": [1]},
+                                "placements": [["S", 0]]}
+    from lazyckpt.placement import pieces
+    assert sorted(p["rank"] for p in pieces([33, 16], weight["layout"])) == list(range(saved_world))
     # A replicated DTensor is written once (by the rank at mesh coordinate 0).
-    assert [p["rank"] for p in manifest["shards"]['["rep"]']["pieces"]] == [0]
+    assert [p["rank"] for p in pieces([6], manifest["layouts"]['["rep"]']["layout"])] == [0]
     for world in loaded_worlds:
         for got in run_ranks(world, _fsdp_load, str(tmp_path)):
             assert _same(ref, got), f"{saved_world} -> {world} ranks"

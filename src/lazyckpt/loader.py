@@ -530,6 +530,11 @@ class StepFiles:
         self.shards = manifest.get("shards", {})
         if not isinstance(self.shards, dict):
             raise CorruptCheckpointError(f"{path}: manifest shard index is not an object", path=path)
+        #: Placement-derived index (lazyckpt/placement.py): key -> global shape, dtype, layout.
+        self.layouts = manifest.get("layouts", {})
+        if not isinstance(self.layouts, dict):
+            raise CorruptCheckpointError(f"{path}: manifest layouts are not an object", path=path)
+        self._dtensor_nodes: Dict[int, Dict[str, Any]] = {}
 
     def key_holders(self, f: CheckpointFile) -> List[int]:
         """Ranks whose trees may hold keys ``f``'s lacks (one per other keyset)."""
@@ -571,10 +576,39 @@ class StepFiles:
         def load(node: Dict[str, Any], ctx: LoadContext) -> Any:
             key = json.dumps(list(ctx.trail))
             info = self.shards.get(key)
+            if info is None and key in self.layouts:
+                info = self._derived(key, ctx)
+            elif isinstance(info, dict):
+                info = dict(info, key=key, derived=False)
             if not isinstance(info, dict):
                 raise ctx.corrupt(f"no shard index for DTensor {key}")
             return self._assemble(info, node, targets.get(key), ctx, pool)
         return load
+
+    def _derived(self, key: str, ctx: LoadContext) -> Dict[str, Any]:
+        """A shard index entry computed from the tensor's layout: pieces with
+        their geometry; the tensor node of each is looked up in its rank's
+        footer only if the piece is needed (see _cover)."""
+        from . import placement
+        info = self.layouts[key]
+        shape = info.get("global_shape") if isinstance(info, dict) else None
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                and placement.check(info.get("layout"), len(shape), self.world_size)):
+            raise ctx.corrupt(f"bad layout for DTensor {key} in the manifest")
+        return {"global_shape": shape, "dtype": info.get("dtype"), "key": key, "derived": True,
+                "layout": info["layout"], "pieces": placement.pieces(shape, info["layout"])}
+
+    def dtensor_node(self, rank: int, key: str, ctx: LoadContext) -> Dict[str, Any]:
+        """The DTensor node at ``key`` in rank ``rank``'s own footer (checksummed,
+        tied to this save and rank): what the manifest claims is checked against
+        it. Index built once per file."""
+        f = self.file(rank)
+        if rank not in self._dtensor_nodes:
+            self._dtensor_nodes[rank] = dtensor_nodes(f.footer.tree)
+        node = self._dtensor_nodes[rank].get(key)
+        if not isinstance(node, dict) or not isinstance(node.get("local"), dict):
+            raise ctx.corrupt(f"rank {rank}'s file holds no piece of DTensor {key}, which the manifest says it wrote")
+        return node
 
     def _assemble(self, info: Dict[str, Any], node: Dict[str, Any], target: Any, ctx: LoadContext,
                   pool: cf.ThreadPoolExecutor) -> Any:
@@ -613,7 +647,27 @@ class StepFiles:
         could hide one)."""
         from .providers import dtype_from_name, tensor_bytes_needed
         boxes, chosen = [], []
+        derived = info.get("derived")   # pieces from a layout: their tensor nodes are looked up when needed
         for piece in info["pieces"]:
+            if derived:
+                piece = dict(piece)
+                offsets, pshape = piece["offsets"], piece["shape"]
+                lo = [max(o, r) for o, r in zip(offsets, origin)]
+                hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, pshape, origin, shape)]
+                if not all(a < b for a, b in zip(lo, hi)):
+                    continue
+                own = self.dtensor_node(piece["rank"], info["key"], ctx)
+                if own.get("layout") != info["layout"] or own.get("offsets") != offsets \
+                        or own["local"].get("shape") != pshape or own.get("global_shape") != global_shape:
+                    raise ctx.corrupt(f"the manifest's layout of {info['key']} puts rank {piece['rank']}'s piece "
+                                      f"at {offsets} {pshape}; that rank's own file says otherwise")
+                piece["tensor"] = own["local"]
+            elif isinstance(piece, dict) and isinstance(piece.get("tensor"), dict) \
+                    and type(piece.get("rank")) is int and 0 <= piece["rank"] < self.world_size:
+                own = self.dtensor_node(piece["rank"], info["key"], ctx)
+                if own["local"] != piece["tensor"] or own.get("offsets") != piece.get("offsets"):
+                    raise ctx.corrupt(f"the manifest's piece of {info['key']} from rank {piece['rank']} differs "
+                                      f"from that rank's own file")
             if not isinstance(piece, dict) or not isinstance(piece.get("tensor"), dict):
                 raise ctx.corrupt("malformed piece in the shard index")
             offsets, t = piece.get("offsets"), piece["tensor"]
@@ -651,6 +705,31 @@ class StepFiles:
         piece (already checked by _cover), reading only the rows needed."""
         for piece in pieces:
             _copy_region(self.file(piece["rank"]), piece["tensor"], piece["offsets"], out, origin, ctx, pool)
+
+
+def dtensor_nodes(tree: Any) -> Dict[str, Dict[str, Any]]:
+    """Every DTensor node of a tree by its key path as the loader names it
+    (``json.dumps`` of the str() of each key), without decoding any value."""
+    from .providers import LoadContext as _Ctx
+    ctx = _Ctx(entry_value=None, storage=None, allow_pickle=False, path="")
+    out: Dict[str, Dict[str, Any]] = {}
+    stack = [(tree, [])]
+    while stack:
+        node, trail = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        tag = node.get("$")
+        if tag == "dtensor":
+            out[json.dumps(trail)] = node
+        elif tag == "dict" and isinstance(node.get("k"), list) and isinstance(node.get("v"), list):
+            for k, v in zip(node["k"], node["v"]):
+                try:
+                    stack.append((v, trail + [str(ctx.decode(k))]))
+                except CheckpointError:
+                    continue
+        elif tag == "seq" and isinstance(node.get("v"), list):
+            stack.extend((v, trail + [str(i)]) for i, v in enumerate(node["v"]))
+    return out
 
 
 def _copy_region(f: CheckpointFile, t: Dict[str, Any], offsets: list, out: torch.Tensor, origin: list,

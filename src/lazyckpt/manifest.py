@@ -34,7 +34,7 @@ def check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Dict[str, Any],
-          replicated: List[Any]) -> bytes:
+          replicated: List[Any], layouts: Optional[Dict[str, Any]] = None) -> bytes:
     """The manifest's bytes, given every rank's report (``bytes``, ``shards``,
     ``version``, ``references``)."""
     world = len(done)
@@ -46,6 +46,9 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
     index = shard_index(done)
     if index:
         manifest["shards"] = index
+    if layouts:
+        # Placement-derived: one entry per DTensor, whatever the number of ranks.
+        manifest["layouts"] = layouts
     if replicated:
         manifest["replicated"] = [str(k) for k in replicated]
     keysets = group_keysets(done)
@@ -64,6 +67,26 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
         raise CheckpointError(f"step {step}: the manifest would be {len(raw)} bytes, over the loader's "
                               f"limit of {MAX_MANIFEST_BYTES}", step=step)
     return raw
+
+
+def layouts_digest(tree: Any, world_size: int) -> Optional[str]:
+    """A digest of a rank's DTensor layouts (key, global shape, dtype, layout),
+    or None when it has no DTensors or one cannot be derived from its layout
+    (then the rank lists its pieces explicitly). Mesh ranks are global
+    ranks: derivation also needs the checkpointer's group to be the world."""
+    import hashlib
+    from .loader import dtensor_nodes
+    nodes = dtensor_nodes(tree)
+    if not nodes or any(not isinstance(n.get("layout"), dict) for n in nodes.values()):
+        return None
+    try:
+        import torch.distributed as dist
+        if dist.get_world_size() != world_size:
+            return None
+    except (ImportError, RuntimeError, ValueError):
+        return None
+    doc = sorted((k, n["global_shape"], n["dtype"], n["layout"]) for k, n in nodes.items())
+    return hashlib.sha1(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def keyset_digest(tree: Any) -> str:

@@ -531,6 +531,10 @@ class DTensorProvider(Provider):
         node = {"$": "dtensor", "dtype": dtype_name(value.dtype), "global_shape": list(value.shape),
                 "offsets": [int(o) for o in offsets], "local_shape": [int(n) for n in local_shape],
                 "local": None}
+        from .placement import describe
+        layout = describe(value)
+        if layout is not None:      # loaders derive every rank's piece from it (lazyckpt/placement.py)
+            node["layout"] = layout
         if value.requires_grad:
             node["requires_grad"] = True
         if writer:
