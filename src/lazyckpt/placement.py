@@ -4,15 +4,16 @@ instead of listed piece by piece.
 
 A listed index costs one piece (rank, offsets, tensor node: ~300 B) per
 DTensor per rank -- 90-263 MB of manifest for a 7B model at 1,024 ranks,
-read by every loading rank. A regular layout (Shard / Replicate /
-_StridedShard over any mesh, uneven last shards included: what FSDP2 and
-tensor parallelism produce) is fully described by
+read by every loading rank. A regular layout (Shard / Replicate over any
+mesh, uneven and empty last shards included: what FSDP2 and tensor
+parallelism produce) is fully described by
 
     {"mesh": {"shape": [...], "start": s, "strides": [...]},   # rank at coordinate c = s + sum(c_i * strides_i)
-     "placements": [["S", dim] | ["R"] | ["SS", dim, split_factor], ...]}
+     "placements": [["S", dim] | ["R"], ...]}
 
 (an irregular mesh lists its ranks instead: {"shape", "ranks"}), a few
-dozen bytes, O(1) in the number of ranks. Each rank's footer carries it in
+dozen bytes, O(1) in the number of ranks. (Strided shards, whose pieces are
+not boxes of the global tensor, are refused by the DTensor provider.) Each rank's footer carries it in
 the DTensor's node; the manifest keeps one per tensor; a loader derives
 the pieces with torch's own arithmetic and reads, from the footers of only
 the ranks whose pieces it needs, which entry holds them.
@@ -36,16 +37,12 @@ def describe(dtensor: Any) -> Optional[Dict[str, Any]]:
 
 
 def _encode_placements(placements: Any) -> Optional[List[list]]:
+    # Only placements whose pieces are boxes of the global tensor (offsets +
+    # shape): a strided shard interleaves rows and is refused by the provider.
     from torch.distributed.tensor import Replicate, Shard
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:                 # pragma: no cover (older torch)
-        _StridedShard = None
     out = []
     for p in placements:
-        if _StridedShard is not None and isinstance(p, _StridedShard):
-            out.append(["SS", int(p.dim), int(p.split_factor)])
-        elif isinstance(p, Shard) and type(p) is Shard:
+        if type(p) is Shard:
             out.append(["S", int(p.dim)])
         elif isinstance(p, Replicate):
             out.append(["R"])
@@ -112,9 +109,7 @@ def check(layout: Any, ndim: int, world_size: int) -> bool:
     for p in placements:
         ok = isinstance(p, list) and p and (
             (p[0] == "R" and len(p) == 1)
-            or (p[0] == "S" and len(p) == 2 and type(p[1]) is int and 0 <= p[1] < ndim)
-            or (p[0] == "SS" and len(p) == 3 and type(p[1]) is int and 0 <= p[1] < ndim
-                and type(p[2]) is int and p[2] >= 1))
+            or (p[0] == "S" and len(p) == 2 and type(p[1]) is int and 0 <= p[1] < ndim))
         if not ok:
             return False
     return True
@@ -122,16 +117,7 @@ def check(layout: Any, ndim: int, world_size: int) -> bool:
 
 def _decode_placements(placements: List[list]) -> list:
     from torch.distributed.tensor import Replicate, Shard
-    out = []
-    for p in placements:
-        if p[0] == "R":
-            out.append(Replicate())
-        elif p[0] == "S":
-            out.append(Shard(p[1]))
-        else:
-            from torch.distributed.tensor.placement_types import _StridedShard
-            out.append(_StridedShard(p[1], split_factor=p[2]))
-    return out
+    return [Replicate() if p[0] == "R" else Shard(p[1]) for p in placements]
 
 
 def pieces(global_shape: List[int], layout: Dict[str, Any]) -> List[Dict[str, Any]]:
