@@ -27,7 +27,7 @@ from .layout import CheckpointDir
 from .loader import KeySpec, MapLocation, load_step, load_step_dir
 from .objstore import is_url
 from .manifest import check_metadata
-from .providers import flatten
+from .plan import PlanCache
 from .restore import RestoreHandle
 from .tiers import ObjectCheckpointDir, PersistentTier, read_manifest
 
@@ -106,6 +106,8 @@ class Checkpointer:
             raise ValueError("queue_policy='skip' cannot be used with several ranks: a save skipped on "
                              "one rank and not on another would never commit")
         self._calls = 0
+        #: The last save's walk, reused while the state keeps its structure (lazyckpt/plan.py).
+        self._plans = PlanCache()
         #: Incremental checkpoints: what this rank's last committed step holds.
         self._incremental = IncrementalIndex(self.options.incremental, self.options.full_every) \
             if self.options.incremental != "off" else None
@@ -141,7 +143,7 @@ class Checkpointer:
             if type(step) is not int or not 0 <= step < 10 ** 10:
                 raise ValueError(f"step must be an int in [0, 1e10), got {step!r}")
             metadata = check_metadata(metadata)
-            flat = flatten(state, self._dist.rank, self._dist.world_size, self.replicated)
+            flat = self._plans.flatten(state, self._dist.rank, self._dist.world_size, self.replicated)
             commit = ObjectStepCommit if self.on_object_store else StepCommit
             strategy = commit(self.layout, self._dist, step, call, keep_last=self.keep_last,
                               replicated=self.replicated, metadata=metadata,

@@ -1,0 +1,294 @@
+"""Plans: the walk of a state, reused by the next save of the same structure.
+
+A training loop saves the same structure again and again: the same keys, the
+same parameters, only scalars (steps, learning rates) and tensor *values*
+change. ``flatten()`` rediscovers all of it on the caller's thread each time
+(a provider dispatch, a path and a node per value). :class:`PlanCache` keeps
+the previous walk's *skeleton* -- per container its type and keys, per tensor
+its geometry and entry index, per scalar nothing -- and on the next save walks
+the new state along it, checking every value and rebuilding the tree and the
+sources from the *current* objects:
+
+* scalars are re-encoded (their provider is called), containers get new
+  nodes, tensor nodes are reused (they are equal by the check);
+* every tensor is checked against the geometry its node records (type,
+  dtype, shape, stride, offset, device, requires_grad, layout and flags) and
+  the storage-sharing pattern must be the same (tied weights stay tied, an
+  untied one is a miss); each source's flat view and length are taken from
+  the current storage, so nothing of an earlier state is reused but
+  descriptions that were checked equal, and the plan holds no tensor or
+  storage between saves (no memory kept alive);
+* anything else -- a different type or key, a changed length, a value only
+  a full walk handles (numpy, bytes, pickled objects, DTensors, custom
+  providers, sets, non-str/int keys) -- is a miss: the full walk runs and its
+  result is returned as is.
+
+So a plan's result is, by construction, what ``flatten()`` would return for
+the same state (tests/test_plan_cache.py compares them on mutated states).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .providers import (DictProvider, Flattened, ScalarProvider, SequenceProvider, Source, TensorProvider,
+                        _flat_bytes_of_storage, _registry, _without_devices, flatten)
+
+_SCALAR, _TENSOR, _DICT, _SEQ = 0, 1, 2, 3
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_KEY_TYPES = {str, int}
+_DICTS = (dict, collections.OrderedDict)
+_SEQS = (list, tuple)
+#: Types the plan walks itself; a provider registered for one of them makes every state a miss.
+_OWN_TYPES = {dict, collections.OrderedDict, list, tuple, torch.Tensor, torch.nn.Parameter,
+              type(None), bool, int, str, float}
+_strided = torch.strided
+
+
+class _Miss(Exception):
+    """The state is not the planned structure: walk it in full."""
+
+
+class _Uncacheable(Exception):
+    """The state holds something only the full walk handles."""
+
+
+def _geometry(t: torch.Tensor) -> Tuple[Any, ...]:
+    """Everything a tensor's node and its provider's choice depend on, but its storage."""
+    return (type(t), t.dtype, t.shape, t.stride(), t.storage_offset(), t.device, t.requires_grad,
+            t.layout, t.is_conj(), t.is_neg(), t.is_quantized, t.is_nested)
+
+
+class _Plan:
+    def __init__(self, key: Any, skeleton: Any, sources: List[Source], nbytes: List[int], replicated: List[Any]):
+        self.key = key
+        self.skeleton = skeleton
+        #: Per source: (kind, name, length, owner, bytes of its storage) -- descriptions only, no data
+        #: (a "remote" source's length is 0: another rank writes it).
+        self.sources = [(s.kind, s.name, s.length, s.owner, n) for s, n in zip(sources, nbytes)]
+        self.replicated = replicated
+
+
+class PlanCache:
+    """One Checkpointer's last plan (one per rank: each rank has its own state).
+
+    ``flatten(state, ...)`` returns what :func:`lazyckpt.providers.flatten`
+    returns; ``hits``/``misses`` count how often the plan served a save, and
+    ``last`` says what the last call did: "hit", "miss" (a full walk, a new
+    plan) or "uncacheable" (a full walk; the state cannot be planned).
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.hits = 0
+        self.misses = 0
+        self.last = ""
+        self._plan: Optional[_Plan] = None
+        #: Saves to skip before planning again, after a state could not be planned
+        #: (so a state that never can costs one extra walk now and then, not every save).
+        self._backoff = 0
+        self._skip = 0
+
+    def clear(self) -> None:
+        self._plan = None
+
+    def flatten(self, state: Any, rank: int = 0, world_size: int = 1, replicated: Any = ()) -> Flattened:
+        replicated = list(replicated)
+        if not self.enabled:
+            self.last = "off"
+            return flatten(state, rank, world_size, replicated)
+        # The registry's list is replaced whenever a provider is registered: a new one may handle
+        # some type differently, so the plan is only valid under the list it was made with.
+        providers = _registry.providers()
+        key = (rank, world_size, id(providers))
+        plan = self._plan
+        if plan is not None and plan.key == key and plan.replicated == replicated:
+            try:
+                flat = _Replay(plan).run(state)
+            except Exception:       # _Miss, or anything odd (a sparse tensor's stride()): walk in full
+                pass
+            else:
+                self.hits += 1
+                self.last = "hit"
+                return flat
+        self._plan = None
+        self.misses += 1
+        flat = flatten(state, rank, world_size, replicated)
+        if self._skip:
+            self._skip -= 1
+            self.last = "uncacheable"
+            return flat
+        if any(getattr(p, "cls", None) in _OWN_TYPES for p in providers):
+            self.last = "uncacheable"
+            return flat
+        try:
+            builder = _Builder(flat)
+            skeleton = builder.top(state, replicated)
+        except Exception:           # _Uncacheable, or anything odd: the full walk's result stands
+            self._backoff = min(64, self._backoff * 2 or 1)
+            self._skip = self._backoff
+            self.last = "uncacheable"
+            return flat
+        self._backoff = 0
+        self._plan = _Plan(key, skeleton, flat.sources, builder.nbytes, replicated)
+        self.last = "miss"
+        return flat
+
+
+class _Builder:
+    """Derives the skeleton of ``state`` from the tree the full walk made of it."""
+
+    def __init__(self, flat: Flattened):
+        self.flat = flat
+        self.used = [False] * len(flat.sources)
+        self.nbytes = [0] * len(flat.sources)
+        self.storages: Dict[int, int] = {}      # storage -> entry (non-empty storages)
+
+    def top(self, state: Any, replicated: List[Any]) -> Any:
+        if self.flat.shards:
+            raise _Uncacheable
+        for s in self.flat.sources:
+            if s.kind not in ("data", "remote") or s.make_bytes is not None or s.ref is not None \
+                    or (s.kind == "data" and not isinstance(s.data, torch.Tensor)):
+                raise _Uncacheable
+        skeleton = self.build(state, self.flat.tree)
+        if replicated and (skeleton[0] != _DICT or not all(k in skeleton[2] for k in replicated)):
+            raise _Uncacheable
+        if not all(self.used):
+            raise _Uncacheable              # a source no tensor of the skeleton accounts for
+        return skeleton
+
+    def build(self, value: Any, node: Any) -> Any:
+        cls = type(value)
+        if value is None or cls in (bool, int, str, float):
+            return (_SCALAR,)
+        if cls in _TENSOR_TYPES:
+            return self.tensor(value, node)
+        if cls in _DICTS:
+            keys = tuple(value)
+            if not set(map(type, keys)) <= _KEY_TYPES or not isinstance(node, dict) \
+                    or node.get("$") != DictProvider.tag or node["k"] != list(keys):
+                raise _Uncacheable
+            children = [self.build(v, n) for v, n in zip(value.values(), node["v"])]
+            return (_DICT, cls, keys, node, children)
+        if cls in _SEQS:
+            if not isinstance(node, dict) or node.get("$") != SequenceProvider.tag or len(node["v"]) != len(value):
+                raise _Uncacheable
+            children = [self.build(v, n) for v, n in zip(value, node["v"])]
+            return (_SEQ, cls, len(value), node, children)
+        raise _Uncacheable
+
+    def tensor(self, t: torch.Tensor, node: Any) -> Any:
+        if not isinstance(node, dict) or node.get("$") != TensorProvider.tag or type(node.get("e")) is not int:
+            raise _Uncacheable              # a meta tensor, or another provider's node
+        geometry = _geometry(t)
+        if t.layout != _strided or t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested:
+            raise _Uncacheable              # the walk made a temporary (resolve_conj) or another node
+        e = node["e"]
+        source = self.flat.sources[e]
+        storage = t.untyped_storage()
+        if source.kind == "data" and (source.data.untyped_storage()._cdata != storage._cdata
+                                      or source.length != storage.nbytes()):
+            raise _Uncacheable              # the entry is not this tensor's storage as it is now
+        if storage.nbytes():
+            if self.storages.setdefault(storage._cdata, e) != e:
+                raise _Uncacheable
+        elif self.used[e]:
+            raise _Uncacheable              # empty storages get one entry per tensor
+        self.used[e] = True
+        self.nbytes[e] = storage.nbytes()
+        return (_TENSOR, geometry, node, e)
+
+
+class _Replay:
+    """One walk of a state along a plan's skeleton; raises _Miss at the first difference."""
+
+    def __init__(self, plan: _Plan):
+        self.plan = plan
+        n = len(plan.sources)
+        self.sources: List[Optional[Source]] = [None] * n
+        self.entry_storage: List[Optional[int]] = [None] * n
+        self.storage_entry: Dict[int, int] = {}
+        self.filled = 0
+        self.scalar = ScalarProvider.save.__get__(_registry.by_tag(ScalarProvider.tag))
+
+    def run(self, state: Any) -> Flattened:
+        plan = self.plan
+        if not plan.replicated:
+            tree = self.walk(state, plan.skeleton)
+            digest = ""
+        else:
+            # The full walk's order: the replicated keys first (their entries come first).
+            sk = plan.skeleton
+            if type(state) is not sk[1]:
+                raise _Miss
+            keys = tuple(state)
+            if keys != sk[2] or not set(map(type, keys)) <= _KEY_TYPES:
+                raise _Miss
+            children = dict(zip(keys, sk[4]))
+            nodes = {k: self.walk(state[k], children[k]) for k in plan.replicated}
+            digest = hashlib.sha256(json.dumps(_without_devices([nodes[k] for k in plan.replicated]),
+                                               sort_keys=True).encode()).hexdigest()
+            tree = dict(sk[3])
+            tree["v"] = [nodes[k] if k in nodes else self.walk(v, children[k]) for k, v in state.items()]
+        if self.filled != len(self.sources):
+            raise _Miss
+        return Flattened(tree, self.sources, [], digest)
+
+    def walk(self, value: Any, sk: Any) -> Any:
+        kind = sk[0]
+        if kind == _TENSOR:
+            return self.tensor(value, sk)
+        if kind == _SCALAR:
+            if value is None or type(value) in (bool, int, str, float):
+                return self.scalar(value, None)
+            raise _Miss
+        if type(value) is not sk[1]:
+            raise _Miss
+        if kind == _DICT:
+            keys = tuple(value)
+            if keys != sk[2] or not set(map(type, keys)) <= _KEY_TYPES:
+                raise _Miss
+            items = value.values()
+        else:
+            if len(value) != sk[2]:
+                raise _Miss
+            items = value
+        node = dict(sk[3])
+        walk = self.walk
+        node["v"] = [walk(v, c) for v, c in zip(items, sk[4])]
+        return node
+
+    def tensor(self, t: Any, sk: Any) -> Any:
+        if type(t) not in _TENSOR_TYPES or _geometry(t) != sk[1]:
+            raise _Miss
+        e = sk[3]
+        storage = t.untyped_storage()
+        cdata = storage._cdata
+        source = self.sources[e]
+        if source is None:
+            kind, name, length, owner, nbytes = self.plan.sources[e]
+            if storage.nbytes() != nbytes:          # the replicated owners follow the lengths too
+                raise _Miss
+            if nbytes:
+                # The same storages must be shared as when planned (tied weights stay tied).
+                if self.storage_entry.setdefault(cdata, e) != e:
+                    raise _Miss
+                self.entry_storage[e] = cdata
+            if kind == "data":
+                source = Source("data", _flat_bytes_of_storage(t), None, name, length)
+            else:
+                source = Source(kind, None, None, name, length, owner)
+            self.sources[e] = source
+            self.filled += 1
+        elif self.entry_storage[e] != cdata or not self.plan.sources[e][4]:
+            raise _Miss
+        # The version counter the incremental mode reads is shared with the walk's detach().
+        source.tensors.append(t)
+        return sk[2]
