@@ -217,13 +217,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                right=(0, 2, 3, 4)):
                 print("  " + line)
     if doc.get("shards"):
-        print("\nsharded tensors (DTensor), from the manifest's shard index:")
+        print("\nsharded tensors (DTensor), from the manifest's shard index (pieces derived from "
+              "each tensor's mesh and placements where it has a layout):")
         for s in doc["shards"]:
             print(f"  {s['path']}: global {_shape(s.get('global_shape'))} {s.get('dtype')}, "
                   f"{len(s['pieces'])} piece(s)")
             for p in s["pieces"]:
                 print(f"    rank {p['rank']}: offsets {_shape(p.get('offsets'))} shape {_shape(p.get('shape'))} "
-                      f"entry {p.get('entry')}")
+                      + (f"entry {p.get('entry')}" if p.get("entry") is not None else "(entry in its footer)"))
     return EXIT_OK
 
 

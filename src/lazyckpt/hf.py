@@ -330,8 +330,8 @@ class _StepReader:
         ctx = LoadContext(entry_value=_no_entry, storage=_no_entry, allow_pickle=False, path=self.path,
                           trail=list(leaf.path))
         if leaf.type == "dtensor":
-            info = self.step.shards.get(json.dumps(list(leaf.path))) if self.step is not None else None
-            if not isinstance(info, dict):
+            info = self.step.shard_info(json.dumps(list(leaf.path)), ctx) if self.step is not None else None
+            if info is None:
                 raise ctx.corrupt("no shard index for this DTensor (load it from its step directory)")
             return self.step._assemble(info, node, None, ctx, self.pool)
         holder, e = plain_tensor_entry(self.files[t.rank], self.step, node, t.dtype, ctx)

@@ -575,15 +575,19 @@ class StepFiles:
 
         def load(node: Dict[str, Any], ctx: LoadContext) -> Any:
             key = json.dumps(list(ctx.trail))
-            info = self.shards.get(key)
-            if info is None and key in self.layouts:
-                info = self._derived(key, ctx)
-            elif isinstance(info, dict):
-                info = dict(info, key=key, derived=False)
-            if not isinstance(info, dict):
+            info = self.shard_info(key, ctx)
+            if info is None:
                 raise ctx.corrupt(f"no shard index for DTensor {key}")
             return self._assemble(info, node, targets.get(key), ctx, pool)
         return load
+
+    def shard_info(self, key: str, ctx: LoadContext) -> Optional[Dict[str, Any]]:
+        """Where the pieces of the DTensor at ``key`` are: the listed index
+        (older manifests, non-world groups) or one derived from its layout."""
+        info = self.shards.get(key)
+        if info is None and key in self.layouts:
+            return self._derived(key, ctx)
+        return dict(info, key=key, derived=False) if isinstance(info, dict) else None
 
     def _derived(self, key: str, ctx: LoadContext) -> Dict[str, Any]:
         """A shard index entry computed from the tensor's layout: pieces with

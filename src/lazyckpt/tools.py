@@ -367,6 +367,10 @@ def describe(path: str, options: Optional[Options] = None) -> Dict[str, Any]:
         shards = m.get("shards") or {}
         if isinstance(shards, dict) and shards:
             out["shards"] = [_shard_info(k, v) for k, v in shards.items()]
+        layouts = m.get("layouts") or {}
+        if isinstance(layouts, dict) and layouts:
+            # Placement-derived: the pieces are computed, their entries are in each rank's footer.
+            out.setdefault("shards", []).extend(_layout_info(k, v, m.get("world_size")) for k, v in layouts.items())
     else:
         out["world_size"] = 1
     files = []
@@ -397,6 +401,20 @@ def describe(path: str, options: Optional[Options] = None) -> Dict[str, Any]:
     if m is None and files:
         out["metadata"] = files[0]["metadata"]
     return out
+
+
+def _layout_info(key: str, info: Any, world_size: Any) -> Dict[str, Any]:
+    from .placement import check, pieces
+    try:
+        path = "/".join(json.loads(key))
+    except (ValueError, TypeError):
+        path = key
+    shape = info.get("global_shape") if isinstance(info, dict) else None
+    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape) and type(world_size) is int
+            and check(info.get("layout"), len(shape), world_size)):
+        return {"path": path, "pieces": [], "layout": "invalid"}
+    return {"path": path, "global_shape": shape, "dtype": info.get("dtype"), "layout": info["layout"],
+            "pieces": [dict(p, entry=None) for p in pieces(shape, info["layout"])]}
 
 
 def _shard_info(key: str, info: Any) -> Dict[str, Any]:
