@@ -118,7 +118,23 @@ class StepCommit(CommitStrategy):
                 "lazyckpt": {"save_id": self.save_id, "rank": d.rank, "world_size": d.world_size}}
 
     def begin(self, job: Job) -> None:
-        os.makedirs(self.tmp, exist_ok=self.dist.distributed)
+        """Only the coordinator creates the temporary directory (one ``mkdir``,
+        not N racing ones) and then publishes ``<key>/ready``; the other ranks
+        wait for it (deadline: ``commit_timeout_s``) before they write into it.
+        A call refused or failed on the coordinator publishes it failed
+        (:func:`~lazyckpt.distributed.refuse`), so they fail at once."""
+        d = self.dist
+        if not d.distributed or d.coordinator:
+            os.makedirs(self.tmp, exist_ok=False)
+            if d.distributed:
+                ready = f"{self.key}/ready"
+                d.publish(ready, {"ok": True})
+                d.delete([ready], after=self.key)     # once every rank is past this call
+            return
+        ready = f"{self.key}/ready"
+        value = d.wait_for([ready], "the coordinator's temporary directory", self.step)[ready]
+        if not value.get("ok"):
+            raise CheckpointError(f"step {self.step}: not committed: {value.get('error')}", step=self.step)
 
     def plan(self, job: Job, part: FilePart, resources: Any) -> None:
         """Incremental: refer to the unchanged storages of the last committed step,

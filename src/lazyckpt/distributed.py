@@ -34,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from .errors import CheckpointError
 
@@ -98,8 +98,41 @@ class RankInfo:
             [self.store.get(k) for k in keys]
         return {k: json.loads(bytes(v).decode()) for k, v in zip(keys, raw)}
 
-    def delete(self, keys: List[str]) -> None:
-        for k in keys:
+    def delete(self, keys: List[str] = (), after: Optional[str] = None,
+               through: Optional[str] = None, before: Optional[str] = None) -> None:
+        """Delete ``keys`` from the store now (one request each); or, with
+        ``after`` (a call key such as ``"c12"`` or ``"persist/3"``, or ``"*"``),
+        remember them to delete once that call is finished wherever they are
+        read. ``through``/``before`` (a call key): also delete now the keys
+        remembered under calls of the same sequence (the key without its
+        number) numbered up to and including / below that one, and every
+        ``"*"`` key. What is safe when is decided by the callers (:func:`agree`,
+        :func:`refuse`): deletes stay O(1) per call and rank, never N on one."""
+        import re
+        import threading
+
+        def seq(key: str):
+            m = re.fullmatch(r"(.*?)(\d+)", key)
+            return (m.group(1), int(m.group(2))) if m else (key, None)
+
+        state = self.__dict__
+        with state.setdefault("_deferred_lock", threading.Lock()):
+            deferred: Dict[str, Any] = state.setdefault("_deferred", {})
+            now = list(dict.fromkeys(keys)) if after is None else []
+            if after is not None:
+                for k in keys:
+                    deferred[k] = ("*", None) if after == "*" else seq(after)
+            for k in now:
+                deferred.pop(k, None)
+            bound = through if through is not None else before
+            if bound is not None:
+                prefix, n = seq(bound)
+                last = None if n is None else (n if through is not None else n - 1)
+                for k, (p, m) in list(deferred.items()):
+                    if p == "*" or (p == prefix and m is not None and last is not None and m <= last):
+                        del deferred[k]
+                        now.append(k)
+        for k in now:
             try:
                 self.store.delete_key(k)
             except Exception:   # some stores cannot delete; the keys are tiny
@@ -111,19 +144,32 @@ def agree(d: RankInfo, key: str, report: Dict[str, Any], step: Any,
     """Publish this rank's ``report`` for ``key``; the coordinator waits for
     every rank's, calls ``on_all_done`` with them (rank -> report) and publishes
     the outcome; the others wait for it. Raises ``CheckpointError`` if any rank
-    failed, the coordinator's action failed, or a deadline passed. The
-    coordinator then deletes this call's reports and the keys in ``forget``
-    (outcomes of earlier calls, which every rank has read by now)."""
-    d.publish(f"{key}/done/{d.rank}", report)
+    failed, the coordinator's action failed, or a deadline passed.
+
+    Store keys are deleted O(1) per rank and call, never N by the coordinator:
+    each other rank deletes its own report once it has read the outcome (the
+    coordinator has read every report by then), and the coordinator's own
+    report never goes through the store. The coordinator deletes its keys of
+    earlier calls of the same sequence (outcomes, ``ready``; and ``forget``)
+    once every rank has reported on this call through ``agree``: each rank
+    runs its calls of a sequence in order, so all of them are past those."""
     if not d.coordinator:
+        mine = f"{key}/done/{d.rank}"
+        d.publish(mine, report)
         outcome = d.wait_for([f"{key}/outcome"], "the coordinator's commit", step)[f"{key}/outcome"]
+        # Published by agree: the coordinator has read this call's reports and is past
+        # every earlier call, so this rank's reports of earlier refused calls can go too.
+        # Refused there: nobody reads this call's reports.
+        d.delete([mine], through=None if outcome.get("refused") else key)
         if not outcome.get("ok"):
             raise CheckpointError(f"{_what(step)}: not committed: {outcome.get('error')}", step=_step(step))
         return
-    keys = [f"{key}/done/{r}" for r in range(d.world_size)]
+    keys = [f"{key}/done/{r}" for r in range(1, d.world_size)]
+    outcome = f"{key}/outcome"
     try:
-        values = d.wait_for(keys, "every rank's data", step)
-        done = {r: values[k] for r, k in enumerate(keys)}
+        values = d.wait_for(keys, "every rank's data", step) if keys else {}
+        done = {0: json.loads(json.dumps(report))}     # as the others' arrive: a JSON copy
+        done.update((r, values[k]) for r, k in enumerate(keys, 1))
         failed = {r: v.get("error") for r, v in done.items() if not v.get("ok")}
         if failed:
             raise CheckpointError(f"{_what(step)}: " + "; ".join(f"rank {r} failed: {e}"
@@ -131,19 +177,38 @@ def agree(d: RankInfo, key: str, report: Dict[str, Any], step: Any,
                                   step=_step(step))
         on_all_done(done)
     except BaseException as exc:
-        d.publish(f"{key}/outcome", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        d.publish(outcome, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        d.delete([outcome], after=key)
         raise
-    d.publish(f"{key}/outcome", {"ok": True})
-    d.delete(keys + list(forget))
+    d.publish(outcome, {"ok": True})
+    # Every rank reported through agree (a refused call's report is never ok): the
+    # outcomes and ready keys of earlier calls have been read by all who read them.
+    d.delete(list(forget), before=key)
+    d.delete([outcome], after=key)
 
 
 def refuse(d: RankInfo, key: str, error: BaseException) -> None:
-    """A call refused on this rank: fail its key on every rank now (never raises)."""
-    value = {"ok": False, "error": f"refused: {type(error).__name__}: {error}"}
+    """A call refused on this rank: fail its key on every rank now (never raises).
+
+    On the coordinator: the outcome, and ``<key>/ready`` (which ranks wait for
+    before they write, see ``StepCommit.begin``), so the others fail this call
+    at once. On another rank: its report, deleted at once if the coordinator
+    has already published this call's outcome (then it never reads it), else
+    with this rank's next outcome read through :func:`agree`."""
+    value = {"ok": False, "refused": True, "error": f"refused: {type(error).__name__}: {error}"}
     try:
-        d.publish(f"{key}/done/{d.rank}", value)
         if d.coordinator:
+            # The outcome first: a rank that sees ``ready`` failed finds it already there.
             d.publish(f"{key}/outcome", value)
+            d.publish(f"{key}/ready", value)
+            d.delete([f"{key}/outcome", f"{key}/ready"], after=key)
+        else:
+            mine = f"{key}/done/{d.rank}"
+            d.publish(mine, value)
+            if d.store.check([f"{key}/outcome"]):
+                d.delete([mine])
+            else:
+                d.delete([mine], after=key)
     except Exception as exc:            # the store may be gone; the deadline still bounds the wait
         import logging
         logging.getLogger("lazyckpt").warning("lazyckpt: could not publish a refused call: %s", exc)
@@ -188,7 +253,10 @@ def rank_info(directory: str, process_group: Any = None, timeout_s: float = 600.
         store.set("run_id", run_id)
     else:
         run_id = store.get("run_id").decode()
-    return RankInfo(rank=rank, world_size=world, store=store, run_id=run_id, timeout_s=timeout_s)
+    info = RankInfo(rank=rank, world_size=world, store=store, run_id=run_id, timeout_s=timeout_s)
+    if rank == 0:
+        info.delete(["run_id"], after="*")      # every rank has read it once any call agreed
+    return info
 
 
 def shard_index(done: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
