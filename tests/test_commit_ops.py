@@ -146,3 +146,30 @@ def test_store_stays_bounded_over_many_saves_refused_and_failed_ones_included(tm
     assert max(extra) <= 6, extra
     assert extra[-1] <= 2 and max(extra[10:]) <= max(extra[:10]) + 1, extra
     assert r0["after"] - r0["before"] <= 2, (r0["before"], r0["after"])
+
+
+def test_manifest_bytes_do_not_grow_with_ranks(tmp_path):
+    """Issue 12: the files are listed as run-length sizes, and multi-rank
+    files are padded to a multiple of 4 KiB, so ranks holding the same amount
+    of state share one size: the manifest is the same size at 4 and 4,096 ranks."""
+    import json
+
+    from lazyckpt import manifest
+    run_ranks(4, _ops_per_save, str(tmp_path), 1, timeout=300)
+    step = tmp_path / "step_0000000001"
+    doc = json.loads((step / "manifest.json").read_text())
+    assert "files" not in doc and len(doc["file_bytes"]) == 1, doc
+    (size, count), = doc["file_bytes"]
+    assert count == 4 and size % 4096 == 0
+    assert all((step / f"rank_{r:05d}.lzc").stat().st_size == size for r in range(4))
+    assert lazyckpt.load(str(tmp_path))["w"].eq(1.0).all()     # rank 0 + step 1
+
+    def build(world):
+        done = {r: {"ok": True, "step": 1, "bytes": size, "digest": None, "references": []}
+                for r in range(world)}
+        return manifest.build(1, done, "run-c1", {"step": 1}, [])
+    small, large = build(4), build(4096)
+    assert len(large) - len(small) <= 8, (len(small), len(large))     # the world_size digits
+    parsed = manifest.parse(large, "m")
+    assert len(parsed["files"]) == 4096 and parsed["files"][4095] == {
+        "rank": 4095, "name": "rank_04095.lzc", "bytes": size}

@@ -162,7 +162,7 @@ def test_format_md_checkpointer_example(tmp_path):
     assert len(save_id) == 32
     assert data[8192:-32].endswith(b'"metadata":{"step":100,"epoch":1,"lazyckpt":{"save_id":"'
                                    + save_id.encode() + b'","rank":0,"world_size":1}}}')
-    assert manifest["files"] == [{"rank": 0, "name": "rank_00000.lzc", "bytes": 8672}]
+    assert manifest["file_bytes"] == [[8672, 1]] and "files" not in manifest
     assert isinstance(manifest["created_unix"], float)
     body = {k: v for k, v in manifest.items() if k != "checksum"}
     assert manifest["checksum"] == xxhash.xxh3_64_intdigest(

@@ -68,7 +68,7 @@ def two_rank(tmp_path_factory):
     ddp1, ddp2 = base / "ddp" / "step_0000000001", base / "ddp" / "step_0000000002"
     fsdp = base / "fsdp" / "step_0000000001"
     manifest = json.loads((ddp2 / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and len(manifest["files"]) == 2
+    assert manifest["world_size"] == 2 and sum(n for _, n in manifest["file_bytes"]) == 2
     # Both ranks' files hold some of the replicated entries.
     for f in ("rank_00000.lzc", "rank_00001.lzc"):
         assert (ddp2 / f).stat().st_size > 4096
@@ -225,6 +225,12 @@ def test_manifest_naming_another_format_version(two_rank, tmp_path, version):
 
 
 def _files(m):
+    """The manifest's per-file list, as manifests before issue 12 had it (the
+    writer now lists only run-length sizes, ``file_bytes``): old manifests
+    still load, so their checks are tested on the old form."""
+    if "files" not in m:
+        m["files"] = [{"rank": r, "name": f"rank_{r:05d}.lzc", "bytes": size}
+                      for r, size in enumerate(s for s, n in m.pop("file_bytes") for _ in range(n))]
     return m["files"]
 
 
@@ -250,10 +256,20 @@ INCONSISTENT = {
     "name-trailing": lambda m: _files(m)[1].update(name="rank_00001.lzc/"),
     "name-missing": lambda m: _files(m)[1].pop("name"),
     "file-not-object": lambda m: _files(m).__setitem__(1, "rank_00001.lzc"),
-    "files-empty": lambda m: m.update(files=[]),
-    "files-object": lambda m: m.update(files={"0": m["files"][0]}),
-    "files-null": lambda m: m.update(files=None),
-    "files-missing": lambda m: m.pop("files"),
+    "files-empty": lambda m: _files(m) and m.update(files=[]),
+    "files-object": lambda m: m.update(files={"0": _files(m)[0]}),
+    "files-null": lambda m: _files(m) and m.update(files=None),
+    "files-missing": lambda m: _files(m) and m.pop("files"),
+    "file_bytes-missing": lambda m: m.pop("file_bytes"),
+    "file_bytes-short": lambda m: m.update(file_bytes=[[m["file_bytes"][0][0], 1]]),
+    "file_bytes-long": lambda m: m.update(file_bytes=m["file_bytes"] + [[4096, 1]]),
+    "file_bytes-zero-count": lambda m: m.update(file_bytes=m["file_bytes"] + [[4096, 0]]),
+    "file_bytes-negative": lambda m: m.update(file_bytes=[[-1, 2]]),
+    "file_bytes-bool": lambda m: m.update(file_bytes=[[True, 2]]),
+    "file_bytes-float": lambda m: m.update(file_bytes=[[4096.0, 2]]),
+    "file_bytes-flat": lambda m: m.update(file_bytes=[4096, 2]),
+    "file_bytes-object": lambda m: m.update(file_bytes={"4096": 2}),
+    "file_bytes-wrong-size": lambda m: m.update(file_bytes=[[s + 4096, n] for s, n in m["file_bytes"]]),
     "extra-file": lambda m: _files(m).append({"rank": 2, "name": "rank_00002.lzc", "bytes": 1}),
 }
 

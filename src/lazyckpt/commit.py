@@ -111,6 +111,11 @@ class StepCommit(CommitStrategy):
         #: Called with (handle, self) once the step is committed (the persistent tier's enqueue).
         self.on_committed: Optional[Callable[[Any, "StepCommit"], None]] = None
 
+    @property
+    def align_file_size(self) -> bool:
+        """Several ranks: files padded to a multiple of 4 KiB (manifest ``file_bytes``)."""
+        return self.dist.distributed
+
     def footer_metadata(self) -> Dict[str, Any]:
         """What every data file's footer carries: ties it to this save and rank."""
         d = self.dist

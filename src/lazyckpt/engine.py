@@ -209,7 +209,8 @@ class FilePart(Part):
         self.path = job.strategy.part_path(job, self)
         writer = FileWriteJob(self.path, flat.tree, flat.sources, self.metadata, options,
                               resources.cache_for(flat.sources), resources.writers, resources.serializer,
-                              capture_events=self.events, on_captured=lambda: job.captured(self))
+                              capture_events=self.events, on_captured=lambda: job.captured(self),
+                              align_size=getattr(job.strategy, "align_file_size", False))
         job.current = writer
         try:
             self.stats = writer.run()

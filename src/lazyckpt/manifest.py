@@ -41,7 +41,9 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
     version = max(v.get("version", fmt.FORMAT_VERSION_1) for v in done.values())
     manifest: Dict[str, Any] = {
         "format_version": version, "step": step, "world_size": world,
-        "files": [{"rank": r, "name": rank_filename(r), "bytes": done[r]["bytes"]} for r in range(world)],
+        # Every rank's file is rank_<r>.lzc: only the sizes are listed, run-length
+        # coded (FSDP ranks' files mostly have one size): O(distinct sizes), not O(ranks).
+        "file_bytes": file_bytes_runs([done[r]["bytes"] for r in range(world)]),
         "created_unix": time.time(), "save_id": save_id, "metadata": metadata}
     index = shard_index(done)
     if index:
@@ -67,6 +69,38 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
         raise CheckpointError(f"step {step}: the manifest would be {len(raw)} bytes, over the loader's "
                               f"limit of {MAX_MANIFEST_BYTES}", step=step)
     return raw
+
+
+def file_bytes_runs(sizes: List[int]) -> List[List[int]]:
+    """``[[bytes, count], ...]``: the files' sizes in rank order, run-length coded."""
+    runs: List[List[int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return runs
+
+
+def _expand_files(manifest: Dict[str, Any], path: str) -> None:
+    """A manifest with ``file_bytes`` (run-length sizes) gets the equivalent
+    ``files`` list in memory, so every reader sees one shape."""
+    runs = manifest.get("file_bytes")
+    if "files" in manifest or runs is None:
+        return
+    world = manifest.get("world_size")
+    if not isinstance(runs, list) or not all(
+            isinstance(x, list) and len(x) == 2 and type(x[0]) is int and type(x[1]) is int
+            and x[0] >= 0 and x[1] >= 1 for x in runs) or type(world) is not int or \
+            sum(x[1] for x in runs) != world:
+        raise CorruptCheckpointError(f"{path}: manifest file sizes do not describe its world_size",
+                                     path=path)
+    files, rank = [], 0
+    for size, count in runs:
+        for _ in range(count):
+            files.append({"rank": rank, "name": rank_filename(rank), "bytes": size})
+            rank += 1
+    manifest["files"] = files
 
 
 def layouts_digest(tree: Any, world_size: int) -> Optional[str]:
@@ -155,6 +189,10 @@ def parse(raw: bytes, path: str) -> Dict[str, Any]:
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{path}: manifest is not a JSON object", path=path)
     fmt.check_version(manifest.get("format_version"), path)
+    expected = manifest.pop("checksum", None)
+    if expected != checksum(manifest):
+        raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (file damaged)", path=path)
+    _expand_files(manifest, path)
     files = manifest.get("files")
     world = manifest.get("world_size")
     if not isinstance(files, list) or not files or not all(
@@ -165,9 +203,6 @@ def parse(raw: bytes, path: str) -> Dict[str, Any]:
             sorted(f["rank"] for f in files) != list(range(world)):
         raise CorruptCheckpointError(f"{path}: manifest world_size {world!r} does not match its files",
                                      path=path)
-    expected = manifest.pop("checksum", None)
-    if expected != checksum(manifest):
-        raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (file damaged)", path=path)
     refs, step = manifest.get("references", []), manifest.get("step")
     if not isinstance(refs, list) or (refs and type(step) is not int) or \
             not all(type(s) is int and 0 <= s < step for s in refs):

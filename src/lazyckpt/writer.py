@@ -78,8 +78,12 @@ class FileWriteJob:
     def __init__(self, path: str, tree: Any, sources: List[Source], metadata: Dict[str, Any],
                  options: Options, cache: HostCache, writers: cf.ThreadPoolExecutor,
                  serializer: cf.ThreadPoolExecutor, capture_events: Optional[Dict[Any, Any]] = None,
-                 on_captured: Optional[Callable[[], None]] = None):
+                 on_captured: Optional[Callable[[], None]] = None, align_size: bool = False):
         self.path = path
+        #: Pad the footer with JSON whitespace so the file size is a multiple of
+        #: 4 KiB: the ranks of a multi-rank step then mostly share one size, and
+        #: the manifest's run-length list of sizes stays O(1) in the ranks.
+        self.align_size = align_size
         self.tree = tree
         self.sources = sources
         self.metadata = metadata
@@ -284,6 +288,8 @@ class FileWriteJob:
         version = fmt.version_for(entries)
         assert version == self.version, "the header written first must match the entries"
         footer = fmt.encode_footer(entries, self.tree, self.block, self.metadata, version)
+        if self.align_size:
+            footer += b" " * (-(len(footer) + fmt.TRAILER_BYTES) % fmt.ALIGNMENT)
         footer_offset = fmt.align_up(data_end)
         tail = footer + fmt.pack_trailer(footer_offset, footer)
         self._write_bytes(footer_offset, tail)
