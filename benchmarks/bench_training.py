@@ -649,7 +649,7 @@ def aggregate(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
 def _persist_lines(results, summary, ratios) -> None:
     """--persist-to: the same run with the local tier only and with the
     persistent tier, per iteration (median, max) and per save (blocking, stall)."""
-    print(f"local only vs persist_to (per round, then the median over rounds; iterations after the first):")
+    print("local only vs persist_to (per round, then the median over rounds; iterations after the first):")
     for mode in ("none", "lazyckpt", PERSIST_MODE):
         rounds = results.get(mode, {}).get("rounds")
         if not rounds:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch

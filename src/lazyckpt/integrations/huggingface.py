@@ -95,7 +95,8 @@ from ._async import AsyncFileWriter
 
 log = logging.getLogger("lazyckpt")
 
-__all__ = ["LazyCheckpointMixin", "LazyCheckpointTrainer", "CHECKPOINT_FILE", "load_model_state",
+__all__ = [  # noqa: F822 (LazyCheckpointTrainer: module __getattr__, needs transformers)
+           "LazyCheckpointMixin", "LazyCheckpointTrainer", "CHECKPOINT_FILE", "load_model_state",
            "load_checkpoint_state"]
 
 #: The lazyckpt file inside each ``checkpoint-<step>`` directory.
