@@ -73,7 +73,10 @@ def make(directory: str):
         path = os.path.join(run, "step_0000000007", "manifest.json")
         with open(path) as f:
             doc = json.load(f)
-        doc["files"][0]["name"] = target
+        # New manifests derive the names (file_bytes); the older form lists them,
+        # and still loads, so the traversal is tried on that form.
+        (size, _), = doc.pop("file_bytes")
+        doc["files"] = [{"rank": 0, "name": target, "bytes": size}]
         with open(path, "w") as f:
             json.dump(doc, f)
         cases.append({"name": f"manifest names {name}", "path": os.path.join(run, "step_0000000007"),
