@@ -29,6 +29,9 @@ from .objstore import is_url
 from .manifest import check_metadata
 from .plan import PlanCache
 from .restore import RestoreHandle
+from .replicas import ReplicaTier, node_group
+from .replicas import restore as restore_replicas
+from .replicas import topology as replica_topology
 from .tiers import ObjectCheckpointDir, PersistentTier, read_manifest
 
 log = logging.getLogger("lazyckpt")
@@ -69,7 +72,8 @@ class Checkpointer:
                  replicated: Optional[List[Any]] = None, process_group: Any = None,
                  commit_timeout_s: float = 600.0, guard_buffers: bool = True,
                  persist_to: Optional[str] = None, persist_keep_last: Optional[int] = None,
-                 storage_options: Optional[Dict[str, Any]] = None, **knobs: Any):
+                 storage_options: Optional[Dict[str, Any]] = None, replicas: int = 0,
+                 node_size: Optional[int] = None, replica_bandwidth: float = 0.0, **knobs: Any):
         for name, value in (("keep_last", keep_last), ("persist_keep_last", persist_keep_last)):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
@@ -101,7 +105,25 @@ class Checkpointer:
             self.layout = CheckpointDir(self.directory, self.options.lease_expiry_s)
         #: Top-level keys identical on every rank (DDP): each entry written by one rank.
         self.replicated = list(replicated or [])
+        #: Replicas on partner nodes (lazyckpt/replicas.py): the directory is node-local and
+        #: each node's ranks commit their own steps in it (the node is the commit group).
+        self.topology = None
+        self._replicas = None
+        if replicas:
+            if self.on_object_store or process_group is not None:
+                raise ValueError("replicas= needs a node-local directory and the default process group")
+            if self.options.incremental != "off":
+                raise ValueError("replicas= cannot be combined with incremental checkpoints yet")
+            self.topology = replica_topology(node_size, replicas)
+            process_group = node_group(self.topology)
+            if persist_to is not None:       # each node's steps persist under their own prefix
+                persist_to = f"{persist_to.rstrip('/')}/node_{self.topology.node:05d}"
         self._dist = rank_info(self.directory, process_group, commit_timeout_s)
+        if replicas:
+            # The world's namespace cannot come from the directory: node-local paths may differ.
+            world = rank_info("lazyckpt-replicas", None, commit_timeout_s)
+            self._replicas = ReplicaTier(self.directory, self.topology, replicas, world, replica_bandwidth,
+                                         commit_timeout_s)
         if self._dist.distributed and self.options.queue_policy == "skip":
             raise ValueError("queue_policy='skip' cannot be used with several ranks: a save skipped on "
                              "one rank and not on another would never commit")
@@ -148,7 +170,7 @@ class Checkpointer:
             strategy = commit(self.layout, self._dist, step, call, keep_last=self.keep_last,
                               replicated=self.replicated, metadata=metadata,
                               heartbeat_s=self.options.lease_heartbeat_s, incremental=self._incremental)
-            if self.persistent is not None:
+            if self.persistent is not None or self._replicas is not None:
                 strategy.on_committed = self._drain
             part = FilePart(flat, strategy.footer_metadata(),
                             record_events(s.data for s in flat.sources))
@@ -161,8 +183,11 @@ class Checkpointer:
         return job.handle
 
     def _drain(self, handle: SaveHandle, strategy: StepCommit) -> None:
-        self.persistent.enqueue(handle, strategy.step, strategy.call, strategy.save_id,
-                                self.layout.step_path(strategy.step))
+        if self._replicas is not None:
+            self._replicas.enqueue(handle, strategy.step, strategy.call, self.layout.step_path(strategy.step))
+        if self.persistent is not None:
+            self.persistent.enqueue(handle, strategy.step, strategy.call, strategy.save_id,
+                                    self.layout.step_path(strategy.step))
 
     def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
         """Block until every pending save has copied its data out of the live state."""
@@ -174,6 +199,8 @@ class Checkpointer:
         step); raise the first failure."""
         t0 = time.monotonic()
         self._engine.wait(timeout)
+        if self._replicas is not None:
+            self._replicas.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
         if self.persistent is not None:
             self.persistent.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
             self._retain_drained()
@@ -225,6 +252,11 @@ class Checkpointer:
         says which step and tier were read."""
         self._check_open()
         kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
+        where = None
+        if self._replicas is not None:
+            # Collective: a node that lost its directory gets its files back from partners.
+            where = self._restore_from_replicas(step)
+            step = where["step"]
         errors = []
         for step_, tier, path in self._candidates(step):
             try:
@@ -237,6 +269,8 @@ class Checkpointer:
                 errors.append(exc)
                 continue
             self.loaded_from = {"step": step_, "tier": tier, "path": path}
+            if where is not None and where["tier"] == "replica" and tier == "local":
+                self.loaded_from.update(tier="replica", from_rank=where["from_rank"])
             if self.persistent is not None:
                 log.info("lazyckpt: loaded step %d from the %s tier (%s)", step_, tier, path)
             return state
@@ -244,6 +278,27 @@ class Checkpointer:
             raise errors[-1]
         raise CheckpointNotFoundError(f"{self.directory}: no committed checkpoint"
                                       + (f" of step {step}" if step is not None else ""), path=self.directory)
+
+    def _restore_from_replicas(self, step: Optional[int]) -> Dict[str, Any]:
+        self._replicas.wait()
+        persisted: List[int] = []
+        if self.persistent is not None:
+            try:
+                persisted = sorted(self.persistent.dir.committed())
+            except CheckpointError as exc:
+                log.warning("lazyckpt: the persistent tier %s cannot be listed: %s", self.persistent.url, exc)
+        return restore_replicas(self.directory, self.layout, self.topology, self._replicas.k,
+                                self._replicas.group, step, persisted)
+
+    def replica_stats(self) -> Dict[str, Any]:
+        """The replica tier: what this rank holds for its partners (bounded:
+        the last complete step of each source rank), and failed rounds."""
+        if self._replicas is None:
+            return {}
+        r = self._replicas
+        return {"node": self.topology.node, "partners": self.topology.partners(r.k),
+                "holds": r.holds(), "held_bytes": r.held_bytes,
+                "failed_rounds": len(r.errors)}
 
     def _load_from(self, tier: str, path: str, kwargs: Dict[str, Any]) -> Any:
         pool = self._engine.resources.readers
@@ -303,6 +358,8 @@ class Checkpointer:
         thread, release the cache. Raises the first unreported failure."""
         try:
             self._engine.close(cancel=cancel)
+            if self._replicas is not None and not cancel:
+                self._replicas.wait()
         finally:
             if self.persistent is not None:
                 self.persistent.close(cancel=cancel)

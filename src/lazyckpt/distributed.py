@@ -222,7 +222,8 @@ def _step(step: Any) -> Any:
     return step if isinstance(step, int) else None
 
 
-def rank_info(directory: str, process_group: Any = None, timeout_s: float = 600.0) -> RankInfo:
+def rank_info(directory: str, process_group: Any = None, timeout_s: float = 600.0,
+              namespace: str = "") -> RankInfo:
     """This process's place in the job, and a store namespace agreed by all ranks.
 
     Collective when a process group is initialized: every rank must create
@@ -245,6 +246,11 @@ def rank_info(directory: str, process_group: Any = None, timeout_s: float = 600.
         return RankInfo(rank=0, world_size=1)
     base = dist.distributed_c10d._get_default_store()
     key = hashlib.sha1(directory.encode()).hexdigest()[:16]
+    if group is not None and world != dist.get_world_size():
+        # Sub-groups (one per node, for node-local directories) may name the same path
+        # on every node: the group's first global rank keeps their keys apart.
+        key += f"-g{dist.get_global_rank(group, 0)}"
+    key += namespace
     count = _instances.get(key, 0)
     _instances[key] = count + 1
     store = dist.PrefixStore(f"lazyckpt/{key}/{count}/", base)

@@ -93,6 +93,10 @@ class SaveHandle:
         self.persist_url: Optional[str] = None
         self._persisted: Optional[threading.Event] = None
         self._superseded_by: Optional["SaveHandle"] = None
+        #: The replica tier (Checkpointer(replicas=k)): None without one, else "pending",
+        #: "replicated", "failed: ..." or "superseded by step N"; seconds from save() until then.
+        self.replica_state: Optional[str] = None
+        self.replicated_s: Optional[float] = None
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -160,6 +164,9 @@ class SaveHandle:
             # When each tier had it: seconds from save().
             out.update(persist=self.persist_state, tiers={"local": self.flush_s, "persistent": self.persisted_s},
                        persist_url=self.persist_url)
+        if self.replica_state is not None:
+            out.setdefault("tiers", {"local": self.flush_s})["replica"] = self.replicated_s
+            out["replicas"] = self.replica_state
         return out
 
     def __repr__(self) -> str:

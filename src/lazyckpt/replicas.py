@@ -1,0 +1,565 @@
+"""Replica tier: each committed rank file copied to partner ranks on other nodes.
+
+The failure this tier is for: one node lost (its node-local checkpoint
+directory with it) while the rest of the job is healthy. Re-reading that
+node's files from shared or object storage is the slow path; keeping a copy
+of every rank file on ``replicas`` partner nodes lets the replacement node
+get its files from its partners' local disks (Gemini, NVIDIA's local
+checkpoints, Orbax's emergency checkpoints do the same).
+
+Layout of the job (``Topology``): ranks are grouped into nodes of
+``node_size`` consecutive ranks (``node_size=``, else ``LAZYCKPT_NODE_SIZE``,
+else ``LOCAL_WORLD_SIZE`` as torchrun sets it). With replicas, the
+Checkpointer's directory is **node-local**: each node's ranks commit their
+own step directory in their own node's directory (the node is the commit
+group), and rank ``(node, l)`` sends its file and its node's manifest to the
+rank with the same local rank ``l`` on nodes ``node + 1 .. node + k``
+(mod the number of nodes): partners on k different nodes, and the ranks of
+one node spread over k other nodes' disks.
+
+Save side (``ReplicaTier``): a committed local step is queued; a background
+thread replicates the newest queued one (older ones are superseded, as on
+the persistent tier), over point-to-point messages on a dedicated gloo
+group, in chunks (rate-limited by ``replica_bandwidth``), while training
+goes on. The receiver checks the bytes against the sender's xxh3 and the
+file's footer against the manifest, writes them under a temporary name and
+renames them into ``<dir>/.replicas/node_NNNNN/rank_LLLLL/step_S/``. Every
+rank then reports through the store; only when every replica of the step
+is complete on every rank does each holder mark its copies ``COMPLETE`` and
+drop its older replicas of that source rank (one step per source rank is
+kept: bounded at ``k`` rank files per rank).
+
+Restore side (``restore``): collective. Every rank reports its node's
+local steps, the complete replicas it holds and (with a persistent tier)
+the steps persisted for its node; the newest step that every node can get
+from some tier is chosen; the ranks of a node that lacks it receive their
+files from the first partner holding a complete replica, which become a
+committed local step again; a node with no complete replica left loads
+from the persistent tier; with neither, the load fails with a clear error
+(or an older step every node has is chosen).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import format as fmt
+from .errors import CheckpointError, CorruptCheckpointError
+from .fileio import fsync_dir
+from .layout import MANIFEST, rank_filename
+
+log = logging.getLogger("lazyckpt")
+
+REPLICAS_DIR = ".replicas"
+COMPLETE = "COMPLETE"
+#: Bytes per point-to-point message.
+CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a rank sits: node = rank // node_size, local rank = rank % node_size."""
+    rank: int
+    world_size: int
+    node_size: int
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.node_size
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.node_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.node_size
+
+    def rank_of(self, node: int, local_rank: int) -> int:
+        return (node % self.nodes) * self.node_size + local_rank
+
+    def partners(self, k: int) -> List[int]:
+        """The ranks this rank's file is replicated to: same local rank, the next k nodes."""
+        return [self.rank_of(self.node + i, self.local_rank) for i in range(1, k + 1)]
+
+    def sources(self, k: int) -> List[int]:
+        """The ranks whose files this rank holds replicas of."""
+        return [self.rank_of(self.node - i, self.local_rank) for i in range(1, k + 1)]
+
+
+def topology(node_size: Optional[int], replicas: int) -> Topology:
+    """This rank's topology (collective when ``node_size`` must be found from host names)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("replicas= needs torch.distributed initialized (the partners are other ranks)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if node_size is None:
+        env = os.environ.get("LAZYCKPT_NODE_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
+        if env:
+            node_size = int(env)
+        else:
+            hosts: List[Any] = [None] * world
+            dist.all_gather_object(hosts, socket.gethostname())
+            node_size = hosts.count(hosts[0])
+    if type(node_size) is not int or node_size < 1 or world % node_size:
+        raise ValueError(f"node_size must divide the world size {world}, got {node_size!r}")
+    topo = Topology(rank, world, node_size)
+    if type(replicas) is not int or not 1 <= replicas < topo.nodes:
+        raise ValueError(f"replicas must be an int in [1, nodes - 1] = [1, {topo.nodes - 1}] with {topo.nodes} "
+                         f"node(s) of {node_size} rank(s), got {replicas!r}")
+    return topo
+
+
+def node_group(topo: Topology) -> Any:
+    """This rank's node as a process group (collective: every rank creates every node's group)."""
+    import torch.distributed as dist
+    mine = None
+    for n in range(topo.nodes):
+        g = dist.new_group([n * topo.node_size + i for i in range(topo.node_size)], backend="gloo")
+        if n == topo.node:
+            mine = g
+    return mine
+
+
+# --------------------------------------------------------------------------- holdings
+
+
+def _replica_dir(root: str, node: int, local_rank: int) -> str:
+    return os.path.join(root, f"node_{node:05d}", f"rank_{local_rank:05d}")
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:010d}"
+
+
+def held_replicas(root: str) -> List[Tuple[int, int, int]]:
+    """(source node, source local rank, step) of every complete replica under ``root``."""
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for n in sorted(os.listdir(root)):
+        if not n.startswith("node_"):
+            continue
+        for r in sorted(os.listdir(os.path.join(root, n))):
+            if not r.startswith("rank_"):
+                continue
+            base = os.path.join(root, n, r)
+            for s in os.listdir(base):
+                if s.startswith("step_") and os.path.exists(os.path.join(base, s, COMPLETE)):
+                    out.append((int(n[5:]), int(r[5:]), int(s[5:])))
+    return out
+
+
+def _file_digest(path: str) -> Tuple[int, int]:
+    import xxhash
+    h = xxhash.xxh3_64()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(CHUNK_BYTES)
+            if not block:
+                break
+            h.update(block)
+            size += len(block)
+    return size, h.intdigest()
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+# --------------------------------------------------------------------------- transfer
+
+
+class _Sender:
+    """A file and its manifest going to ``dst``: header, manifest, then the file in chunks."""
+
+    def __init__(self, dst: int, group: Any, step: int, local_rank: int, node: int, path: str, manifest: bytes,
+                 limit: Any):
+        self.dst, self.group, self.limit = dst, group, limit
+        self.size, digest = _file_digest(path)
+        self.header = torch.tensor([step, node, local_rank, self.size, len(manifest), _signed(digest)],
+                                   dtype=torch.int64)
+        self.manifest = torch.frombuffer(bytearray(manifest), dtype=torch.uint8) if manifest else None
+        self.path = path
+
+
+class _Receiver:
+    def __init__(self, src: int, group: Any):
+        self.src, self.group = src, group
+        self.header = torch.zeros(6, dtype=torch.int64)
+
+
+def exchange(group: Any, sends: List[_Sender], recvs: List[_Receiver], into: Any) -> List[Dict[str, Any]]:
+    """Run the sends and receives of one round concurrently (every send has a
+    matching receive on its peer); ``into(receiver, header)`` returns the
+    path to write a received file to. Returns one dict per receiver."""
+    import torch.distributed as dist
+    pending = [dist.isend(s.header, s.dst, group=group) for s in sends]
+    for r in recvs:
+        dist.irecv(r.header, r.src, group=group).wait()
+    for w in pending:
+        w.wait()
+    pending = [dist.isend(s.manifest, s.dst, group=group) for s in sends if s.manifest is not None]
+    manifests = []
+    for r in recvs:
+        n = int(r.header[4])
+        buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            dist.irecv(buf, r.src, group=group).wait()
+        manifests.append(bytes(buf.numpy()))
+    for w in pending:
+        w.wait()
+    # The files, chunk by chunk: a send of chunk i and the receives of chunk i in flight together.
+    files = [open(s.path, "rb") for s in sends]
+    outs, hashes = [], []
+    import xxhash
+    try:
+        for r in recvs:
+            path = into(r, r.header)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            outs.append(open(path, "wb"))
+            hashes.append(xxhash.xxh3_64())
+        sizes = [s.size for s in sends] + [int(r.header[3]) for r in recvs]
+        chunks = max([-(-n // CHUNK_BYTES) for n in sizes] + [0])
+        for i in range(chunks):
+            work = []
+            for s, f in zip(sends, files):
+                n = min(CHUNK_BYTES, s.size - i * CHUNK_BYTES)
+                if n > 0:
+                    s.limit.take(n)
+                    data = f.read(n)
+                    if len(data) != n:
+                        raise CheckpointError(f"{s.path}: file shrank while being replicated")
+                    work.append(dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), s.dst,
+                                           group=group))
+            for r, out, h in zip(recvs, outs, hashes):
+                n = min(CHUNK_BYTES, int(r.header[3]) - i * CHUNK_BYTES)
+                if n > 0:
+                    buf = torch.empty(n, dtype=torch.uint8)
+                    dist.irecv(buf, r.src, group=group).wait()
+                    data = buf.numpy().tobytes()
+                    h.update(data)
+                    out.write(data)
+            for w in work:
+                w.wait()
+        results = []
+        for r, out, h, manifest in zip(recvs, outs, hashes, manifests):
+            out.flush()
+            os.fsync(out.fileno())
+            ok = _signed(h.intdigest()) == int(r.header[5])
+            results.append({"src": r.src, "step": int(r.header[0]), "node": int(r.header[1]),
+                            "local_rank": int(r.header[2]), "bytes": int(r.header[3]), "path": out.name,
+                            "manifest": manifest, "ok": ok})
+        return results
+    finally:
+        for f in files + outs:
+            f.close()
+
+
+def check_replica(path: str, manifest_raw: bytes, local_rank: int) -> None:
+    """A replica must be the file its manifest committed: size, footer, save and rank."""
+    from . import manifest as manifests
+    from .knobs import Options
+    from .reader import CheckpointFile
+    doc = manifests.parse(manifest_raw, path)
+    listed = next((f for f in doc["files"] if f["rank"] == local_rank), None)
+    if listed is None:
+        raise CorruptCheckpointError(f"{path}: its manifest lists no rank {local_rank}", path=path)
+    f = CheckpointFile(path, Options())
+    if listed.get("bytes") not in (None, f.size):
+        raise CorruptCheckpointError(f"{path}: {f.size} bytes, the manifest says {listed['bytes']}", path=path)
+    mine = f.footer.metadata.get("lazyckpt")
+    if not isinstance(mine, dict) or mine.get("save_id") != doc.get("save_id") or mine.get("rank") != local_rank:
+        raise CorruptCheckpointError(f"{path}: belongs to another save or rank than its manifest's", path=path)
+
+
+# --------------------------------------------------------------------------- save side
+
+
+class _Queued:
+    def __init__(self, handle: Any, step: int, call: int, local_path: str):
+        self.handle, self.step, self.call, self.local_path = handle, step, call, local_path
+
+
+class ReplicaTier:
+    """Replicates committed node-local steps to partner nodes in the background."""
+
+    def __init__(self, directory: str, topo: Topology, replicas: int, world: Any, bandwidth: float,
+                 timeout_s: float):
+        import torch.distributed as dist
+        from .tiers import _RateLimit
+        self.root = os.path.join(directory, REPLICAS_DIR)
+        self.topo, self.k, self.world = topo, replicas, world
+        #: A group of its own: replica traffic never interleaves with training collectives.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._limit = _RateLimit(bandwidth)
+        self._cond = threading.Condition()
+        self._pending: "collections.deque[_Queued]" = collections.deque()
+        self._thread: Optional[threading.Thread] = None
+        self._round = 0
+        self.errors: List[BaseException] = []
+        #: Replicas this rank holds (source node, local rank, step) and their bytes.
+        self.held_bytes = 0
+
+    def holds(self) -> List[Tuple[int, int, int]]:
+        """(source node, source local rank, step) of the complete replicas this rank
+        holds (its node's directory also holds its node-mates')."""
+        return [h for h in held_replicas(self.root) if h[1] == self.topo.local_rank]
+
+    def enqueue(self, handle: Any, step: int, call: int, local_path: str) -> None:
+        handle.replica_state = "pending"
+        with self._cond:
+            self._pending.append(_Queued(handle, step, call, local_path))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lazyckpt-replicas", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._thread is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CheckpointError("replicas: not finished within the timeout")
+                self._cond.wait(left)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._pending:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+            try:
+                self._one_round()
+            except BaseException as exc:      # recorded and logged; training goes on
+                self.errors.append(exc)
+                log.warning("lazyckpt: replicating a step failed (training goes on, the step is not "
+                            "replicated): %s", exc)
+                with self._cond:              # what was queued cannot be replicated with a broken round
+                    for q in self._pending:
+                        q.handle.replica_state = f"failed: {exc}"
+                    self._pending.clear()
+
+    def _one_round(self) -> None:
+        from .distributed import agree
+        w = self.world
+        key = f"rep/{self._round}"
+        self._round += 1
+        if w.coordinator:
+            with self._cond:
+                call = max(q.call for q in self._pending)
+            w.publish(f"{key}/target", {"call": call})
+        else:
+            call = w.wait_for([f"{key}/target"], "the choice of step to replicate", "replicas")[
+                f"{key}/target"]["call"]
+        deadline = time.monotonic() + w.timeout_s
+        with self._cond:
+            while not any(q.call == call for q in self._pending):
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"replicas: the step of call {call} never reached this rank's queue")
+                self._cond.wait(0.1)
+            item = next(q for q in self._pending if q.call == call)
+            for q in self._pending:
+                if q.call < call:
+                    q.handle.replica_state = f"superseded by step {item.step}"
+            self._pending = collections.deque(q for q in self._pending if q.call > call)
+        topo = self.topo
+        report: Dict[str, Any] = {"ok": True}
+        received: List[Dict[str, Any]] = []
+        try:
+            with open(os.path.join(item.local_path, MANIFEST), "rb") as f:
+                manifest_raw = f.read()
+            mine = os.path.join(item.local_path, rank_filename(topo.local_rank))
+            sends = [_Sender(p, self.group, item.step, topo.local_rank, topo.node, mine, manifest_raw, self._limit)
+                     for p in topo.partners(self.k)]
+            recvs = [_Receiver(s, self.group) for s in topo.sources(self.k)]
+            token = uuid.uuid4().hex[:8]
+
+            def into(r: _Receiver, header: torch.Tensor) -> str:
+                base = _replica_dir(self.root, int(header[1]), int(header[2]))
+                return os.path.join(base, f".tmp-{_step_name(int(header[0]))}-{token}", "data.lzc")
+            received = exchange(self.group, sends, recvs, into)
+            for r in received:
+                if not r["ok"]:
+                    raise CorruptCheckpointError(f"replica of rank {r['src']} step {r['step']}: bytes differ from "
+                                                 f"the sender's checksum", path=r["path"])
+                check_replica(r["path"], r["manifest"], r["local_rank"])
+        except BaseException as exc:
+            report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            agree(w, key, report, item.step, lambda done: None)
+        except BaseException as exc:
+            for r in received:
+                shutil.rmtree(os.path.dirname(r["path"]), ignore_errors=True)
+            item.handle.replica_state = f"failed: {exc}"
+            raise
+        # Every replica of the step is complete on every rank: mark them, drop older ones.
+        for r in received:
+            tmp = os.path.dirname(r["path"])
+            base = os.path.dirname(tmp)
+            with open(os.path.join(tmp, MANIFEST), "wb") as f:
+                f.write(r["manifest"])
+                os.fsync(f.fileno())
+            os.rename(r["path"], os.path.join(tmp, rank_filename(r["local_rank"])))
+            final = os.path.join(base, _step_name(r["step"]))
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            with open(os.path.join(final, COMPLETE), "wb") as f:
+                os.fsync(f.fileno())
+            fsync_dir(final)
+            for other in os.listdir(base):
+                if other != _step_name(r["step"]):
+                    shutil.rmtree(os.path.join(base, other), ignore_errors=True)
+            fsync_dir(base)
+        self.held_bytes = sum(os.path.getsize(os.path.join(dp, f)) for n, lr, _ in self.holds()
+                              for dp, _, fs in os.walk(_replica_dir(self.root, n, lr)) for f in fs)
+        item.handle.replica_state = "replicated"
+        item.handle.replicated_s = time.perf_counter() - item.handle._t0
+        log.info("lazyckpt: step %d replicated to ranks %s", item.step, topo.partners(self.k))
+
+
+# --------------------------------------------------------------------------- restore side
+
+
+def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, step: Optional[int],
+            persistent_steps: List[int]) -> Dict[str, Any]:
+    """Collective: choose the step to load and bring each node's missing rank
+    files back from partners' replicas into ``layout`` (the node-local
+    directory). Returns {"step", "tier", "from_rank"} for this rank."""
+    import torch.distributed as dist
+    root = os.path.join(directory, REPLICAS_DIR)
+    mine = {"rank": topo.rank, "node": topo.node, "local": layout.steps(), "held": [h for h in held_replicas(root) if h[1] == topo.local_rank],
+            "persistent": persistent_steps, "token": uuid.uuid4().hex[:8]}
+    infos: List[Any] = [None] * topo.world_size
+    dist.all_gather_object(infos, mine, group=group)
+    local = collections.defaultdict(set)
+    persisted = collections.defaultdict(set)
+    holders: Dict[Tuple[int, int, int], List[int]] = collections.defaultdict(list)
+    for info in infos:
+        local[info["node"]].update(info["local"])
+        persisted[info["node"]].update(info["persistent"])
+        for n, lr, s in info["held"]:
+            holders[(n, lr, s)].append(info["rank"])
+    # A node-local directory is only trusted when every rank of the node reports it the same way.
+    for info in infos:
+        local[info["node"]] &= set(info["local"])
+
+    def available(node: int) -> set:
+        full = {s for (n, lr, s) in holders if n == node
+                and all((node, l2, s) in holders for l2 in range(topo.node_size))}
+        return local[node] | full | persisted[node]
+    common = set.intersection(*(available(n) for n in range(topo.nodes)))
+    if step is not None:
+        if step not in common:
+            raise CheckpointError(f"step {step} cannot be restored on every node from any tier "
+                                  f"(steps every node can get: {sorted(common)})", step=step)
+        target = step
+    elif not common:
+        from .errors import CheckpointNotFoundError
+        raise CheckpointNotFoundError(f"{directory}: no step that every node can restore from its local tier, "
+                                      f"its partners' replicas or the persistent tier", path=directory)
+    else:
+        target = max(common)
+    # Who sends what: the first holder of each missing (node, local rank) file.
+    plan = []
+    for n in range(topo.nodes):
+        if target in local[n]:
+            continue
+        for lr in range(topo.node_size):
+            h = holders.get((n, lr, target))
+            if h and all((n, l2, target) in holders for l2 in range(topo.node_size)):
+                plan.append((h[0], topo.rank_of(n, lr), n, lr))
+    where = {"step": target, "tier": "local", "from_rank": topo.rank}
+    if target not in local[topo.node]:
+        where = {"step": target, "tier": "persistent", "from_rank": None}
+    sends = []
+    for holder, dst, n, lr in plan:
+        if holder == topo.rank:
+            base = os.path.join(_replica_dir(root, n, lr), _step_name(target))
+            with open(os.path.join(base, MANIFEST), "rb") as f:
+                raw = f.read()
+            sends.append(_Sender(dst, group, target, lr, n, os.path.join(base, rank_filename(lr)), raw,
+                                 _NoLimit()))
+    recvs = [_Receiver(h, group) for h, dst, _, _ in plan if dst == topo.rank]
+    # One temporary step directory per receiving node, the same name on its ranks.
+    tmp = layout.temp_path(target, f"restore-{infos[0]['token']}")
+    if recvs and topo.local_rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier(group=group)
+    results = exchange(group, sends, recvs, lambda r, header: os.path.join(tmp, f".incoming-{topo.local_rank}"))
+    manifest_raw = b""
+    ok = True
+    for r in results:
+        try:
+            if not r["ok"]:
+                raise CorruptCheckpointError("bytes differ from the holder's checksum", path=r["path"])
+            check_replica(r["path"], r["manifest"], topo.local_rank)
+            # Every block against its checksum before it becomes a committed local step
+            # again: a replica damaged at rest on its holder is refused here, not loaded.
+            from .tools import verify
+            report = verify(r["path"])
+            if not report.ok:
+                raise CorruptCheckpointError(f"{r['path']}: {report.problems[0].message}", path=r["path"])
+            os.rename(r["path"], os.path.join(tmp, rank_filename(topo.local_rank)))
+        except CheckpointError as exc:
+            log.warning("lazyckpt: the replica of rank %d step %d from rank %d is refused: %s",
+                        topo.rank, target, r["src"], exc)
+            ok = False
+        else:
+            where = {"step": target, "tier": "replica", "from_rank": r["src"]}
+            manifest_raw = r["manifest"]
+    # The node's ranks agree before its step directory is committed again.
+    flags: List[Any] = [None] * topo.world_size
+    dist.all_gather_object(flags, ok, group=group)
+    node_ok = all(flags[topo.rank_of(topo.node, lr)] for lr in range(topo.node_size))
+    hopeless = sorted({i // topo.node_size for i, f in enumerate(flags) if not f
+                       and target not in persisted[i // topo.node_size]})
+    if hopeless:
+        # Every rank fails the same way (none is left waiting for the others).
+        if recvs and topo.local_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CorruptCheckpointError(f"step {target}: the replicas of node(s) {hopeless} do not match their "
+                                     f"manifest and no persistent copy exists", path=directory)
+    if recvs and node_ok and topo.local_rank == 0:
+        with open(os.path.join(tmp, MANIFEST), "wb") as f:
+            f.write(manifest_raw)
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        layout.commit(tmp, target, keep_superseded=True)
+        layout.write_latest(target)
+    elif recvs and not node_ok:
+        if topo.local_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        where = {"step": target, "tier": "persistent", "from_rank": None}
+    dist.barrier(group=group)
+    return where
+
+
+class _NoLimit:
+    def take(self, nbytes: int) -> None:
+        pass
+
+
+def _json(v: Any) -> str:
+    return json.dumps(v, sort_keys=True)
+
+
+__all__ = ["Topology", "ReplicaTier", "restore", "topology", "node_group", "held_replicas", "check_replica",
+           "fmt"]
