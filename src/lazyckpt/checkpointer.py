@@ -203,11 +203,12 @@ class Checkpointer:
             self._replicas.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
         if self.persistent is not None:
             self.persistent.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
+        if self.persistent is not None or self._replicas is not None:
             self._retain_drained()
 
     def _retain_drained(self) -> None:
-        """Local retention skipped steps still waiting for the persistent tier;
-        once drained (and no save is running) it catches up."""
+        """Local retention skipped steps still waiting for the persistent tier
+        or for their replicas; once drained (and no save is running) it catches up."""
         if self._dist.coordinator and self.keep_last is not None and not self._engine.pending():
             self.layout.apply_retention(self.keep_last)
 
@@ -363,8 +364,8 @@ class Checkpointer:
         finally:
             if self.persistent is not None:
                 self.persistent.close(cancel=cancel)
-                if not cancel:
-                    self._retain_drained()
+            if not cancel and (self.persistent is not None or self._replicas is not None):
+                self._retain_drained()
 
     def __enter__(self) -> "Checkpointer":
         return self

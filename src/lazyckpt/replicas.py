@@ -42,6 +42,7 @@ from the persistent tier; with neither, the load fails with a clear error
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -59,7 +60,7 @@ import torch
 from . import format as fmt
 from .errors import CheckpointError, CorruptCheckpointError
 from .fileio import fsync_dir
-from .layout import MANIFEST, rank_filename
+from .layout import MANIFEST, StepDir, rank_filename
 
 log = logging.getLogger("lazyckpt")
 
@@ -67,6 +68,8 @@ REPLICAS_DIR = ".replicas"
 COMPLETE = "COMPLETE"
 #: Bytes per point-to-point message.
 CHUNK_BYTES = 4 << 20
+#: A header's size when the sender has no file to send.
+NOTHING = -1
 
 
 @dataclass(frozen=True)
@@ -187,10 +190,12 @@ def _signed(v: int) -> int:
 class _Sender:
     """A file and its manifest going to ``dst``: header, manifest, then the file in chunks."""
 
-    def __init__(self, dst: int, group: Any, step: int, local_rank: int, node: int, path: str, manifest: bytes,
-                 limit: Any):
+    def __init__(self, dst: int, group: Any, step: int, local_rank: int, node: int, path: Optional[str],
+                 manifest: bytes, limit: Any):
         self.dst, self.group, self.limit = dst, group, limit
-        self.size, digest = _file_digest(path)
+        # path None: this rank has nothing to send (its step could not be read). It still
+        # sends a header (size -1) so that the partner's receive never waits for bytes.
+        self.size, digest = _file_digest(path) if path is not None else (NOTHING, 0)
         self.header = torch.tensor([step, node, local_rank, self.size, len(manifest), _signed(digest)],
                                    dtype=torch.int64)
         self.manifest = torch.frombuffer(bytearray(manifest), dtype=torch.uint8) if manifest else None
@@ -213,6 +218,9 @@ def exchange(group: Any, sends: List[_Sender], recvs: List[_Receiver], into: Any
         dist.irecv(r.header, r.src, group=group).wait()
     for w in pending:
         w.wait()
+    sends = [s for s in sends if s.size != NOTHING]
+    empty = [r for r in recvs if int(r.header[3]) == NOTHING]
+    recvs = [r for r in recvs if int(r.header[3]) != NOTHING]
     pending = [dist.isend(s.manifest, s.dst, group=group) for s in sends if s.manifest is not None]
     manifests = []
     for r in recvs:
@@ -256,7 +264,9 @@ def exchange(group: Any, sends: List[_Sender], recvs: List[_Receiver], into: Any
                     out.write(data)
             for w in work:
                 w.wait()
-        results = []
+        results = [{"src": r.src, "step": int(r.header[0]), "node": int(r.header[1]),
+                    "local_rank": int(r.header[2]), "bytes": 0, "path": None, "manifest": b"", "ok": False,
+                    "nothing": True} for r in empty]
         for r, out, h, manifest in zip(recvs, outs, hashes, manifests):
             out.flush()
             os.fsync(out.fileno())
@@ -291,8 +301,8 @@ def check_replica(path: str, manifest_raw: bytes, local_rank: int) -> None:
 
 
 class _Queued:
-    def __init__(self, handle: Any, step: int, call: int, local_path: str):
-        self.handle, self.step, self.call, self.local_path = handle, step, call, local_path
+    def __init__(self, handle: Any, step: int, call: int, local_path: str, hold: contextlib.ExitStack):
+        self.handle, self.step, self.call, self.local_path, self.hold = handle, step, call, local_path, hold
 
 
 class ReplicaTier:
@@ -321,9 +331,17 @@ class ReplicaTier:
         return [h for h in held_replicas(self.root) if h[1] == self.topo.local_rank]
 
     def enqueue(self, handle: Any, step: int, call: int, local_path: str) -> None:
+        """Queue a step just committed (called before the commit's retention):
+        a read lock on it keeps retention from deleting it until it is
+        replicated or superseded (the node's coordinator catches up later)."""
         handle.replica_state = "pending"
+        hold = contextlib.ExitStack()
+        try:
+            hold.enter_context(StepDir(local_path, step).reading())
+        except CheckpointError as exc:      # gone already; the round sends nothing for it
+            log.warning("lazyckpt: step %d cannot be held for replication: %s", step, exc)
         with self._cond:
-            self._pending.append(_Queued(handle, step, call, local_path))
+            self._pending.append(_Queued(handle, step, call, local_path, hold))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lazyckpt-replicas", daemon=True)
                 self._thread.start()
@@ -353,11 +371,11 @@ class ReplicaTier:
                             "replicated): %s", exc)
                 with self._cond:              # what was queued cannot be replicated with a broken round
                     for q in self._pending:
+                        q.hold.close()
                         q.handle.replica_state = f"failed: {exc}"
                     self._pending.clear()
 
     def _one_round(self) -> None:
-        from .distributed import agree
         w = self.world
         key = f"rep/{self._round}"
         self._round += 1
@@ -377,15 +395,27 @@ class ReplicaTier:
             item = next(q for q in self._pending if q.call == call)
             for q in self._pending:
                 if q.call < call:
-                    q.handle.replica_state = f"superseded by step {item.step}"
+                    q.hold.close()          # before this round's agreement: the coordinator's
+                    q.handle.replica_state = f"superseded by step {item.step}"   # retention may go on
             self._pending = collections.deque(q for q in self._pending if q.call > call)
-        topo = self.topo
+        with item.hold:
+            self._replicate(item, key)
+
+    def _replicate(self, item: _Queued, key: str) -> None:
+        from .distributed import agree
+        w, topo = self.world, self.topo
         report: Dict[str, Any] = {"ok": True}
         received: List[Dict[str, Any]] = []
         try:
-            with open(os.path.join(item.local_path, MANIFEST), "rb") as f:
-                manifest_raw = f.read()
-            mine = os.path.join(item.local_path, rank_filename(topo.local_rank))
+            mine: Optional[str] = os.path.join(item.local_path, rank_filename(topo.local_rank))
+            try:
+                with open(os.path.join(item.local_path, MANIFEST), "rb") as f:
+                    manifest_raw = f.read()
+            except OSError as exc:
+                # Still take part in the exchange (an empty header), so no partner waits
+                # for bytes that never come; the agreement below fails the round.
+                report = {"ok": False, "error": f"step {item.step} cannot be read here: {exc}"}
+                mine, manifest_raw = None, b""
             sends = [_Sender(p, self.group, item.step, topo.local_rank, topo.node, mine, manifest_raw, self._limit)
                      for p in topo.partners(self.k)]
             recvs = [_Receiver(s, self.group) for s in topo.sources(self.k)]
@@ -396,6 +426,8 @@ class ReplicaTier:
                 return os.path.join(base, f".tmp-{_step_name(int(header[0]))}-{token}", "data.lzc")
             received = exchange(self.group, sends, recvs, into)
             for r in received:
+                if r.get("nothing"):
+                    raise CheckpointError(f"rank {r['src']} could not read its step {r['step']} to send it")
                 if not r["ok"]:
                     raise CorruptCheckpointError(f"replica of rank {r['src']} step {r['step']}: bytes differ from "
                                                  f"the sender's checksum", path=r["path"])
@@ -406,7 +438,8 @@ class ReplicaTier:
             agree(w, key, report, item.step, lambda done: None)
         except BaseException as exc:
             for r in received:
-                shutil.rmtree(os.path.dirname(r["path"]), ignore_errors=True)
+                if r["path"] is not None:
+                    shutil.rmtree(os.path.dirname(r["path"]), ignore_errors=True)
             item.handle.replica_state = f"failed: {exc}"
             raise
         # Every replica of the step is complete on every rank: mark them, drop older ones.
