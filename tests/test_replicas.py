@@ -187,6 +187,8 @@ def _train_fast(rank, world, base, steps):
                                commit_timeout_s=60) as ckpt:
         handles = [ckpt.save(_state(rank, step), step=step) for step in range(1, steps + 1)]
         ckpt.wait()
+        # The node's coordinator catches retention up inside its wait(): list after it.
+        torch.distributed.barrier()
         return {"states": [h.replica_state for h in handles], "stats": ckpt.replica_stats(),
                 "steps": ckpt.steps()}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -29,6 +29,7 @@ from .objstore import is_url
 from .manifest import check_metadata
 from .plan import PlanCache
 from .restore import RestoreHandle
+from .autorep import AutoReplication
 from .replicas import ReplicaTier, node_group
 from .replicas import restore as restore_replicas
 from .replicas import topology as replica_topology
@@ -63,13 +64,16 @@ class Checkpointer:
     every ``save()`` are collective: each rank writes its own file and the
     step commits when all have (``commit_timeout_s`` bounds the wait for a
     dead rank). ``replicated`` names top-level keys identical on every rank
-    (DDP), written once. ``process_group=False`` makes it local to this
-    process.
+    (DDP), written once; ``replicated="auto"`` finds them by content (keys
+    whose bytes agree on every rank are written once, the others per rank,
+    checked at every save); left unset, the first commit that finds identical
+    keys warns with the bytes naming them would save. ``process_group=False``
+    makes it local to this process.
     """
 
     def __init__(self, directory: str, keep_last: Optional[int] = None,
                  host_cache_bytes: Optional[int] = None, *, options: Optional[Options] = None,
-                 replicated: Optional[List[Any]] = None, process_group: Any = None,
+                 replicated: Union[None, str, List[Any]] = None, process_group: Any = None,
                  commit_timeout_s: float = 600.0, guard_buffers: bool = True,
                  persist_to: Optional[str] = None, persist_keep_last: Optional[int] = None,
                  storage_options: Optional[Dict[str, Any]] = None, replicas: int = 0,
@@ -104,7 +108,13 @@ class Checkpointer:
                 raise CheckpointError(f"{self.directory}: directory is not writable", path=self.directory)
             self.layout = CheckpointDir(self.directory, self.options.lease_expiry_s)
         #: Top-level keys identical on every rank (DDP): each entry written by one rank.
-        self.replicated = list(replicated or [])
+        #: "auto": found by content (lazyckpt/autorep.py); unset: a warning names them.
+        if replicated == "auto":
+            self.replicated: Any = "auto"
+        elif isinstance(replicated, str):
+            raise ValueError(f"replicated must be a list of top-level keys or 'auto', got {replicated!r}")
+        else:
+            self.replicated = list(replicated or [])
         #: Replicas on partner nodes (lazyckpt/replicas.py): the directory is node-local and
         #: each node's ranks commit their own steps in it (the node is the commit group).
         self.topology = None
@@ -124,6 +134,9 @@ class Checkpointer:
             world = rank_info("lazyckpt-replicas", None, commit_timeout_s)
             self._replicas = ReplicaTier(self.directory, self.topology, replicas, world, replica_bandwidth,
                                          commit_timeout_s)
+        self._auto = None
+        if self._dist.distributed and (self.replicated == "auto" or not self.replicated):
+            self._auto = AutoReplication("auto" if self.replicated == "auto" else "hint")
         if self._dist.distributed and self.options.queue_policy == "skip":
             raise ValueError("queue_policy='skip' cannot be used with several ranks: a save skipped on "
                              "one rank and not on another would never commit")
@@ -165,11 +178,13 @@ class Checkpointer:
             if type(step) is not int or not 0 <= step < 10 ** 10:
                 raise ValueError(f"step must be an int in [0, 1e10), got {step!r}")
             metadata = check_metadata(metadata)
-            flat = self._plans.flatten(state, self._dist.rank, self._dist.world_size, self.replicated)
+            replicated = self._replicated_keys(state)
+            flat = self._plans.flatten(state, self._dist.rank, self._dist.world_size, replicated)
             commit = ObjectStepCommit if self.on_object_store else StepCommit
             strategy = commit(self.layout, self._dist, step, call, keep_last=self.keep_last,
-                              replicated=self.replicated, metadata=metadata,
-                              heartbeat_s=self.options.lease_heartbeat_s, incremental=self._incremental)
+                              replicated=replicated, metadata=metadata,
+                              heartbeat_s=self.options.lease_heartbeat_s, incremental=self._incremental,
+                              auto=self._auto)
             if self.persistent is not None or self._replicas is not None:
                 strategy.on_committed = self._drain
             part = FilePart(flat, strategy.footer_metadata(),
@@ -178,9 +193,16 @@ class Checkpointer:
         except BaseException as exc:
             if self._dist.distributed:
                 refuse(self._dist, f"c{call}", exc)
+                if self.replicated == "auto":       # its check round before the capture, too
+                    refuse(self._dist, f"auto/c{call}", exc)
             raise
         job.handle.persistent = self.on_object_store
         return job.handle
+
+    def _replicated_keys(self, state: Any) -> List[Any]:
+        if self.replicated != "auto":
+            return self.replicated
+        return self._auto.candidates(state) if self._auto is not None else []
 
     def _drain(self, handle: SaveHandle, strategy: StepCommit) -> None:
         if self._replicas is not None:

@@ -15,10 +15,12 @@ DeepSpeed's tag groups add their own strategy in
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -27,9 +29,12 @@ from . import manifest
 from .distributed import RankInfo, agree, refuse
 from .engine import CommitStrategy, FilePart, Job
 from .errors import CheckpointError, CheckpointNotFoundError
+from .autorep import AutoReplication, own_copy
 from .incremental import IncrementalIndex, Plan
 from .fileio import fsync_dir, remove_quietly, write_file_atomic
 from .layout import MANIFEST, CheckpointDir, StepDir, new_token, rank_filename, remove_tree, sibling_temp
+
+log = logging.getLogger("lazyckpt")
 
 
 class FileCommit(CommitStrategy):
@@ -90,7 +95,8 @@ class StepCommit(CommitStrategy):
 
     def __init__(self, layout: CheckpointDir, dist: RankInfo, step: int, call: int, *,
                  keep_last: Optional[int], replicated: List[Any], metadata: Dict[str, Any],
-                 heartbeat_s: float, incremental: Optional[IncrementalIndex] = None):
+                 heartbeat_s: float, incremental: Optional[IncrementalIndex] = None,
+                 auto: Optional[AutoReplication] = None):
         self.layout = layout
         self.path = layout.path
         self.dist = dist
@@ -108,6 +114,10 @@ class StepCommit(CommitStrategy):
         self._plan: Optional[Plan] = None
         self._keyset: Optional[str] = None
         self._layouts: Optional[str] = None
+        #: replicated unset or "auto" (several ranks): identical keys found by content.
+        self.auto = auto
+        self._auto_nodes: Dict[str, Any] = {}
+        self._auto_reported = False
         #: Called with (handle, self) once the step is committed (the persistent tier's enqueue).
         self.on_committed: Optional[Callable[[Any, "StepCommit"], None]] = None
 
@@ -152,19 +162,16 @@ class StepCommit(CommitStrategy):
             # DTensor layouts (a digest): the coordinator reads them from one footer
             # per distinct digest instead of a listed piece per tensor per rank.
             self._layouts = manifest.layouts_digest(part.flat.tree, self.dist.world_size)
+            if self.auto is not None:
+                self._auto_nodes = AutoReplication.key_nodes(part.flat.tree)
+                if self.auto.mode == "auto":
+                    self._check_candidates(part, resources)
         if self.incremental is None:
             return
         sources = part.flat.sources
-        if self.incremental.mode == "content" and any(isinstance(s.data, torch.Tensor) and s.data.is_cuda
-                                                      for s in sources):
-            # Device bytes are hashed through one host-cache chunk (the copy is the cost).
-            cache = resources.cache_for(sources)
-            chunk = cache.acquire(lambda: False)
-            try:
-                buffer = (np.frombuffer(cache.chunk_memory(chunk), dtype=np.uint8), cache.chunk_tensor(chunk))
+        if self.incremental.mode == "content":
+            with _device_buffer(resources, sources) as buffer:
                 plan = self.incremental.plan(sources, self.step, buffer)
-            finally:
-                cache.release(chunk)
         else:
             plan = self.incremental.plan(sources, self.step)
         gone = set()
@@ -176,6 +183,33 @@ class StepCommit(CommitStrategy):
         plan.drop_steps(gone)
         plan.apply(sources)
         self._plan = plan
+
+    def _refuse_unreported(self, error: BaseException) -> None:
+        """A failed job: the rounds this rank has not reported to fail at once on the others."""
+        if not self.dist.distributed:
+            return
+        if not self._reported:
+            refuse(self.dist, self.key, error)      # the others fail this step now, not at a deadline
+        if self.auto is not None and self.auto.mode == "auto" and not self._auto_reported:
+            refuse(self.dist, f"auto/{self.key}", error)
+
+    def _check_candidates(self, part: FilePart, resources: Any) -> None:
+        """``replicated="auto"``: deduplicate only the candidates every rank hashes
+        alike (one store round, before anything is captured); every other
+        candidate is written by each rank (lazyckpt/autorep.py)."""
+        sources, candidates = part.flat.sources, list(self.replicated)
+        with _device_buffer(resources, [own_copy(s) for s in sources]) as buffer:
+            digests = AutoReplication.content_digests(self._auto_nodes, candidates, sources, buffer)
+        self._auto_reported = True
+        outcome = agree(self.dist, f"auto/{self.key}", {"ok": True, "cands": candidates, "d": digests},
+                        self.step, lambda done: {"dedup": AutoReplication.verdict(done)})
+        dedup = [k for k in outcome.get("dedup", []) if k in self._auto_nodes]
+        AutoReplication.write_own_copies(self._auto_nodes, dedup, sources)
+        if dedup != candidates:
+            log.info("lazyckpt: step %d: %s differ between ranks and are written by each rank",
+                     self.step, sorted(set(candidates) - set(dedup)))
+        self.replicated = dedup
+        part.digest = json.dumps(dedup)     # the same on every rank, whatever each one walked
 
     def part_path(self, job: Job, part: FilePart) -> str:
         path = os.path.join(self.tmp, rank_filename(self.dist.rank))
@@ -194,6 +228,8 @@ class StepCommit(CommitStrategy):
             self._commit({0: report})
             return
         report["keyset"] = self._keyset
+        if self.auto is not None:
+            report["keys"] = AutoReplication.commit_digests(self._auto_nodes, part.entries)
         if self._layouts is not None:
             report["layouts"] = self._layouts
         elif flat_shards:
@@ -203,11 +239,14 @@ class StepCommit(CommitStrategy):
             self._put_side(name, json.dumps(flat_shards, separators=(",", ":")).encode())
             report["shards_file"] = name
         self._reported = True
-        agree(self.dist, self.key, report, self.step, self._commit,
-              forget=[f"c{self.call - 1}/outcome"])
+        outcome = agree(self.dist, self.key, report, self.step, self._commit,
+                        forget=[f"c{self.call - 1}/outcome"])
+        if self.auto is not None:
+            self.auto.learned_from(outcome)
 
-    def _commit(self, done: Dict[int, Dict[str, Any]]) -> None:
-        """Coordinator: every rank's file is durable; write the manifest and rename."""
+    def _commit(self, done: Dict[int, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """Coordinator: every rank's file is durable; write the manifest and rename.
+        Returns what the outcome carries to every rank (``replicated="auto"``'s keys)."""
         steps = {v.get("step") for v in done.values()}
         if steps != {self.step}:
             raise CheckpointError(f"step {self.step}: the ranks saved different steps in this call "
@@ -223,6 +262,9 @@ class StepCommit(CommitStrategy):
         raw = manifest.build(self.step, done, self.save_id, {"step": self.step, **self.metadata},
                              self.replicated, layouts=self._collect_layouts(done))
         self._publish(raw)
+        if self.auto is None or not self.dist.distributed:
+            return None
+        return self.auto.learn(AutoReplication.identical(done), self.replicated, self.dist.world_size)
 
     def _collect_layouts(self, done: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
         """The placement-derived index: each distinct layout digest's DTensors,
@@ -267,8 +309,7 @@ class StepCommit(CommitStrategy):
 
     def abort(self, job: Job, error: BaseException) -> None:
         d = self.dist
-        if d.distributed and not self._reported:
-            refuse(d, self.key, error)      # the others fail this step now, not at a deadline
+        self._refuse_unreported(error)
         if not d.distributed or d.coordinator:
             if os.path.isdir(self.tmp):     # not renamed: nothing of this step may remain
                 remove_tree(self.tmp)
@@ -290,6 +331,21 @@ class StepCommit(CommitStrategy):
 
     def failure_message(self, job: Job, cause: str) -> str:
         return f"{self.path}: checkpoint of step {self.step} failed: {cause}"
+
+
+@contextlib.contextmanager
+def _device_buffer(resources: Any, sources: List[Any]) -> Iterator[Any]:
+    """One host-cache chunk to hash device bytes through (numpy view, tensor
+    view), or None when every source is on the host."""
+    if not any(isinstance(s.data, torch.Tensor) and s.data.is_cuda for s in sources):
+        yield None
+        return
+    cache = resources.cache_for(sources)
+    chunk = cache.acquire(lambda: False)
+    try:
+        yield np.frombuffer(cache.chunk_memory(chunk), dtype=np.uint8), cache.chunk_tensor(chunk)
+    finally:
+        cache.release(chunk)
 
 
 class ObjectStepCommit(StepCommit):
@@ -335,8 +391,7 @@ class ObjectStepCommit(StepCommit):
 
     def abort(self, job: Job, error: BaseException) -> None:
         d = self.dist
-        if d.distributed and not self._reported:
-            refuse(d, self.key, error)
+        self._refuse_unreported(error)
         if not d.distributed or d.coordinator:
             store, key = self._store()
             try:

@@ -140,11 +140,13 @@ class RankInfo:
 
 
 def agree(d: RankInfo, key: str, report: Dict[str, Any], step: Any,
-          on_all_done: Callable[[Dict[int, Dict[str, Any]]], None], forget: List[str] = ()) -> None:
+          on_all_done: Callable[[Dict[int, Dict[str, Any]]], Optional[Dict[str, Any]]],
+          forget: List[str] = ()) -> Dict[str, Any]:
     """Publish this rank's ``report`` for ``key``; the coordinator waits for
     every rank's, calls ``on_all_done`` with them (rank -> report) and publishes
-    the outcome; the others wait for it. Raises ``CheckpointError`` if any rank
-    failed, the coordinator's action failed, or a deadline passed.
+    the outcome (with what ``on_all_done`` returned added); the others wait for
+    it. Returns the outcome on every rank. Raises ``CheckpointError`` if any
+    rank failed, the coordinator's action failed, or a deadline passed.
 
     Store keys are deleted O(1) per rank and call, never N by the coordinator:
     each other rank deletes its own report once it has read the outcome (the
@@ -163,7 +165,7 @@ def agree(d: RankInfo, key: str, report: Dict[str, Any], step: Any,
         d.delete([mine], through=None if outcome.get("refused") else key)
         if not outcome.get("ok"):
             raise CheckpointError(f"{_what(step)}: not committed: {outcome.get('error')}", step=_step(step))
-        return
+        return outcome
     keys = [f"{key}/done/{r}" for r in range(1, d.world_size)]
     outcome = f"{key}/outcome"
     try:
@@ -175,16 +177,17 @@ def agree(d: RankInfo, key: str, report: Dict[str, Any], step: Any,
             raise CheckpointError(f"{_what(step)}: " + "; ".join(f"rank {r} failed: {e}"
                                                                  for r, e in sorted(failed.items())),
                                   step=_step(step))
-        on_all_done(done)
+        value = {**(on_all_done(done) or {}), "ok": True}
     except BaseException as exc:
         d.publish(outcome, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         d.delete([outcome], after=key)
         raise
-    d.publish(outcome, {"ok": True})
+    d.publish(outcome, value)
     # Every rank reported through agree (a refused call's report is never ok): the
     # outcomes and ready keys of earlier calls have been read by all who read them.
     d.delete(list(forget), before=key)
     d.delete([outcome], after=key)
+    return value
 
 
 def refuse(d: RankInfo, key: str, error: BaseException) -> None:

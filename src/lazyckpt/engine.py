@@ -207,7 +207,8 @@ class FilePart(Part):
         self.entries: List[Any] = []
         self.version = 1
         self.block_bytes = 0
-        self.pointers = frozenset(p for p in (s.data.data_ptr() for s in flat.sources
+        # A remote entry's own copy counts too: replicated="auto" may write it after all.
+        self.pointers = frozenset(p for p in (s.data.data_ptr() for s in (s.local or s for s in flat.sources)
                                               if isinstance(s.data, torch.Tensor)) if p)
 
     def run(self, job: "Job", resources: Resources, options: Options) -> None:

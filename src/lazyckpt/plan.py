@@ -283,7 +283,9 @@ class _Replay:
             if kind == "data":
                 source = Source("data", _flat_bytes_of_storage(t), None, name, length)
             else:
-                source = Source(kind, None, None, name, length, owner)
+                flat = _flat_bytes_of_storage(t)
+                source = Source(kind, None, None, name, length, owner,
+                                local=Source("data", flat, None, name, flat.numel()))
             self.sources[e] = source
             self.filled += 1
         elif self.entry_storage[e] != cdata or not self.plan.sources[e][4]:

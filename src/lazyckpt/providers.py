@@ -57,6 +57,9 @@ class Source:
     tensors: List[Any] = field(default_factory=list)
     #: "ref": where an earlier step holds these bytes (format.Entry.ref).
     ref: Optional[Dict[str, Any]] = None
+    #: "remote": this rank's own copy, which ``replicated="auto"`` writes after all
+    #: when the ranks' copies turn out to differ (lazyckpt/autorep.py).
+    local: Optional["Source"] = None
 
     @property
     def deferred(self) -> bool:
@@ -115,7 +118,7 @@ class SaveContext:
             owner = min(range(self.world_size), key=self._bytes_per_rank.__getitem__)
             self._bytes_per_rank[owner] += max(1, source.length or 0)
             if owner != self.rank:
-                source = Source("remote", name=source.name, length=0, owner=owner)
+                source = Source("remote", name=source.name, length=0, owner=owner, local=source)
         self.sources.append(source)
         return len(self.sources) - 1
 
