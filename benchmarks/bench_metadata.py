@@ -24,6 +24,7 @@ import time
 
 from lazyckpt import format as fmt
 from lazyckpt import manifest as manifests
+from lazyckpt.distributed import parse_values
 
 #: (name, parameters, AdamW: x3 tensors): a Llama-7B-like and a 70B-like model.
 MODELS = {"7B-like": (291, 4096, 11008, 32), "70B-like": (723, 8192, 28672, 80)}
@@ -62,13 +63,14 @@ def footer_node_bytes(shape, ranks):
 
 
 def report(rank, nbytes):
+    """One rank's commit report, as the store holds it (bytes)."""
     return json.dumps({"ok": True, "step": 1000, "bytes": nbytes, "digest": None, "version": 1,
-                       "references": [], "keyset": "5d41402abc4b2a76", "layouts": "7d793037a0760186"})
+                       "references": [], "keyset": "5d41402abc4b2a76", "layouts": "7d793037a0760186"}).encode()
 
 
 def one_commit(raw_reports, layouts):
     t0 = time.process_time()
-    done = {r: json.loads(v) for r, v in enumerate(raw_reports)}
+    done = dict(enumerate(parse_values(raw_reports)))      # as RankInfo.wait_for parses them
     raw = manifests.build(1000, done, "run-c17", {"step": 1000}, [], layouts=layouts)
     return time.process_time() - t0, raw
 

@@ -96,7 +96,7 @@ class RankInfo:
     def _get_all(self, keys: List[str]) -> Dict[str, Dict[str, Any]]:
         raw = self.store.multi_get(keys) if hasattr(self.store, "multi_get") else \
             [self.store.get(k) for k in keys]
-        return {k: json.loads(bytes(v).decode()) for k, v in zip(keys, raw)}
+        return dict(zip(keys, parse_values(raw)))
 
     def delete(self, keys: List[str] = (), after: Optional[str] = None,
                through: Optional[str] = None, before: Optional[str] = None) -> None:
@@ -137,6 +137,28 @@ class RankInfo:
                 self.store.delete_key(k)
             except Exception:   # some stores cannot delete; the keys are tiny
                 pass
+
+
+def parse_values(raw: List[bytes]) -> List[Any]:
+    """Store values (JSON, one per key) parsed in one ``json.loads`` call: at
+    16,384 ranks the coordinator's commit CPU was mostly per-call overhead of
+    16,384 small parses (73 ms against 27 ms joined, benchmarks/bench_metadata.py)."""
+    if not raw:
+        return []
+    import gc
+    # Thousands of small dicts at once would trigger the cyclic collector's full
+    # passes (measured: 37 ms median, 126-144 ms with a collection); they hold no cycles.
+    paused = len(raw) > 1000 and gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        values = json.loads(b"[" + b",".join(bytes(v) for v in raw) + b"]")
+    finally:
+        if paused:
+            gc.enable()
+    if len(values) != len(raw):         # a value that was not one JSON document
+        raise CheckpointError(f"the store returned {len(raw)} values that parse as {len(values)}")
+    return values
 
 
 def agree(d: RankInfo, key: str, report: Dict[str, Any], step: Any,
