@@ -117,11 +117,12 @@ class AutoReplication:
 
     @staticmethod
     def content_digests(nodes: Dict[str, Any], candidates: List[str], sources: List[Source],
-                        copy_buffer: Any = None) -> Dict[str, Optional[str]]:
+                        copy_buffer: Any = None, events: Any = None) -> Dict[str, Optional[str]]:
         """Per candidate: xxh3 of its structure and of this rank's own bytes (None: not
-        comparable -- a pickled object, a DTensor, a device tensor without a buffer)."""
+        comparable -- a pickled object, a DTensor, a device tensor without a buffer).
+        Device bytes are copied after ``events`` (save()'s, on the training stream)."""
         out: Dict[str, Optional[str]] = {}
-        copier = DeviceCopier()
+        copier = DeviceCopier(events)
         try:
             for k in candidates:
                 if k not in nodes:

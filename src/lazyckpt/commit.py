@@ -171,7 +171,7 @@ class StepCommit(CommitStrategy):
         sources = part.flat.sources
         if self.incremental.mode == "content":
             with _device_buffer(resources, sources) as buffer:
-                plan = self.incremental.plan(sources, self.step, buffer)
+                plan = self.incremental.plan(sources, self.step, buffer, part.events)
         else:
             plan = self.incremental.plan(sources, self.step)
         gone = set()
@@ -199,7 +199,7 @@ class StepCommit(CommitStrategy):
         candidate is written by each rank (lazyckpt/autorep.py)."""
         sources, candidates = part.flat.sources, list(self.replicated)
         with _device_buffer(resources, [own_copy(s) for s in sources]) as buffer:
-            digests = AutoReplication.content_digests(self._auto_nodes, candidates, sources, buffer)
+            digests = AutoReplication.content_digests(self._auto_nodes, candidates, sources, buffer, part.events)
         self._auto_reported = True
         outcome = agree(self.dist, f"auto/{self.key}", {"ok": True, "cands": candidates, "d": digests},
                         self.step, lambda done: {"dedup": AutoReplication.verdict(done)})

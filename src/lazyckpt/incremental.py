@@ -122,7 +122,7 @@ class IncrementalIndex:
             return plan.originals[i].name
         return id(plan.signatures[i][0]())
 
-    def plan(self, sources: List[Source], step: int, copy_buffer: Any = None) -> Plan:
+    def plan(self, sources: List[Source], step: int, copy_buffer: Any = None, events: Any = None) -> Plan:
         """Decide, on the capture thread, which sources are unchanged since the
         last committed step. It runs before the barrier lets training modify
         the state, so the version counters read here are those of save()."""
@@ -142,7 +142,7 @@ class IncrementalIndex:
                 same = (-1 not in versions and known.storage() is storage()
                         and known.versions == versions and known.device == str(s.data.device))
             else:
-                same = _same_content(s.data, known.location, copy_buffer)
+                same = _same_content(s.data, known.location, copy_buffer, events)
             if same:
                 plan.refs[i] = known.location
         return plan
@@ -163,10 +163,11 @@ class IncrementalIndex:
         self._known = known
 
 
-def _same_content(data: torch.Tensor, loc: Location, copy_buffer: Any) -> bool:
+def _same_content(data: torch.Tensor, loc: Location, copy_buffer: Any, events: Any = None) -> bool:
     """Whether ``data`` hashes to ``loc``'s block checksums (its file's block
     partition). CPU tensors are hashed in place; device tensors go through
-    ``copy_buffer`` (a host chunk: (numpy view, tensor view))."""
+    ``copy_buffer`` (a host chunk: (numpy view, tensor view)), copied after
+    ``events`` (recorded in save(): the training stream's writes come first)."""
     spans = fmt.block_spans(loc.offset, loc.length, loc.block_bytes)
     if data.device.type == "cpu":
         host = as_numpy(data)
@@ -178,7 +179,7 @@ def _same_content(data: torch.Tensor, loc: Location, copy_buffer: Any) -> bool:
         return False
     buf_np, buf_t = copy_buffer
     piece = len(buf_np)
-    copier = DeviceCopier()
+    copier = DeviceCopier(events)
     try:
         for k, (lo, hi) in enumerate(spans):
             digest = xxhash.xxh3_64()
