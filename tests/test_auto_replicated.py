@@ -148,3 +148,23 @@ def test_a_call_refused_on_one_rank_fails_its_check_round_at_once(tmp_path):
     for r in results:
         assert r[1] == r[2] == r[4] == "ok" and r["loaded"] and r["steps"] == [1, 2, 4], r
         assert r["t3"] < 20, r              # not the 60 s deadline
+
+
+def _auto_incremental(rank, world, directory):
+    frozen = torch.arange(50_000, dtype=torch.float32)          # the same storage every save
+    out = {}
+    with lazyckpt.Checkpointer(directory, replicated="auto", incremental=True) as ckpt:
+        for step in (1, 2, 3):
+            state = _state(rank, step)
+            state["model"]["frozen"] = frozen
+            ckpt.save(state, step=step).wait()
+        for step in (1, 2, 3):
+            got = ckpt.load(step=step)
+            want = _state(rank, step)
+            out[step] = _same(got, want) and torch.equal(got["model"]["frozen"], frozen)
+    return out
+
+
+def test_auto_with_incremental_checkpoints_loads_bit_exact(tmp_path):
+    results = run_ranks(2, _auto_incremental, str(tmp_path / "run"))
+    assert results == [{1: True, 2: True, 3: True}] * 2, results
