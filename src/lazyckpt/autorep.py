@@ -5,8 +5,8 @@ model and optimizer (DCP deduplicates same-path plain tensors by itself).
 This module finds the identical state, at the granularity of top-level
 ``str`` keys (the granularity of ``replicated=``), in two halves:
 
-* **Learning** (every multi-rank save with ``replicated`` left unset or
-  ``"auto"``; no extra I/O): each rank reports per top-level key a digest of
+* **Learning** (every multi-rank save with ``"auto"``, the first one with
+  ``replicated`` left unset; no extra I/O): each rank reports per top-level key a digest of
   its subtree -- the tree node, entry numbers included, devices left out,
   and each entry's kind, size and the block checksums the writer computes
   anyway -- and its bytes. The coordinator lists the keys whose digest is
@@ -60,6 +60,9 @@ class AutoReplication:
         self.learned: List[str] = []
         #: The warning given (once), or None.
         self.advice: Optional[str] = None
+        #: "hint": the first committed save is looked at, then no more digests are reported
+        #: (they cost ~40 B per key per rank in the store; the advice is about the state's shape).
+        self.hinting = True
 
     def candidates(self, state: Any) -> List[str]:
         """The keys the next save walks as replicated (those learned, in state order)."""
@@ -161,8 +164,13 @@ class AutoReplication:
 
     # ---------------------------------------------------------------- outcome
 
+    @property
+    def reporting(self) -> bool:
+        """Whether a commit report carries the per-key digests."""
+        return self.mode == "auto" or self.hinting
+
     def learn(self, identical: Dict[str, int], deduplicated: List[str], world_size: int) -> Dict[str, Any]:
-        """Coordinator, at commit: the outcome's addition (``"auto"``), or the warning."""
+        """Coordinator, at commit: the outcome's addition (``"auto"``; ``"hinted"``), and the warning."""
         if self.mode == "auto":
             return {"auto": sorted(set(identical) | set(deduplicated))}
         if identical and self.advice is None:
@@ -172,12 +180,14 @@ class AutoReplication:
                            f"replicated='auto' would write {saved / 1e6:.1f} MB less per checkpoint")
             log.warning("%s", self.advice)
             warnings.warn(self.advice, stacklevel=1)
-        return {}
+        return {"hinted": True}
 
     def learned_from(self, outcome: Dict[str, Any]) -> None:
-        """Every rank, once its commit succeeded: the keys to try next."""
+        """Every rank, once its commit succeeded: the keys to try next (or: hinted)."""
         if self.mode == "auto" and isinstance(outcome.get("auto"), list):
             self.learned = [k for k in outcome["auto"] if type(k) is str]
+        if outcome.get("hinted"):
+            self.hinting = False
 
 
 def own_copy(s: Source) -> Source:

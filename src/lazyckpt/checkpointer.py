@@ -66,8 +66,8 @@ class Checkpointer:
     dead rank). ``replicated`` names top-level keys identical on every rank
     (DDP), written once; ``replicated="auto"`` finds them by content (keys
     whose bytes agree on every rank are written once, the others per rank,
-    checked at every save); left unset, the first commit that finds identical
-    keys warns with the bytes naming them would save. ``process_group=False``
+    checked at every save); left unset, the first commit warns if it finds
+    identical keys, with the bytes naming them would save. ``process_group=False``
     makes it local to this process.
     """
 

@@ -228,7 +228,7 @@ class StepCommit(CommitStrategy):
             self._commit({0: report})
             return
         report["keyset"] = self._keyset
-        if self.auto is not None:
+        if self.auto is not None and self.auto.reporting:
             report["keys"] = AutoReplication.commit_digests(self._auto_nodes, part.entries)
         if self._layouts is not None:
             report["layouts"] = self._layouts
