@@ -142,7 +142,7 @@ class RankInfo:
 def parse_values(raw: List[bytes]) -> List[Any]:
     """Store values (JSON, one per key) parsed in one ``json.loads`` call: at
     16,384 ranks the coordinator's commit CPU was mostly per-call overhead of
-    16,384 small parses (73 ms against 27 ms joined, benchmarks/bench_metadata.py)."""
+    16,384 small parses (73 ms against 27-37 ms joined, benchmarks/bench_metadata.py)."""
     if not raw:
         return []
     import gc
