@@ -183,7 +183,7 @@ def main() -> None:
                 drain[k].append(max(r["drain_s"] for r in res))
         m0, m1 = statistics.median(per[0]), statistics.median(per[1])
         print(f"\ntraining, save every {a.every} iterations (median of the slowest rank's median s/iter):")
-        print(f"| replicas | s/iter | vs replicas=0 | wait() at the end s |\n|---|---|---|---|")
+        print("| replicas | s/iter | vs replicas=0 | wait() at the end s |\n|---|---|---|---|")
         print(f"| 0 | {m0:.4f} | 1.00 | {statistics.median(drain[0]):.2f} |")
         print(f"| 1 | {m1:.4f} | {m1 / m0:.2f} | {statistics.median(drain[1]):.2f} |")
         # ---- recovery
