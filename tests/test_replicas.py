@@ -112,6 +112,29 @@ def test_replicas_that_do_not_match_are_refused(tmp_path):
     assert not os.path.exists(os.path.join(base, "node1", "step_0000000002"))
 
 
+def test_a_replica_gone_from_its_holder_is_refused_at_once(tmp_path):
+    base = str(tmp_path)
+    run_ranks(4, _train, base, 2, timeout=300)
+    _lose_node(base, 1)
+    # The holder still reports the replica (its COMPLETE marker stays) but its data is gone.
+    gone = 0
+    for dirpath, _, files in os.walk(os.path.join(base, "node0", ".replicas", "node_00001")):
+        for f in files:
+            if f.endswith(".lzc"):
+                os.unlink(os.path.join(dirpath, f))
+                gone += 1
+    assert gone == NODE
+    t0 = time.monotonic()
+    results = run_ranks(4, _resume, base, timeout=300, allow_failure=True)
+    # The holder sends an empty header instead of raising before the exchange, so
+    # the receivers refuse the replica at once instead of waiting for its bytes
+    # until the group's timeout (60 s here).
+    assert time.monotonic() - t0 < 50
+    for rank in range(4):
+        kind, detail = results[rank]
+        assert kind == "error" and "CorruptCheckpointError" in detail and "node(s) [1]" in detail, results[rank]
+
+
 def test_two_failures_in_one_replica_group_fall_back_to_the_persistent_tier(tmp_path, s3_server, s3_bucket,
                                                                             monkeypatch):
     for k, v in s3_server.env().items():

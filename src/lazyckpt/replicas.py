@@ -525,10 +525,17 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     for holder, dst, n, lr in plan:
         if holder == topo.rank:
             base = os.path.join(_replica_dir(root, n, lr), _step_name(target))
-            with open(os.path.join(base, MANIFEST), "rb") as f:
-                raw = f.read()
-            sends.append(_Sender(dst, group, target, lr, n, os.path.join(base, rank_filename(lr)), raw,
-                                 _NoLimit()))
+            try:
+                with open(os.path.join(base, MANIFEST), "rb") as f:
+                    raw = f.read()
+                sends.append(_Sender(dst, group, target, lr, n, os.path.join(base, rank_filename(lr)), raw,
+                                     _NoLimit()))
+            except OSError as exc:
+                # Gone or unreadable since it was reported: an empty header, so the
+                # receiver refuses this replica instead of waiting for its bytes.
+                log.warning("lazyckpt: the replica of node %d rank %d step %d cannot be read here: %s",
+                            n, lr, target, exc)
+                sends.append(_Sender(dst, group, target, lr, n, None, b"", _NoLimit()))
     recvs = [_Receiver(h, group) for h, dst, _, _ in plan if dst == topo.rank]
     # One temporary step directory per receiving node, the same name on its ranks.
     tmp = layout.temp_path(target, f"restore-{infos[0]['token']}")
@@ -541,6 +548,8 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     ok = True
     for r in results:
         try:
+            if r.get("nothing"):
+                raise CorruptCheckpointError(f"rank {r['src']} could not read its replica", path=directory)
             if not r["ok"]:
                 raise CorruptCheckpointError("bytes differ from the holder's checksum", path=r["path"])
             check_replica(r["path"], r["manifest"], topo.local_rank)
