@@ -41,11 +41,10 @@ import logging
 import warnings
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 import xxhash
 
-from .capture import DeviceCopier, as_numpy
+from .capture import DeviceCopier, as_numpy, hash_through_host
 from .providers import Source, _without_devices, referenced_entries
 
 log = logging.getLogger("lazyckpt")
@@ -206,12 +205,5 @@ def _hash_into(h: Any, data: Any, copy_buffer: Any, copier: DeviceCopier) -> boo
         return True
     if copy_buffer is None:
         return False
-    buf_np, buf_t = copy_buffer
-    piece = len(buf_np)
-    n = data.numel()
-    for a in range(0, n, piece):
-        b = min(n, a + piece)
-        copier.copy(buf_np[:b - a], buf_t[:b - a], data[a:b])
-        copier.synchronize()
-        h.update(np.ascontiguousarray(buf_np[:b - a]))
+    hash_through_host(h, data, copy_buffer, copier)
     return True

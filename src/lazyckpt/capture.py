@@ -100,3 +100,17 @@ class DeviceCopier:
         for device, stream in self._streams.items():
             with torch.cuda.device(device):
                 stream.synchronize()
+
+
+def hash_through_host(digest: Any, data: torch.Tensor, copy_buffer: Any, copier: DeviceCopier) -> None:
+    """Feed the bytes of a flat device tensor ``data`` to ``digest`` piece by
+    piece through ``copy_buffer`` (a host chunk: (numpy view, tensor view)),
+    each piece copied by ``copier`` (after its events) and waited for."""
+    buf_np, buf_t = copy_buffer
+    piece = len(buf_np)
+    n = data.numel()
+    for a in range(0, n, piece):
+        b = min(n, a + piece)
+        copier.copy(buf_np[:b - a], buf_t[:b - a], data[a:b])
+        copier.synchronize()
+        digest.update(buf_np[:b - a])

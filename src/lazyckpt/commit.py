@@ -162,7 +162,7 @@ class StepCommit(CommitStrategy):
             # DTensor layouts (a digest): the coordinator reads them from one footer
             # per distinct digest instead of a listed piece per tensor per rank.
             self._layouts = manifest.layouts_digest(part.flat.tree, self.dist.world_size)
-            if self.auto is not None:
+            if self.auto is not None and self.auto.reporting:
                 self._auto_nodes = AutoReplication.key_nodes(part.flat.tree)
                 if self.auto.mode == "auto":
                     self._check_candidates(part, resources)
