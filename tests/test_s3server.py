@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import pytest
 
@@ -40,7 +41,11 @@ def test_proxy_injected_503_are_retried(s3_server, s3_bucket):
         client.put_object(Bucket=s3_bucket, Key="k", Body=body)
         proxy.fail_next(2, status=503)
         assert client.get_object(Bucket=s3_bucket, Key="k")["Body"].read() == body
-        # (the log is appended as responses finish: the PUT's entry may land after the GETs')
+        # The log is appended once a response is fully sent: the client may have read the
+        # body before the proxy thread records the 200 (and the PUT's entry may land late).
+        deadline = time.monotonic() + 5
+        while len([1 for m, _, _ in proxy.requests if m == "GET"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [s for m, p, s in proxy.requests if m == "GET"][-3:] == [503, 503, 200]
         # matching faults, without retries the error surfaces as SlowDown
         proxy.fail_matching(lambda method, path, headers: method == "PUT", status=503)
