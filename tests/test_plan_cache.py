@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt.plan import PlanCache
+from lazyckpt.plan import PendingFlat, PlanCache
 from lazyckpt.providers import flatten
 
 
@@ -276,5 +276,74 @@ def test_checkpointer_saves_through_the_plan_load_exactly(tmp_path, incremental)
             opt.step()
             opt.param_groups[0]["lr"] *= 0.5
         assert ckpt._plans.hits >= 3 and ckpt._plans.misses == 3    # steps 0, 3 and 4 walk in full
+        for step, expected in saved.items():
+            assert _equal(expected, ckpt.load(step))
+
+
+def test_the_tensors_are_checked_when_resolved_not_when_gathered():
+    """save() only gathers (containers and leaf types); the tensors' geometry is
+    checked when the capture thread resolves the save: a changed shape is found
+    there, and the result is the full walk of the state as it was gathered."""
+    model, opt = _training()
+    cache = PlanCache()
+    check(cache, _state(model, opt), "miss")
+    state = _state(model, opt, 1)
+    state["model"]["0.weight"] = torch.zeros(3, 3)          # same type, another geometry
+    expected = flatten(state)
+    pending = cache.gather(state)
+    assert isinstance(pending, PendingFlat) and cache.last == "hit"
+    assert_same(pending.resolve(), expected)
+    assert cache.last == "miss" and cache.hits == 0 and cache.misses == 2
+    check(cache, state, "hit")                              # planned again from the late walk
+
+
+def _mutate_everything(state):
+    state["step"] = 99
+    state.pop("note")
+    state["extra"] = torch.ones(2)
+    state["model"]["0.weight"] = torch.zeros(1)
+    state["model"].pop("2.bias")
+    state["optim"]["param_groups"][0]["lr"] = 123.0
+    state["pair"][1].append("more")
+
+
+@pytest.mark.parametrize("late_miss", [False, True])
+def test_containers_changed_after_the_gather_do_not_change_the_save(late_miss):
+    """The gather snapshots every container: what the caller does to its dicts
+    and lists after save() returned is not in the checkpoint (a late miss
+    rebuilds the state as gathered, not as it is now)."""
+    model, opt = _training()
+    cache = PlanCache()
+    check(cache, _state(model, opt), "miss")
+    state = _state(model, opt, 1)
+    if late_miss:
+        state["model"]["2.weight"] = torch.zeros(2, 2)
+    expected = flatten(state)
+    pending = cache.gather(state)
+    assert isinstance(pending, PendingFlat)
+    _mutate_everything(state)
+    assert_same(pending.resolve(), expected)
+    assert cache.last == ("miss" if late_miss else "hit")
+
+
+def test_checkpointer_saves_queued_with_changing_geometry_load_exactly(tmp_path):
+    """Saves queued back to back (the capture thread resolves one while the
+    caller gathers the next), every other one with a tensor of another shape
+    (a late miss each time, replanning on the capture thread), and the
+    caller's dicts changed as soon as save() returns: every step loads as it
+    was saved."""
+    model, opt = _training()
+    saved = {}
+    with lazyckpt.Checkpointer(str(tmp_path), max_pending_saves=4) as ckpt:
+        handles = []
+        for step in range(10):
+            state = _state(model, opt, step)
+            state["model"]["0.weight"] = torch.full((2 + step % 2, 3), float(step))
+            saved[step] = copy.deepcopy(state)
+            handles.append(ckpt.save(state, step=step))
+            _mutate_everything(state)
+        for h in handles:
+            h.wait()
+        assert ckpt._plans.hits + ckpt._plans.misses == 10 and ckpt._plans.misses >= 5
         for step, expected in saved.items():
             assert _equal(expected, ckpt.load(step))

@@ -27,7 +27,7 @@ from .layout import CheckpointDir
 from .loader import KeySpec, MapLocation, load_step, load_step_dir
 from .objstore import is_url
 from .manifest import check_metadata
-from .plan import PlanCache
+from .plan import PendingFlat, PlanCache
 from .restore import RestoreHandle
 from .autorep import AutoReplication, own_copy
 from .replicas import ReplicaTier, node_group
@@ -179,7 +179,8 @@ class Checkpointer:
                 raise ValueError(f"step must be an int in [0, 1e10), got {step!r}")
             metadata = check_metadata(metadata)
             replicated = self._replicated_keys(state)
-            flat = self._plans.flatten(state, self._dist.rank, self._dist.world_size, replicated)
+            # A hit leaves the tensors' checks to the capture thread (lazyckpt/plan.py).
+            flat = self._plans.gather(state, self._dist.rank, self._dist.world_size, replicated)
             commit = ObjectStepCommit if self.on_object_store else StepCommit
             strategy = commit(self.layout, self._dist, step, call, keep_last=self.keep_last,
                               replicated=replicated, metadata=metadata,
@@ -188,7 +189,8 @@ class Checkpointer:
             if self.persistent is not None or self._replicas is not None:
                 strategy.on_committed = self._drain
             part = FilePart(flat, strategy.footer_metadata(),
-                            record_events(own_copy(s).data for s in flat.sources))
+                            record_events(flat.tensors if isinstance(flat, PendingFlat)
+                                          else (own_copy(s).data for s in flat.sources)))
             job = self._engine.submit(strategy, [part], name=f"step {step}", step=step, t0=t0)
         except BaseException as exc:
             if self._dist.distributed:

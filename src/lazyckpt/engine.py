@@ -38,7 +38,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 import torch
 
@@ -47,6 +47,7 @@ from .capture import DeviceCopier, device_guard
 from .errors import CheckpointError, CheckpointWriteError
 from .knobs import Options
 from .layout import Lease
+from .plan import PendingFlat
 from .providers import Flattened
 from .resources import Resources
 from .writer import Aborted, FileWriteJob, WriteStats
@@ -182,8 +183,25 @@ class Part:
 
     def __init__(self) -> None:
         self.captured = threading.Event()
-        #: Storage addresses this part reads from the live state (for the forward guard).
-        self.pointers: frozenset = frozenset()
+        self._pointers: Optional[frozenset] = frozenset()
+
+    @property
+    def pointers(self) -> frozenset:
+        """Storage addresses this part reads from the live state, for the
+        forward guard: found when first asked (by the guard, on the training
+        thread, only if a module with persistent buffers runs forward before
+        the capture is done), so that ``save()`` does not pay for it."""
+        pointers = self._pointers
+        if pointers is None:
+            pointers = self._pointers = self._find_pointers()
+        return pointers
+
+    def _find_pointers(self) -> frozenset:
+        return frozenset()
+
+    def release_pointers(self) -> None:
+        """Captured: the live state is no longer read."""
+        self._pointers = frozenset()
 
     def run(self, job: "Job", resources: Resources, options: Options) -> None:
         raise NotImplementedError
@@ -195,7 +213,8 @@ class FilePart(Part):
     def __init__(self, flat: Flattened, metadata: Dict[str, Any], events: Optional[Dict[Any, Any]] = None,
                  final_path: Optional[str] = None):
         super().__init__()
-        self.flat: Optional[Flattened] = flat
+        #: A PendingFlat (a save gathered along a plan) is resolved first thing in run().
+        self.flat: Optional[Union[Flattened, PendingFlat]] = flat
         self.metadata = metadata
         self.events = events or {}
         self.final_path = final_path
@@ -207,12 +226,28 @@ class FilePart(Part):
         self.entries: List[Any] = []
         self.version = 1
         self.block_bytes = 0
+        self._live: Optional[Union[Flattened, PendingFlat]] = flat     # until captured
+        self._pointers = None
+
+    def _find_pointers(self) -> frozenset:
+        flat = self._live
+        if flat is None:
+            return frozenset()
+        if isinstance(flat, PendingFlat):
+            return flat.storage_pointers()
         # A remote entry's own copy counts too: replicated="auto" may write it after all.
-        self.pointers = frozenset(p for p in (s.data.data_ptr() for s in (s.local or s for s in flat.sources)
-                                              if isinstance(s.data, torch.Tensor)) if p)
+        return frozenset(p for p in (s.data.data_ptr() for s in (s.local or s for s in flat.sources)
+                                     if isinstance(s.data, torch.Tensor)) if p)
+
+    def release_pointers(self) -> None:
+        self._live = None
+        super().release_pointers()
 
     def run(self, job: "Job", resources: Resources, options: Options) -> None:
         flat = self.flat
+        if isinstance(flat, PendingFlat):
+            flat = self.flat = flat.resolve()
+            self.digest = flat.replicated_digest
         job.strategy.plan(job, self, resources)
         self.path = job.strategy.part_path(job, self)
         writer = FileWriteJob(self.path, flat.tree, flat.sources, self.metadata, options,
@@ -237,7 +272,7 @@ class CopyPart(Part):
         super().__init__()
         self.pairs = pairs
         self.events = events or {}
-        self.pointers = frozenset(src.untyped_storage().data_ptr() for _, src in pairs)
+        self._pointers = frozenset(src.untyped_storage().data_ptr() for _, src in pairs)
 
     def run(self, job: "Job", resources: Resources, options: Options) -> None:
         copier = DeviceCopier(self.events)
@@ -445,9 +480,9 @@ class SaveEngine:
         self._errors: List[CheckpointError] = []        # failures not raised yet, oldest first
         self._thread: Optional[threading.Thread] = None
         self._closed = False
-        self._tracked: Dict[int, int] = {}              # storage address -> parts capturing it
-        #: Storage addresses of the live state that pending captures still read.
-        self.capturing: frozenset = frozenset()
+        self._tracked: List[Part] = []                  # parts not captured yet
+        self._capturing: Optional[frozenset] = frozenset()
+        self._tracked_generation = 0
         _LIVE.add(self)
         # An engine dropped without close() (its owner was collected) frees its cache
         # and removes its hooks once idle: nothing of it keeps it alive but its thread.
@@ -548,21 +583,32 @@ class SaveEngine:
         with self._cond:
             self._errors.append(error)
 
-    def _track(self, part: Part) -> None:
-        for p in part.pointers:
-            self._tracked[p] = self._tracked.get(p, 0) + 1
-        self.capturing = frozenset(self._tracked)
+    @property
+    def capturing(self) -> frozenset:
+        """Storage addresses of the live state that pending captures still read
+        (computed when first asked after a change: see ``Part.pointers``)."""
+        capturing = self._capturing
+        if capturing is None:
+            with self._cond:
+                parts, generation = list(self._tracked), self._tracked_generation
+            capturing = frozenset().union(*(p.pointers for p in parts))
+            with self._cond:
+                if generation == self._tracked_generation:    # else a newer change recomputes it
+                    self._capturing = capturing
+        return capturing
+
+    def _track(self, part: Part) -> None:       # under self._cond
+        self._tracked.append(part)
+        self._tracked_generation += 1
+        self._capturing = None
 
     def _untrack(self, part: Part) -> None:
         with self._cond:
-            for p in part.pointers:
-                n = self._tracked.get(p, 0) - 1
-                if n > 0:
-                    self._tracked[p] = n
-                else:
-                    self._tracked.pop(p, None)
-            part.pointers = frozenset()
-            self.capturing = frozenset(self._tracked)
+            if part in self._tracked:
+                self._tracked.remove(part)
+            self._tracked_generation += 1
+            self._capturing = None
+            part.release_pointers()
 
     # ---------------------------------------------------------------- the capture thread
 

@@ -5,26 +5,40 @@ same parameters, only scalars (steps, learning rates) and tensor *values*
 change. ``flatten()`` rediscovers all of it on the caller's thread each time
 (a provider dispatch, a path and a node per value). :class:`PlanCache` keeps
 the previous walk's *skeleton* -- per container its type and keys, per tensor
-its geometry and entry index, per scalar nothing -- and on the next save walks
-the new state along it, checking every value and rebuilding the tree and the
-sources from the *current* objects:
+its geometry and entry index, per scalar nothing -- and splits the next save
+of the same structure in two:
 
-* scalars are re-encoded (their provider is called), containers get new
-  nodes, tensor nodes are reused (they are equal by the check);
-* every tensor is checked against the geometry its node records (type,
-  dtype, shape, stride, offset, device, requires_grad, layout and flags) and
-  the storage-sharing pattern must be the same (tied weights stay tied, an
-  untied one is a miss); each source's flat view and length are taken from
-  the current storage, so nothing of an earlier state is reused but
-  descriptions that were checked equal, and the plan holds no tensor or
-  storage between saves (no memory kept alive);
-* anything else -- a different type or key, a changed length, a value only
-  a full walk handles (numpy, bytes, pickled objects, DTensors, custom
-  providers, sets, non-str/int keys) -- is a miss: the full walk runs and its
-  result is returned as is.
+* on the caller's thread (``gather``, all that ``save()`` pays for): every
+  container is checked against the skeleton (its exact type, its keys and
+  their types, its length) and its values are copied into a tuple, and every
+  leaf's type is checked (a tensor where a tensor was, a scalar where a
+  scalar was). That is a *snapshot of the structure*: after ``save()``
+  returns, the caller may change its dicts and lists as it likes. The
+  tensors' geometry is not read here (1-2 us per tensor: the target is
+  save() <= 2 ms for 1,000 tensors);
+* on the capture thread (:meth:`PendingFlat.resolve`, before any byte is
+  read): every tensor is checked against the geometry its node records
+  (type, dtype, shape, stride, offset, device, requires_grad, layout and
+  flags) and the storage-sharing pattern must be the same (tied weights stay
+  tied, an untied one is a miss); scalars are encoded, containers get new
+  nodes, tensor nodes are reused (they are equal by the check), and each
+  source's flat view and length are taken from the current storage. Reading
+  the geometry there is as exact as reading it in ``save()``: the capture
+  contract already forbids changing the state's tensors in place (a
+  ``resize_`` or ``set_`` included) before the snapshot, and the values
+  themselves are read there too;
+* a difference found on the capture thread is a miss there: the state as it
+  was at ``save()`` is rebuilt from the snapshot (the same containers, the
+  same leaf objects), walked in full, and planned again for the next save.
+  Anything else -- a different type or key, a changed length, a value only a
+  full walk handles (numpy, bytes, pickled objects, DTensors, custom
+  providers, sets, non-str/int keys) -- is a miss on the caller's thread:
+  the full walk runs there and its result is returned as is.
 
 So a plan's result is, by construction, what ``flatten()`` would return for
-the same state (tests/test_plan_cache.py compares them on mutated states).
+the same state (tests/test_plan_cache.py compares them on mutated states,
+and on states mutated after the gather). The plan holds no tensor or storage
+between saves (no memory kept alive).
 """
 
 from __future__ import annotations
@@ -32,7 +46,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -41,7 +56,9 @@ from .providers import (DictProvider, Flattened, ScalarProvider, SequenceProvide
 
 _SCALAR, _TENSOR, _DICT, _SEQ = 0, 1, 2, 3
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-_KEY_TYPES = {str, int}
+_TENSOR_TYPE_SET = frozenset(_TENSOR_TYPES)
+_SCALAR_TYPE_SET = frozenset({type(None), bool, int, str, float})
+_KEY_TYPES = frozenset({str, int})
 _DICTS = (dict, collections.OrderedDict)
 _SEQS = (list, tuple)
 #: Types the plan walks itself; a provider registered for one of them makes every state a miss.
@@ -74,13 +91,27 @@ class _Plan:
         self.replicated = replicated
 
 
+class _Plan:
+    def __init__(self, key: Any, skeleton: Any, sources: List[Source], nbytes: List[int], replicated: List[Any]):
+        self.key = key
+        self.skeleton = skeleton
+        #: Per source: (kind, name, length, owner, bytes of its storage) -- descriptions only, no data
+        #: (a "remote" source's length is 0: another rank writes it).
+        self.sources = [(s.kind, s.name, s.length, s.owner, n) for s, n in zip(sources, nbytes)]
+        self.replicated = replicated
+
+
 class PlanCache:
     """One Checkpointer's last plan (one per rank: each rank has its own state).
 
-    ``flatten(state, ...)`` returns what :func:`lazyckpt.providers.flatten`
-    returns; ``hits``/``misses`` count how often the plan served a save, and
-    ``last`` says what the last call did: "hit", "miss" (a full walk, a new
-    plan) or "uncacheable" (a full walk; the state cannot be planned).
+    ``gather(state, ...)`` is what ``save()`` calls: a :class:`PendingFlat`
+    (resolved on the capture thread) when the plan serves, else the full
+    walk's :class:`Flattened`. ``flatten(state, ...)`` does both on this
+    thread and returns what :func:`lazyckpt.providers.flatten` returns.
+    ``hits``/``misses`` count how often the plan served a save, and ``last``
+    says what the last call did: "hit", "miss" (a full walk, a new plan) or
+    "uncacheable" (a full walk; the state cannot be planned). A difference
+    found when resolving turns that save's hit into a miss.
     """
 
     def __init__(self, enabled: bool = True):
@@ -93,11 +124,18 @@ class PlanCache:
         #: (so a state that never can costs one extra walk now and then, not every save).
         self._backoff = 0
         self._skip = 0
+        #: The capture thread resolves (and may replan) while the caller gathers the next save.
+        self._lock = threading.Lock()
 
     def clear(self) -> None:
         self._plan = None
 
     def flatten(self, state: Any, rank: int = 0, world_size: int = 1, replicated: Any = ()) -> Flattened:
+        flat = self.gather(state, rank, world_size, replicated)
+        return flat.resolve() if isinstance(flat, PendingFlat) else flat
+
+    def gather(self, state: Any, rank: int = 0, world_size: int = 1,
+               replicated: Any = ()) -> Union[Flattened, "PendingFlat"]:
         replicated = list(replicated)
         if not self.enabled:
             self.last = "off"
@@ -108,16 +146,25 @@ class PlanCache:
         key = (rank, world_size, id(providers))
         plan = self._plan
         if plan is not None and plan.key == key and plan.replicated == replicated:
+            tensors: List[torch.Tensor] = []
             try:
-                flat = _Replay(plan).run(state)
-            except Exception:       # _Miss, or anything odd (a sparse tensor's stride()): walk in full
+                snapshot = _gather(state, plan.skeleton, tensors)
+            except Exception:       # _Miss, or anything odd: walk in full
                 pass
             else:
-                self.hits += 1
-                self.last = "hit"
-                return flat
-        self._plan = None
-        self.misses += 1
+                with self._lock:
+                    self.hits += 1
+                    self.last = "hit"
+                return PendingFlat(self, plan, snapshot, tensors)
+        with self._lock:
+            if self._plan is plan:
+                self._plan = None
+            self.misses += 1
+        return self._walk(state, key, providers, replicated)
+
+    def _walk(self, state: Any, key: Any, providers: Any, replicated: List[Any]) -> Flattened:
+        """The full walk, and a plan of it for the next save."""
+        rank, world_size, _ = key
         flat = flatten(state, rank, world_size, replicated)
         if self._skip:
             self._skip -= 1
@@ -135,9 +182,53 @@ class PlanCache:
             self.last = "uncacheable"
             return flat
         self._backoff = 0
-        self._plan = _Plan(key, skeleton, flat.sources, builder.nbytes, replicated)
+        with self._lock:
+            if self._plan is None:  # else the caller planned a newer save meanwhile
+                self._plan = _Plan(key, skeleton, flat.sources, builder.nbytes, replicated)
         self.last = "miss"
         return flat
+
+    def _missed_late(self, plan: _Plan, state: Any) -> Flattened:
+        """A gathered save differed from its plan in what only the capture thread checks."""
+        with self._lock:
+            self.hits -= 1
+            self.misses += 1
+            if self._plan is plan:
+                self._plan = None
+        return self._walk(state, plan.key, _registry.providers(), plan.replicated)
+
+
+class PendingFlat:
+    """A save gathered along a plan: the snapshot of its structure and its
+    tensors (for the forward guard and the device events, which ``save()``
+    needs at once); :meth:`resolve` makes its :class:`Flattened`."""
+
+    shards: List[Dict[str, Any]] = []       # a plan never holds DTensor shards
+    replicated_digest = ""                  # known once resolved
+
+    def __init__(self, cache: PlanCache, plan: _Plan, snapshot: Any, tensors: List[torch.Tensor]):
+        self.cache = cache
+        self.plan = plan
+        self.snapshot = snapshot
+        self.tensors = tensors
+
+    def storage_pointers(self) -> frozenset:
+        return frozenset(p for p in (t.untyped_storage().data_ptr() for t in self.tensors) if p)
+
+    def resolve(self) -> Flattened:
+        """Check the tensors and make the tree and the sources (on the capture thread)."""
+        try:
+            return _Resolve(self.plan).run(self.snapshot)
+        except Exception:           # _Miss, or anything odd (a sparse tensor's stride()): walk in full
+            return self.cache._missed_late(self.plan, _rebuild(self.snapshot, self.plan.skeleton))
+
+
+def _container(kind: int, cls: type, keys: Any, node: Any, children: List[Any]) -> Any:
+    """A container's skeleton, with where its tensors, scalars and containers sit."""
+    tensor_at = tuple(i for i, c in enumerate(children) if c[0] == _TENSOR)
+    scalar_at = tuple(i for i, c in enumerate(children) if c[0] == _SCALAR)
+    nested_at = tuple((i, c) for i, c in enumerate(children) if c[0] in (_DICT, _SEQ))
+    return (kind, cls, keys, node, children, tensor_at, scalar_at, nested_at, len(tensor_at) == len(children))
 
 
 class _Builder:
@@ -175,12 +266,12 @@ class _Builder:
                     or node.get("$") != DictProvider.tag or node["k"] != list(keys):
                 raise _Uncacheable
             children = [self.build(v, n) for v, n in zip(value.values(), node["v"])]
-            return (_DICT, cls, keys, node, children)
+            return _container(_DICT, cls, keys, node, children)
         if cls in _SEQS:
             if not isinstance(node, dict) or node.get("$") != SequenceProvider.tag or len(node["v"]) != len(value):
                 raise _Uncacheable
             children = [self.build(v, n) for v, n in zip(value, node["v"])]
-            return (_SEQ, cls, len(value), node, children)
+            return _container(_SEQ, cls, len(value), node, children)
         raise _Uncacheable
 
     def tensor(self, t: torch.Tensor, node: Any) -> Any:
@@ -205,8 +296,51 @@ class _Builder:
         return (_TENSOR, geometry, node, e)
 
 
-class _Replay:
-    """One walk of a state along a plan's skeleton; raises _Miss at the first difference."""
+def _gather(value: Any, sk: Any, tensors: List[torch.Tensor]) -> Any:
+    """On the caller's thread: check one container against its skeleton and
+    snapshot it as ``(its values, the snapshots of its containers)``; raises
+    _Miss at the first difference. Appends the tensors met to ``tensors``."""
+    if type(value) is not sk[1]:
+        raise _Miss
+    if sk[0] == _DICT:
+        keys = tuple(value)
+        # Types too: 1 == True == 1.0, but only str and int keys were planned.
+        if keys != sk[2] or not _KEY_TYPES.issuperset(map(type, keys)):
+            raise _Miss
+        values = tuple(value.values())
+    else:
+        values = tuple(value)
+        if len(values) != sk[2]:
+            raise _Miss
+    if sk[8]:                               # only tensors (a module's state_dict, an AdamW slot)
+        if not _TENSOR_TYPE_SET.issuperset(map(type, values)):
+            raise _Miss
+        tensors.extend(values)
+        return (values, ())
+    for i in sk[5]:
+        t = values[i]
+        if type(t) not in _TENSOR_TYPE_SET:
+            raise _Miss
+        tensors.append(t)
+    for i in sk[6]:
+        if type(values[i]) not in _SCALAR_TYPE_SET:
+            raise _Miss
+    return (values, [_gather(values[i], c, tensors) for i, c in sk[7]])
+
+
+def _rebuild(snapshot: Any, sk: Any) -> Any:
+    """The state as it was gathered: the same container types and keys, the same leaf objects."""
+    values, subs = snapshot
+    if subs:
+        values = list(values)
+        for (i, c), sub in zip(sk[7], subs):
+            values[i] = _rebuild(sub, c)
+    return sk[1](zip(sk[2], values)) if sk[0] == _DICT else sk[1](values)
+
+
+class _Resolve:
+    """On the capture thread: a gathered snapshot made into a Flattened along
+    its plan; raises _Miss at the first difference."""
 
     def __init__(self, plan: _Plan):
         self.plan = plan
@@ -217,55 +351,46 @@ class _Replay:
         self.filled = 0
         self.scalar = ScalarProvider.save.__get__(_registry.by_tag(ScalarProvider.tag))
 
-    def run(self, state: Any) -> Flattened:
+    def run(self, snapshot: Any) -> Flattened:
         plan = self.plan
+        sk = plan.skeleton
         if not plan.replicated:
-            tree = self.walk(state, plan.skeleton)
+            tree = self.encode(snapshot, sk)
             digest = ""
         else:
             # The full walk's order: the replicated keys first (their entries come first).
-            sk = plan.skeleton
-            if type(state) is not sk[1]:
-                raise _Miss
-            keys = tuple(state)
-            if keys != sk[2] or not set(map(type, keys)) <= _KEY_TYPES:
-                raise _Miss
-            children = dict(zip(keys, sk[4]))
-            nodes = {k: self.walk(state[k], children[k]) for k in plan.replicated}
+            values, subs = snapshot
+            children = sk[4]
+            sub_at = {i: sub for (i, _), sub in zip(sk[7], subs)}
+            at = {k: i for i, k in enumerate(sk[2])}
+            nodes = {k: self.value(values[at[k]], children[at[k]], sub_at.get(at[k])) for k in plan.replicated}
             digest = hashlib.sha256(json.dumps(_without_devices([nodes[k] for k in plan.replicated]),
                                                sort_keys=True).encode()).hexdigest()
             tree = dict(sk[3])
-            tree["v"] = [nodes[k] if k in nodes else self.walk(v, children[k]) for k, v in state.items()]
+            tree["v"] = [nodes[k] if k in nodes else self.value(values[i], children[i], sub_at.get(i))
+                         for i, k in enumerate(sk[2])]
         if self.filled != len(self.sources):
             raise _Miss
         return Flattened(tree, self.sources, [], digest)
 
-    def walk(self, value: Any, sk: Any) -> Any:
+    def value(self, value: Any, sk: Any, sub: Any) -> Any:
         kind = sk[0]
         if kind == _TENSOR:
             return self.tensor(value, sk)
         if kind == _SCALAR:
-            if value is None or type(value) in (bool, int, str, float):
-                return self.scalar(value, None)
-            raise _Miss
-        if type(value) is not sk[1]:
-            raise _Miss
-        if kind == _DICT:
-            keys = tuple(value)
-            if keys != sk[2] or not set(map(type, keys)) <= _KEY_TYPES:
-                raise _Miss
-            items = value.values()
-        else:
-            if len(value) != sk[2]:
-                raise _Miss
-            items = value
+            return self.scalar(value, None)
+        return self.encode(sub, sk)
+
+    def encode(self, snapshot: Any, sk: Any) -> Any:
+        values, subs = snapshot
         node = dict(sk[3])
-        walk = self.walk
-        node["v"] = [walk(v, c) for v, c in zip(items, sk[4])]
+        subs = iter(subs)
+        node["v"] = [self.tensor(v, c) if c[0] == _TENSOR else self.scalar(v, None) if c[0] == _SCALAR
+                     else self.encode(next(subs), c) for v, c in zip(values, sk[4])]
         return node
 
     def tensor(self, t: Any, sk: Any) -> Any:
-        if type(t) not in _TENSOR_TYPES or _geometry(t) != sk[1]:
+        if _geometry(t) != sk[1]:
             raise _Miss
         e = sk[3]
         storage = t.untyped_storage()
