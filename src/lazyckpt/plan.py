@@ -91,16 +91,6 @@ class _Plan:
         self.replicated = replicated
 
 
-class _Plan:
-    def __init__(self, key: Any, skeleton: Any, sources: List[Source], nbytes: List[int], replicated: List[Any]):
-        self.key = key
-        self.skeleton = skeleton
-        #: Per source: (kind, name, length, owner, bytes of its storage) -- descriptions only, no data
-        #: (a "remote" source's length is 0: another rank writes it).
-        self.sources = [(s.kind, s.name, s.length, s.owner, n) for s, n in zip(sources, nbytes)]
-        self.replicated = replicated
-
-
 class PlanCache:
     """One Checkpointer's last plan (one per rank: each rank has its own state).
 
