@@ -347,3 +347,21 @@ def test_checkpointer_saves_queued_with_changing_geometry_load_exactly(tmp_path)
         assert ckpt._plans.hits + ckpt._plans.misses == 10 and ckpt._plans.misses >= 5
         for step, expected in saved.items():
             assert _equal(expected, ckpt.load(step))
+
+
+def test_a_sparse_tensor_where_a_dense_one_was_never_breaks_the_forward_guard():
+    """The forward guard asks a gathered save for its storage addresses on the
+    training thread, before the capture thread resolved it: a tensor without
+    a storage (sparse, where the plan had a dense one) must not raise there;
+    the resolve walks it in full."""
+    cache = PlanCache()
+    check(cache, {"w": torch.zeros(3, 3), "b": torch.ones(2)}, "miss")
+    state = {"w": torch.zeros(3, 3).to_sparse(), "b": torch.ones(2)}
+    pending = cache.gather(state)
+    assert isinstance(pending, PendingFlat)
+    assert pending.storage_pointers() == {state["b"].untyped_storage().data_ptr()}
+    flat, ref = pending.resolve(), flatten(state)
+    assert json.dumps(flat.tree) == json.dumps(ref.tree)
+    assert [(s.kind, s.name) for s in flat.sources] == [(s.kind, s.name) for s in ref.sources] == \
+        [("pickle", "w"), ("data", "b")]             # the full walk's pickled sparse tensor
+    assert cache.last == "uncacheable"

@@ -162,7 +162,8 @@ class Checkpointer:
         """Queue a checkpoint of ``state`` as it is now; return at once.
 
         The checkpoint holds the values ``state`` had at this call, provided
-        nothing modifies its tensors in place before ``wait_for_snapshot()``
+        nothing modifies its tensors in place -- their values or their metadata
+        (``resize_``, ``set_``, ``requires_grad_``) -- before ``wait_for_snapshot()``
         returns (``attach(optimizer)`` calls it before every step; the forward
         guard covers persistent buffers). Python objects that are pickled must
         not be mutated before then either. With several ranks, a call refused

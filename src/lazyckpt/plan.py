@@ -24,8 +24,8 @@ of the same structure in two:
   nodes, tensor nodes are reused (they are equal by the check), and each
   source's flat view and length are taken from the current storage. Reading
   the geometry there is as exact as reading it in ``save()``: the capture
-  contract already forbids changing the state's tensors in place (a
-  ``resize_`` or ``set_`` included) before the snapshot, and the values
+  contract already forbids changing the state's tensors in place (their
+  metadata too: ``resize_``, ``set_``, ``requires_grad_``) before the snapshot, and the values
   themselves are read there too;
 * a difference found on the capture thread is a miss there: the state as it
   was at ``save()`` is rebuilt from the snapshot (the same containers, the
@@ -101,7 +101,8 @@ class PlanCache:
     ``hits``/``misses`` count how often the plan served a save, and ``last``
     says what the last call did: "hit", "miss" (a full walk, a new plan) or
     "uncacheable" (a full walk; the state cannot be planned). A difference
-    found when resolving turns that save's hit into a miss.
+    found when resolving turns that save's hit into a miss (then ``last``
+    changes on the capture thread, after ``save()`` returned).
     """
 
     def __init__(self, enabled: bool = True):
@@ -173,7 +174,9 @@ class PlanCache:
             return flat
         self._backoff = 0
         with self._lock:
-            if self._plan is None:  # else the caller planned a newer save meanwhile
+            # Else another walk planned meanwhile (the caller's, or a late miss of an older
+            # save): either plan is checked in full before it serves, so keeping it is safe.
+            if self._plan is None:
                 self._plan = _Plan(key, skeleton, flat.sources, builder.nbytes, replicated)
         self.last = "miss"
         return flat
@@ -203,7 +206,16 @@ class PendingFlat:
         self.tensors = tensors
 
     def storage_pointers(self) -> frozenset:
-        return frozenset(p for p in (t.untyped_storage().data_ptr() for t in self.tensors) if p)
+        """Called on the training thread by the forward guard: never raises."""
+        pointers = set()
+        for t in self.tensors:
+            try:
+                p = t.untyped_storage().data_ptr()
+            except Exception:       # a sparse/mkldnn tensor where a dense one was: resolve walks it in full
+                continue
+            if p:
+                pointers.add(p)
+        return frozenset(pointers)
 
     def resolve(self) -> Flattened:
         """Check the tensors and make the tree and the sources (on the capture thread)."""
