@@ -133,7 +133,7 @@ class AutoReplication:
                 text, idxs = nodes[k]
                 h = xxhash.xxh3_64(text.encode())
                 for i in idxs:
-                    s = own_copy(sources[i])
+                    s = sources[i].own_copy
                     if s.kind != "data" or s.deferred or not _hash_into(h, s.data, copy_buffer, copier):
                         h = None
                         break
@@ -187,11 +187,6 @@ class AutoReplication:
             self.learned = [k for k in outcome["auto"] if type(k) is str]
         if outcome.get("hinted"):
             self.hinting = False
-
-
-def own_copy(s: Source) -> Source:
-    """This rank's own bytes of an entry (a remote entry kept a view of them)."""
-    return s.local if s.kind == "remote" and s.local is not None else s
 
 
 def _hash_into(h: Any, data: Any, copy_buffer: Any, copier: DeviceCopier) -> bool:

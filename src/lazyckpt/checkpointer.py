@@ -27,9 +27,9 @@ from .layout import CheckpointDir
 from .loader import KeySpec, MapLocation, load_step, load_step_dir
 from .objstore import is_url
 from .manifest import check_metadata
-from .plan import PendingFlat, PlanCache
+from .plan import PlanCache
 from .restore import RestoreHandle
-from .autorep import AutoReplication, own_copy
+from .autorep import AutoReplication
 from .replicas import ReplicaTier, node_group
 from .replicas import restore as restore_replicas
 from .replicas import topology as replica_topology
@@ -190,8 +190,7 @@ class Checkpointer:
             if self.persistent is not None or self._replicas is not None:
                 strategy.on_committed = self._drain
             part = FilePart(flat, strategy.footer_metadata(),
-                            record_events(flat.tensors if isinstance(flat, PendingFlat)
-                                          else (own_copy(s).data for s in flat.sources)))
+                            record_events(flat.live_tensors()))
             job = self._engine.submit(strategy, [part], name=f"step {step}", step=step, t0=t0)
         except BaseException as exc:
             if self._dist.distributed:

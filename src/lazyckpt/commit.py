@@ -29,7 +29,7 @@ from . import manifest
 from .distributed import RankInfo, agree, refuse
 from .engine import CommitStrategy, FilePart, Job
 from .errors import CheckpointError, CheckpointNotFoundError
-from .autorep import AutoReplication, own_copy
+from .autorep import AutoReplication
 from .incremental import IncrementalIndex, Plan
 from .fileio import fsync_dir, remove_quietly, write_file_atomic
 from .layout import MANIFEST, CheckpointDir, StepDir, new_token, rank_filename, remove_tree, sibling_temp
@@ -198,7 +198,7 @@ class StepCommit(CommitStrategy):
         alike (one store round, before anything is captured); every other
         candidate is written by each rank (lazyckpt/autorep.py)."""
         sources, candidates = part.flat.sources, list(self.replicated)
-        with _device_buffer(resources, [own_copy(s) for s in sources]) as buffer:
+        with _device_buffer(resources, [s.own_copy for s in sources]) as buffer:
             digests = AutoReplication.content_digests(self._auto_nodes, candidates, sources, buffer, part.events)
         self._auto_reported = True
         outcome = agree(self.dist, f"auto/{self.key}", {"ok": True, "cands": candidates, "d": digests},

@@ -178,6 +178,21 @@ class SaveHandle:
 # --------------------------------------------------------------------------- parts
 
 
+def storage_pointers(tensors: Any) -> frozenset:
+    """The storage addresses of ``tensors``. Called by the forward guard on the
+    training thread: never raises (a gathered save may hold a sparse tensor
+    where its plan had a dense one; its resolve walks it in full)."""
+    pointers = set()
+    for t in tensors:
+        try:
+            p = t.untyped_storage().data_ptr()
+        except Exception:           # no storage (sparse, mkldnn): not a module buffer's
+            continue
+        if p:
+            pointers.add(p)
+    return frozenset(pointers)
+
+
 class Part:
     """One unit of a job's work, run on the capture thread."""
 
@@ -231,13 +246,7 @@ class FilePart(Part):
 
     def _find_pointers(self) -> frozenset:
         flat = self._live
-        if flat is None:
-            return frozenset()
-        if isinstance(flat, PendingFlat):
-            return flat.storage_pointers()
-        # A remote entry's own copy counts too: replicated="auto" may write it after all.
-        return frozenset(p for p in (s.data.data_ptr() for s in (s.local or s for s in flat.sources)
-                                     if isinstance(s.data, torch.Tensor)) if p)
+        return storage_pointers(flat.live_tensors()) if flat is not None else frozenset()
 
     def release_pointers(self) -> None:
         self._live = None

@@ -205,17 +205,8 @@ class PendingFlat:
         self.snapshot = snapshot
         self.tensors = tensors
 
-    def storage_pointers(self) -> frozenset:
-        """Called on the training thread by the forward guard: never raises."""
-        pointers = set()
-        for t in self.tensors:
-            try:
-                p = t.untyped_storage().data_ptr()
-            except Exception:       # a sparse/mkldnn tensor where a dense one was: resolve walks it in full
-                continue
-            if p:
-                pointers.add(p)
-        return frozenset(pointers)
+    def live_tensors(self) -> List[torch.Tensor]:
+        return self.tensors
 
     def resolve(self) -> Flattened:
         """Check the tensors and make the tree and the sources (on the capture thread)."""

@@ -65,6 +65,11 @@ class Source:
     def deferred(self) -> bool:
         return self.make_bytes is not None
 
+    @property
+    def own_copy(self) -> "Source":
+        """This rank's own bytes of the entry (a remote entry kept a view of them)."""
+        return self.local if self.kind == "remote" and self.local is not None else self
+
 
 def storage_bytes(storage: torch.UntypedStorage) -> bytes:
     if storage.nbytes() == 0:
@@ -689,6 +694,12 @@ class Flattened:
     shards: List[Dict[str, Any]]
     #: Digest of the replicated part of the tree: must agree across ranks.
     replicated_digest: str = ""
+
+    def live_tensors(self) -> List[Any]:
+        """The tensors of the live state this walk reads (for the device events and
+        the forward guard): a remote entry's own copy too, which
+        ``replicated="auto"`` may write after all."""
+        return [d for d in (s.own_copy.data for s in self.sources) if isinstance(d, torch.Tensor)]
 
 
 def flatten(state: Any, rank: int = 0, world_size: int = 1,
