@@ -10,7 +10,9 @@ interleaved repetitions:
   ``save()``'s blocking time the version check adds;
 * ``IncrementalIndex.plan`` after a step that changed everything (it runs on
   the capture thread, not in ``save()``), and after one that changed nothing;
-* ``save()``'s whole blocking time with ``incremental=True`` for scale.
+* ``save()``'s whole blocking time with ``incremental="version-counters"`` for scale
+  (the sound default, ``incremental=True`` = "content", is measured by
+  bench_incremental_modes.py).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_version_check.py [--hidden 768 --layers 8] [--reps 15]
 """
@@ -100,7 +102,7 @@ def main() -> None:
     for _ in range(args.reps):                          # interleaved
         with_v.append(timed(lambda: providers.flatten(state())))
         without_v.append(timed(lambda: walk_without_versions(state())))
-    index = IncrementalIndex("version")
+    index = IncrementalIndex("version-counters")
 
     def commit(plan, step_no, flat):
         entries = [lazyckpt.format.Entry("data", 4096, s.length or 0, [0] *
@@ -125,7 +127,8 @@ def main() -> None:
         commit(plan, 3 + 2 * i, flat)
     blocking = []
     with tempfile.TemporaryDirectory() as d:
-        with lazyckpt.Checkpointer(d, keep_last=1, incremental=True, host_cache_bytes=256 << 20) as ckpt:
+        with lazyckpt.Checkpointer(d, keep_last=1, incremental="version-counters",
+                                   host_cache_bytes=256 << 20) as ckpt:
             for i in range(max(3, args.reps // 3)):
                 step(model, opt)
                 h = ckpt.save(state(), step=i)

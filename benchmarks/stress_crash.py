@@ -515,7 +515,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--targeted-fraction", type=float, default=0.35,
                    help="fraction of kills aimed at a phase seen on disk")
     p.add_argument("--host-cache-bytes", type=int, default=1 << 20)
-    p.add_argument("--incremental", choices=["off", "version", "content"], default="off",
+    p.add_argument("--incremental", choices=["off", "content", "version-counters", "version"], default="off",
                    help="incremental checkpoints, with the first layer frozen (its bytes are referred to)")
     p.add_argument("--full-every", type=int, default=0, help="with --incremental: every k-th save is full")
     p.add_argument("--json", default=None, help="write the summary here")

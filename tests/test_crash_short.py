@@ -48,9 +48,9 @@ def test_sigkill_at_random_instants_loses_nothing(tmp_path):
     # keep_last + 1 committed steps (stress_crash classifies that phase): the
     # next commit's retention trims them; opening a Checkpointer deletes nothing.
     assert summary["final_steps"] and len(summary["final_steps"]) <= 2 + 1
-    # Nothing but committed steps (and the advisory latest) is left.
+    # Nothing but committed steps (and the advisory latest, the history record) is left.
     names = sorted(os.listdir(tmp_path / "run"))
-    assert all(n == "latest" or n.startswith("step_") for n in names), names
+    assert all(n in ("latest", "history.json") or n.startswith("step_") for n in names), names
 
 
 @pytest.mark.timeout(120)
@@ -62,7 +62,7 @@ def test_sigkill_with_incremental_checkpoints_loses_nothing(tmp_path):
     out = tmp_path / "summary.json"
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--trials", "6", "--size", "small", "--max-delay", "0.8",
-         "--targeted-fraction", "0.5", "--incremental", "version", "--full-every", "3",
+         "--targeted-fraction", "0.5", "--incremental", "content", "--full-every", "3",
          "--dir", str(tmp_path / "run"), "--json", str(out), "--quiet"],
         capture_output=True, text=True, timeout=110, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

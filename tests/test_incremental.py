@@ -126,9 +126,10 @@ def test_an_in_place_change_is_written_again(tmp_path):
 
 
 def test_content_mode_catches_writes_that_bypass_the_version_counter(tmp_path):
-    for mode, expect_kind in (("version", "ref"), ("content", "data")):
+    # True is "content" (issue 22); "version" is the old name of "version-counters".
+    for mode, expect_kind in (("version-counters", "ref"), ("version", "ref"), (True, "data"), ("content", "data")):
         model, opt = _model()
-        d = tmp_path / mode
+        d = tmp_path / str(mode)
         with lazyckpt.Checkpointer(d, incremental=mode) as ckpt:
             ckpt.save(_state(model, opt, 0), step=0).wait()
             model[0].weight.data[0, 0] += 1.0            # .data: no version bump
@@ -138,7 +139,7 @@ def test_content_mode_catches_writes_that_bypass_the_version_counter(tmp_path):
             assert kinds["model/0.weight"] == kinds["model/0.bias"] == expect_kind, mode
             loaded = ckpt.load()["model"]["0.weight"]
         # The documented limit of the version mode: the stale bytes are referred to.
-        assert torch.equal(loaded, model[0].weight) == (mode == "content")
+        assert torch.equal(loaded, model[0].weight) == (expect_kind == "data")
     # Content mode still refers to what really did not change.
     model, opt = _model()
     with lazyckpt.Checkpointer(tmp_path / "c2", incremental="content") as ckpt:
@@ -227,9 +228,10 @@ def test_a_rollback_never_refers_to_a_superseded_step(tmp_path):
         assert_same(ckpt.load()["model"], model.state_dict())
 
 
-def test_the_version_check_is_cheap_for_a_state_that_all_changes(tmp_path):
+def test_a_state_that_all_changes_refers_to_nothing(tmp_path):
     """Full training: every tensor changes, nothing is referred to, and the
-    files are version 1 like without incremental."""
+    files are version 1 like without incremental (the content check's cost
+    there: bench_incremental_modes.py)."""
     model, opt = _model(frozen=False)
     with lazyckpt.Checkpointer(tmp_path, incremental=True) as ckpt:
         for step in range(3):

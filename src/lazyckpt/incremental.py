@@ -6,17 +6,33 @@ committed step becomes a ``"ref"`` entry (format version 2) pointing at the
 file of the step that holds its bytes, with that range's checksums. Two
 ways to tell "unchanged":
 
-* ``"version"`` (``incremental=True``): the same storage object (still alive:
-  held weakly), the same version counter of every tensor of the state that
-  uses it, the same size and device. torch bumps a tensor's version on every
-  in-place operation made through it -- optimizer updates included -- so this
-  costs nothing. It cannot see writes that bypass the counter: through
-  ``tensor.data`` (a tensor with its own counter), a numpy or DLPack view,
-  custom kernels writing the memory directly. Use ``"content"`` there.
-* ``"content"``: the bytes hash to the same block checksums as the previous
-  step's entry at the same state path. Catches every change, at the cost of
-  reading the whole state (on a GPU, a copy to the host) and hashing it, but
-  still writes only what changed.
+* ``"content"`` (``incremental=True``, the default mode): the bytes, read at
+  save time, hash to the same block checksums (xxh3-64, the ones the writer
+  computed when it wrote them) as the previous step's entry at the same state
+  path. Sound for every writer: whatever changed a byte changes a checksum
+  (up to a 64-bit hash collision per block). CPU tensors are hashed in place;
+  device tensors go through a host chunk (on-device hashing is future work).
+  To keep it cheap, a digest of 1024 evenly spaced 16-byte windows of every
+  tensor (:func:`_sample_digest`) is kept per step: a sample that differs
+  proves a change without hashing the rest, so full training pays about
+  16 KiB of hashing per tensor and writes as usual; a sample that matches is
+  never trusted alone -- the whole tensor is hashed (so a tensor changed in
+  few places, missed by the sample, is hashed and then written). Unchanged
+  tensors are hashed in full (that read replaces their copy and write).
+* ``"version-counters"`` (opt-in; ``"version"`` is its old name): the same
+  storage object (still alive: held weakly), the same version counter of
+  every tensor of the state that uses it, the same size and device. Free, but
+  torch does NOT bump the counter for many in-place writers, and every write
+  it misses is saved as the previous step's stale bytes, silently. Measured
+  on torch 2.13, it misses: optimizers built with ``fused=True`` (Adam,
+  AdamW, SGD, Adagrad: weights and moments; the HF Trainer's default is a
+  fused AdamW); BatchNorm's ``running_mean``/``running_var`` in a
+  training-mode forward; ``dist.broadcast``/``dist.all_reduce`` and other
+  collectives; writes through ``tensor.data`` (its own counter), numpy or
+  DLPack views; custom (C++/CUDA/Triton) kernels; other processes (shared
+  memory); ``load(into=)`` of a DTensor (filled through its local tensor,
+  while the DTensor's counter is compared). Use it only for states written
+  solely by ordinary autograd-visible in-place ops.
 
 Rules that keep references safe:
 
@@ -24,6 +40,10 @@ Rules that keep references safe:
   reference, so loading opens only files with data;
 * it points only at a strictly older step, so superseding (a rollback, which
   removes steps >= the new one) can never leave one dangling;
+* before it is written, the referred-to step's manifest must still carry the
+  save id the reference names (lazyckpt/commit.py ``StepCommit.plan``):
+  another writer may have re-saved that step; its bytes are then written in
+  full instead;
 * ``full_every=K`` makes every K-th save write everything, bounding how far
   back references reach;
 * the index only ever holds the entries of the last committed step, and is
@@ -37,8 +57,9 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import xxhash
 
@@ -68,9 +89,17 @@ class Location:
 @dataclass
 class _Known:
     location: Location
-    storage: Any                # weakref to the storage (version mode)
+    storage: Any                # weakref to the storage (version-counters mode)
     versions: Tuple[int, ...]
     device: str
+    sample: Optional[int] = None    # content mode: _sample_digest of the bytes at that save
+
+
+#: The sample digest's windows: 1024 windows of 16 bytes, evenly spaced (many
+#: positions: a sparsely changed tensor -- the AdamW moments of an embedding
+#: whose untouched rows stay 0 -- is more likely to show its change).
+SAMPLE_WINDOWS = 1024
+SAMPLE_WINDOW_BYTES = 16
 
 
 def version_of(t: torch.Tensor) -> int:
@@ -94,6 +123,8 @@ class Plan:
     refs: Dict[int, Location]                    # source index -> where its bytes are
     #: source index -> (storage weakref, versions), read on the capture thread
     signatures: Dict[int, Tuple[Any, Tuple[int, ...]]] = field(default_factory=dict)
+    #: content mode: source index -> _sample_digest of its bytes at save time
+    samples: Dict[int, Optional[int]] = field(default_factory=dict)
 
     @property
     def referenced_steps(self) -> List[int]:
@@ -104,6 +135,10 @@ class Plan:
             s = self.originals[i]
             sources[i] = Source("ref", name=s.name, length=0, ref=loc.as_ref())
 
+    def save_ids(self, step: int) -> set:
+        """The save ids this plan's references to ``step`` name (one, normally)."""
+        return {loc.save_id for loc in self.refs.values() if loc.step == step}
+
     def drop_steps(self, steps: set) -> None:
         self.refs = {i: loc for i, loc in self.refs.items() if loc.step not in steps}
 
@@ -112,7 +147,7 @@ class IncrementalIndex:
     """What one rank's last committed step holds, to refer to its unchanged bytes."""
 
     def __init__(self, mode: str, full_every: int = 0):
-        self.mode = mode                  # "version" or "content" (knobs.Options.incremental)
+        self.mode = mode                  # "content" or "version-counters" (knobs.Options.incremental)
         self.full_every = full_every
         self._known: Dict[Any, _Known] = {}
         self._saves = 0
@@ -130,6 +165,11 @@ class IncrementalIndex:
         for i, s in enumerate(sources):
             if s.kind == "data" and isinstance(s.data, torch.Tensor):
                 plan.signatures[i] = _signature(s)
+        content = self.mode == "content"
+        if content:
+            # Every save, full ones included: the next save compares against them.
+            for i in plan.signatures:
+                plan.samples[i] = _sample_digest(sources[i].data, copy_buffer, events)
         self._saves += 1
         if self.full_every and (self._saves - 1) % self.full_every == 0:
             return plan                       # a full save: bounds the reach of references
@@ -138,10 +178,12 @@ class IncrementalIndex:
             known = self._known.get(self._key(plan, i))
             if known is None or known.location.step >= step or known.location.length != s.length:
                 continue
-            if self.mode == "version":
+            if not content:
                 same = (-1 not in versions and known.storage() is storage()
                         and known.versions == versions and known.device == str(s.data.device))
-            else:
+            elif known.sample is not None and known.sample != plan.samples[i]:
+                same = False        # a differing sample proves a change: no need to hash the rest
+            else:                   # a matching sample proves nothing: hash all of it
                 same = _same_content(s.data, known.location, copy_buffer, events)
             if same:
                 plan.refs[i] = known.location
@@ -159,7 +201,7 @@ class IncrementalIndex:
                 if e.kind != "data":
                     continue
                 loc = Location(step, rank, i, e.offset, e.length, block_bytes, list(e.checksums), save_id)
-            known[self._key(plan, i)] = _Known(loc, storage, versions, str(s.data.device))
+            known[self._key(plan, i)] = _Known(loc, storage, versions, str(s.data.device), plan.samples.get(i))
         self._known = known
 
 
@@ -185,6 +227,32 @@ def _same_content(data: torch.Tensor, loc: Location, copy_buffer: Any, events: A
             if digest.intdigest() != loc.checksums[k]:
                 return False
         return True
+    finally:
+        copier.synchronize()
+
+
+def _sample_digest(data: torch.Tensor, copy_buffer: Any, events: Any = None) -> Optional[int]:
+    """xxh3-64 of SAMPLE_WINDOWS evenly spaced windows of a flat uint8 tensor
+    (all of it when shorter): a cheap test that proves a change when it
+    differs and proves nothing when it matches. Device tensors: the first
+    window's bytes only, through ``copy_buffer`` (None without one)."""
+    n = data.numel()
+    window = SAMPLE_WINDOWS * SAMPLE_WINDOW_BYTES
+    if data.device.type == "cpu":
+        host = as_numpy(data)
+        if n <= window:
+            return fmt.checksum(host)
+        stride = (n - SAMPLE_WINDOW_BYTES) // (SAMPLE_WINDOWS - 1)
+        windows = np.lib.stride_tricks.as_strided(host, (SAMPLE_WINDOWS, SAMPLE_WINDOW_BYTES), (stride, 1),
+                                                  writeable=False)
+        return fmt.checksum(np.ascontiguousarray(windows))
+    if copy_buffer is None:
+        return None
+    copier = DeviceCopier(events)
+    try:
+        digest = xxhash.xxh3_64()
+        hash_through_host(digest, data[:window], copy_buffer, copier)
+        return digest.intdigest()
     finally:
         copier.synchronize()
 

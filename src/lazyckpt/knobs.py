@@ -13,7 +13,9 @@ import re
 from typing import Any, Optional, Union
 
 MiB = 1 << 20
-INCREMENTAL_MODES = ("off", "version", "content")
+#: "content" (True) compares the bytes; "version-counters" trusts torch's version
+#: counters, which many in-place writers do not bump (lazyckpt/incremental.py).
+INCREMENTAL_MODES = ("off", "content", "version-counters")
 #: Bounds of the automatically sized host cache.
 AUTO_CACHE_MIN = 64 * MiB
 AUTO_CACHE_MAX = 4096 * MiB
@@ -48,11 +50,13 @@ class Options:
     #: What happens to saves still pending when the interpreter exits: "drain"
     #: (wait until they are committed) or "warn" (cancel them and warn, naming them).
     exit_policy: str = "drain"
-    #: Incremental checkpoints (Checkpointer): "off", "version" (True: a storage
-    #: whose tensors' version counters did not change since the previous
-    #: committed step is referenced, not written) or "content" (compare block
-    #: checksums: catches writes that bypass the counters, at the cost of
-    #: reading the state). See lazyckpt/incremental.py.
+    #: Incremental checkpoints (Checkpointer): "off", "content" (True: a tensor
+    #: whose bytes hash to the previous committed step's block checksums is
+    #: referenced, not written; sound for every writer) or "version-counters"
+    #: (opt-in, free, but misses every writer that does not bump torch's
+    #: version counter -- fused optimizers, BatchNorm statistics, collectives,
+    #: .data, numpy views -- and then saves stale bytes; "version" is its old
+    #: name). See lazyckpt/incremental.py.
     incremental: str = "off"
     #: With incremental checkpoints, every full_every-th save writes everything
     #: (0: only the first), bounding how far back references reach.
@@ -90,11 +94,13 @@ class Options:
             raise ValueError(f"queue_policy must be 'block' or 'skip', got {self.queue_policy!r}")
         if self.exit_policy not in ("drain", "warn"):
             raise ValueError(f"exit_policy must be 'drain' or 'warn', got {self.exit_policy!r}")
-        mode = {True: "version", False: "off", None: "off", "1": "version", "true": "version", "yes": "version",
-                "on": "version", "0": "off", "false": "off", "no": "off"}.get(
+        # True means content digests: version counters miss writes (issue 22), so they
+        # are only ever chosen by name ("version" is the name they had before).
+        mode = {True: "content", False: "off", None: "off", "1": "content", "true": "content", "yes": "content",
+                "on": "content", "0": "off", "false": "off", "no": "off", "version": "version-counters"}.get(
             self.incremental.lower() if isinstance(self.incremental, str) else self.incremental, self.incremental)
         if mode not in INCREMENTAL_MODES:
-            raise ValueError(f"incremental must be True, False or one of {INCREMENTAL_MODES}, "
+            raise ValueError(f"incremental must be True (= 'content'), False or one of {INCREMENTAL_MODES}, "
                              f"got {self.incremental!r}")
         object.__setattr__(self, "incremental", mode)
         if type(self.full_every) is not int or self.full_every < 0:
