@@ -78,10 +78,10 @@ def test_single_process_checkpoint_loads_on_two_ranks(tmp_path):
 
 
 def test_replicated_keys_that_differ_between_ranks_are_refused(tmp_path):
-    # The digest covers the replicated tree's structure and geometry (not the values,
-    # which would cost a pass over the data): rank 1 holds a different shape.
+    # Each rank's xxh3 of a replicated key covers its structure, sizes and bytes (values:
+    # tests/test_replicated_agreement.py): rank 1 holds a different shape.
     results = run_ranks(2, _mismatched_shapes, str(tmp_path))
-    assert all("differ" in r for r in results), results
+    assert all("differ" in r and "'model' (rank 0 | rank 1)" in r for r in results), results
     assert lazyckpt.Checkpointer(tmp_path).steps() == []
 
 

@@ -21,7 +21,9 @@ This module finds the identical state, at the granularity of top-level
   (xxh3; CPU tensors in place, device tensors through one host-cache chunk)
   and reports them; the coordinator publishes the candidates that are
   candidates on every rank and hash the same everywhere. Every other
-  candidate is written by each rank after all. A key that stops being
+  candidate is written by each rank after all, and the deduplicated keys'
+  entries get their owners from that agreed list (:meth:`assign_owners`),
+  never from the walk's balance by each rank's own sizes. A key that stops being
   identical (a counter, a per-rank buffer) is therefore never lost: it is
   written per rank from that save on, and learned again if it converges.
 
@@ -73,17 +75,21 @@ class AutoReplication:
     # ---------------------------------------------------------------- digests
 
     @staticmethod
-    def key_nodes(tree: Any) -> Dict[str, Any]:
-        """Top-level ``str`` key -> (structure JSON, entry numbers), for a dict state;
-        keys holding DTensors are left out."""
-        out: Dict[str, Any] = {}
+    def key_nodes(tree: Any, keys: Optional[List[Any]] = None) -> Dict[Any, Any]:
+        """Top-level key -> (structure JSON, entry numbers), for a dict state: the
+        ``str`` keys not holding DTensors, or (named ``replicated=``) exactly ``keys``."""
+        out: Dict[Any, Any] = {}
         if not isinstance(tree, dict) or tree.get("$") != "dict":
             return out
+        wanted = None if keys is None else {(type(k), k) for k in keys}
         for k, node in zip(tree["k"], tree["v"]):
-            if type(k) is not str:
+            if wanted is not None:
+                if (type(k), k) not in wanted:
+                    continue
+            elif type(k) is not str:
                 continue
             text = json.dumps(_without_devices(node), sort_keys=True, separators=(",", ":"))
-            if '"$":"dtensor"' in text:
+            if wanted is None and '"$":"dtensor"' in text:
                 continue
             out[k] = (text, sorted(referenced_entries(node)))
         return out
@@ -118,12 +124,16 @@ class AutoReplication:
     # ---------------------------------------------------------------- checking
 
     @staticmethod
-    def content_digests(nodes: Dict[str, Any], candidates: List[str], sources: List[Source],
-                        copy_buffer: Any = None, events: Any = None) -> Dict[str, Optional[str]]:
-        """Per candidate: xxh3 of its structure and of this rank's own bytes (None: not
-        comparable -- a pickled object, a DTensor, a device tensor without a buffer).
+    def content_digests(nodes: Dict[Any, Any], candidates: List[Any], sources: List[Source],
+                        copy_buffer: Any = None, events: Any = None,
+                        skip_objects: bool = False) -> Dict[Any, Optional[str]]:
+        """Per candidate: xxh3 of its structure and of this rank's own bytes, each
+        entry's length included (None: not comparable -- a pickled object, a DTensor,
+        a device tensor without a buffer). ``skip_objects``: pickled objects are left
+        out of the digest instead (named ``replicated=`` keys: checked as far as
+        possible; pickling on every rank would cost a second serialization).
         Device bytes are copied after ``events`` (save()'s, on the training stream)."""
-        out: Dict[str, Optional[str]] = {}
+        out: Dict[Any, Optional[str]] = {}
         copier = DeviceCopier(events)
         try:
             for k in candidates:
@@ -134,6 +144,11 @@ class AutoReplication:
                 h = xxhash.xxh3_64(text.encode())
                 for i in idxs:
                     s = sources[i].own_copy
+                    if skip_objects and s.deferred:
+                        continue
+                    # The length first: equal digests then mean equal entry sizes too,
+                    # which the owners of deduplicated entries are balanced by.
+                    h.update(b"%d;" % (s.length or 0))
                     if s.kind != "data" or s.deferred or not _hash_into(h, s.data, copy_buffer, copier):
                         h = None
                         break
@@ -154,12 +169,31 @@ class AutoReplication:
                 and all((r.get("d") or {}).get(k) == first[k] for r in reports[1:])]
 
     @staticmethod
-    def write_own_copies(nodes: Dict[str, Any], deduplicated: List[str], sources: List[Source]) -> None:
-        """Every remote entry outside the deduplicated keys becomes this rank's own copy."""
+    def assign_owners(nodes: Dict[str, Any], deduplicated: List[str], sources: List[Source],
+                      rank: int, world_size: int) -> None:
+        """Owners of the deduplicated keys' entries, the same on every rank; every
+        other entry becomes this rank's own copy.
+
+        The walk balanced owners over all the candidates by this rank's own
+        sizes; a candidate that now differs in size between ranks (written per
+        rank after all) would shift the owners of the entries after it
+        differently on each rank, and nobody would write them. So the owners are
+        balanced again over the agreed keys' entries only, in entry order: their
+        sizes are part of the digests every rank agreed on."""
         keep = {i for k in deduplicated for i in nodes[k][1]}
         for i, s in enumerate(sources):
             if s.kind == "remote" and i not in keep:
-                sources[i] = s.local
+                sources[i] = _with_tensors(s.own_copy, s)
+        load = [0] * world_size
+        for i in sorted(keep):
+            own = sources[i].own_copy
+            owner = min(range(world_size), key=load.__getitem__)
+            load[owner] += max(1, own.length or 0)
+            if owner == rank:
+                sources[i] = _with_tensors(own, sources[i])
+            else:
+                sources[i] = _with_tensors(Source("remote", name=own.name, length=0, owner=owner, local=own),
+                                           sources[i])
 
     # ---------------------------------------------------------------- outcome
 
@@ -187,6 +221,14 @@ class AutoReplication:
             self.learned = [k for k in outcome["auto"] if type(k) is str]
         if outcome.get("hinted"):
             self.hinting = False
+
+
+def _with_tensors(new: Source, old: Source) -> Source:
+    """``new`` standing for ``old``'s entry: the walk appended the live tensors
+    (whose version counters incremental saves read) to ``old``."""
+    if new is not old and old.tensors and not new.tensors:
+        new.tensors = old.tensors
+    return new
 
 
 def _hash_into(h: Any, data: Any, copy_buffer: Any, copier: DeviceCopier) -> bool:
