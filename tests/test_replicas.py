@@ -231,3 +231,31 @@ def test_retention_never_deletes_a_step_waiting_to_be_replicated(tmp_path):
     resumed = run_ranks(4, _resume, base, timeout=300)
     for rank, r in enumerate(resumed):
         assert _same(r["state"], _state(rank, 4)), rank
+
+
+def _resume_and_wait(rank, world, base):
+    with lazyckpt.Checkpointer(_node_dir(base, rank), keep_last=2, replicas=1, node_size=NODE,
+                               commit_timeout_s=60) as ckpt:
+        state = ckpt.load()
+        ckpt.wait()             # the re-replication of the restored step (close() would wait too)
+        return {"state": state, "from": ckpt.loaded_from, "stats": ckpt.replica_stats()}
+
+
+def test_two_losses_in_a_row_each_restored_before_the_next(tmp_path):
+    """A restored node also lost the replicas it held for its partners: the
+    restore replicates the step again, so a second node lost after it (k=1:
+    the one that held the first one's replicas) still comes back (found by
+    the model-based test: seed 26, incFalse-local-rep1-unset-2r)."""
+    base = str(tmp_path)
+    run_ranks(4, _train, base, 3, timeout=300)
+    _lose_node(base, 0)
+    first = run_ranks(4, _resume_and_wait, base, timeout=300)
+    for rank, r in enumerate(first):
+        assert _same(r["state"], _state(rank, 3)), rank
+        # Node 0 holds node 1's replicas again (k=1, 2 nodes: each node is the other's partner).
+        assert r["stats"]["holds"] == [(1 - rank // NODE, rank % NODE, 3)], r["stats"]
+    _lose_node(base, 1)
+    second = run_ranks(4, _resume, base, timeout=300)
+    for rank, r in enumerate(second):
+        assert _same(r["state"], _state(rank, 3)), rank
+        assert r["from"]["tier"] == ("replica" if rank // NODE == 1 else "local"), r["from"]

@@ -34,9 +34,10 @@ def check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Dict[str, Any],
-          replicated: List[Any], layouts: Optional[Dict[str, Any]] = None) -> bytes:
+          replicated: List[Any], layouts: Optional[Dict[str, Any]] = None, seq: Optional[int] = None) -> bytes:
     """The manifest's bytes, given every rank's report (``bytes``, ``shards``,
-    ``version``, ``references``)."""
+    ``version``, ``references``); ``seq``: the commit's place in the line of
+    history (lazyckpt/history.py)."""
     world = len(done)
     version = max(v.get("version", fmt.FORMAT_VERSION_1) for v in done.values())
     manifest: Dict[str, Any] = {
@@ -45,6 +46,8 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
         # coded (FSDP ranks' files mostly have one size): O(distinct sizes), not O(ranks).
         "file_bytes": file_bytes_runs([done[r]["bytes"] for r in range(world)]),
         "created_unix": time.time(), "save_id": save_id, "metadata": metadata}
+    if seq is not None:
+        manifest["seq"] = seq
     index = shard_index(done)
     if index:
         manifest["shards"] = index
@@ -207,7 +210,31 @@ def parse(raw: bytes, path: str) -> Dict[str, Any]:
     if not isinstance(refs, list) or (refs and type(step) is not int) or \
             not all(type(s) is int and 0 <= s < step for s in refs):
         raise CorruptCheckpointError(f"{path}: manifest references are not earlier steps", path=path)
+    named = step_named_by(path)
+    if named is not None and step != named:
+        # A copy of another step restored under this name (a backup of step_2 as
+        # step_1) must not load, list in verify, or be referred to as this step.
+        raise CorruptCheckpointError(f"{path}: the directory is named for step {named}, but its manifest is "
+                                     f"the manifest of step {step!r}; it is not step {named} (a copy of "
+                                     f"another step restored under this name?)", path=path, step=named)
     return manifest
+
+
+_STEP_COMPONENT = re.compile(r"^step_(\d{10})$")
+
+
+def step_named_by(path: str) -> Optional[int]:
+    """The step a manifest's location names: ``.../step_X`` (a step directory),
+    ``.../step_X/manifest.json``, or ``.../step_X/<save_id>/manifest.json`` on
+    an object store; None for a manifest elsewhere (a step directory copied
+    out under another name is read as whatever it holds)."""
+    parts = str(path).replace("\\", "/").rstrip("/").split("/")
+    if parts and parts[-1] == "manifest.json":
+        parts.pop()
+    if str(path).startswith("s3://") and len(parts) >= 2 and not _STEP_COMPONENT.match(parts[-1]):
+        parts.pop()                     # the save id under the step's prefix
+    m = _STEP_COMPONENT.match(parts[-1]) if parts else None
+    return int(m.group(1)) if m else None
 
 
 def references(manifest: Dict[str, Any]) -> List[int]:

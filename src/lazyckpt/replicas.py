@@ -470,25 +470,59 @@ class ReplicaTier:
 # --------------------------------------------------------------------------- restore side
 
 
+def _held_event(root: str, node: int, local_rank: int, step: int) -> Optional[List[Any]]:
+    """[step, save_id, seq] of a held replica (from the manifest it carries)."""
+    from .fileio import read_small_file
+    from .history import manifest_event
+    e = manifest_event(read_small_file(os.path.join(_replica_dir(root, node, local_rank), _step_name(step),
+                                                    MANIFEST), 1 << 30))
+    return list(e) if e is not None else None
+
+
 def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, step: Optional[int],
-            persistent_steps: List[int]) -> Dict[str, Any]:
+            persistent_steps: List[int], history: Any = None) -> Dict[str, Any]:
     """Collective: choose the step to load and bring each node's missing rank
     files back from partners' replicas into ``layout`` (the node-local
-    directory). Returns {"step", "tier", "from_rank"} for this rank."""
+    directory). Returns {"step", "tier", "from_rank"} for this rank.
+
+    Only live saves are candidates (lazyckpt/history.py): each node's line is
+    computed from its local record and manifests and from the manifests its
+    partners' replicas carry, so a replica of a step its node abandoned (a run
+    resumed from an older step, then a crash before the new step was
+    replicated) is never restored nor re-committed above the resumed step."""
     import torch.distributed as dist
+    from .history import Event, line
     root = os.path.join(directory, REPLICAS_DIR)
-    mine = {"rank": topo.rank, "node": topo.node, "local": layout.steps(), "held": [h for h in held_replicas(root) if h[1] == topo.local_rank],
+    events = history.local_events() if history is not None else []
+    own_line = set(line(events))
+    saves = history.local_saves() if history is not None else {}
+    # This node's local steps that are live in its own line (a local copy of another save is not one).
+    live_local = [s for s in layout.steps() if s not in saves or saves[s].save_id is None
+                  or (s, saves[s].save_id) in own_line]
+    held = [h for h in held_replicas(root) if h[1] == topo.local_rank]
+    mine = {"rank": topo.rank, "node": topo.node, "local": live_local,
+            "held": [(n, lr, s, _held_event(root, n, lr, s)) for n, lr, s in held],
+            "events": [list(e) for e in events],
             "persistent": persistent_steps, "token": uuid.uuid4().hex[:8]}
     infos: List[Any] = [None] * topo.world_size
     dist.all_gather_object(infos, mine, group=group)
     local = collections.defaultdict(set)
     persisted = collections.defaultdict(set)
     holders: Dict[Tuple[int, int, int], List[int]] = collections.defaultdict(list)
+    node_events: Dict[int, List[Any]] = collections.defaultdict(list)
+    for info in infos:
+        node_events[info["node"]] += [Event(*e) for e in info["events"]]
+        for n, lr, s, e in info["held"]:
+            if e is not None:
+                node_events[n].append(Event(*e))
+    node_lines = {n: set(line(evs)) for n, evs in node_events.items()}
     for info in infos:
         local[info["node"]].update(info["local"])
         persisted[info["node"]].update(info["persistent"])
-        for n, lr, s in info["held"]:
-            holders[(n, lr, s)].append(info["rank"])
+        for n, lr, s, e in info["held"]:
+            # A replica counts only as the live save of its step on its source node.
+            if e is not None and (s, e[1]) in node_lines.get(n, set()):
+                holders[(n, lr, s)].append(info["rank"])
     # A node-local directory is only trusted when every rank of the node reports it the same way.
     for info in infos:
         local[info["node"]] &= set(info["local"])
@@ -518,6 +552,13 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             h = holders.get((n, lr, target))
             if h and all((n, l2, target) in holders for l2 in range(topo.node_size)):
                 plan.append((h[0], topo.rank_of(n, lr), n, lr))
+    # A node that lost its directory lost the replicas it held for its partners too:
+    # once every node holds the newest step again, it is replicated anew (decided from
+    # what every rank reported, so every rank takes part in that round or none does).
+    lost_replicas = any(target not in local[n] for n in range(topo.nodes))
+    every_node_gets_it = all(target in local[n] or all((n, lr, target) in holders for lr in range(topo.node_size))
+                             for n in range(topo.nodes))
+    replicate_again = lost_replicas and every_node_gets_it and target == max(common)
     where = {"step": target, "tier": "local", "from_rank": topo.rank}
     if target not in local[topo.node]:
         where = {"step": target, "tier": "persistent", "from_rank": None}
@@ -584,6 +625,12 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             f.write(manifest_raw)
             os.fsync(f.fileno())
         fsync_dir(tmp)
+        if history is not None:
+            from .history import manifest_event
+            event = manifest_event(manifest_raw)
+            if event is not None and event.seq is not None:
+                history.recorded(event)         # the restored save is the node's latest commit again
+                history.saw(event.seq)
         layout.commit(tmp, target, keep_superseded=True)
         layout.write_latest(target)
     elif recvs and not node_ok:
@@ -591,6 +638,8 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             shutil.rmtree(tmp, ignore_errors=True)
         where = {"step": target, "tier": "persistent", "from_rank": None}
     dist.barrier(group=group)
+    # ``flags`` is the same on every rank: all restored files passed their checks.
+    where["replicate_again"] = replicate_again and all(flags)
     return where
 
 

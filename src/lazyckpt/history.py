@@ -1,0 +1,237 @@
+"""The line of history: which committed saves are live, on every tier.
+
+A committed save is a ``(step, save_id)``. The coordinator gives each commit
+a sequence number ``seq`` (1 + the largest one it knows of; recorded in the
+manifest, FORMAT.md §11.2). The rule that defines the line is the local
+directory's: committing step S supersedes every step >= S. Applied to a set
+of commit events in ``seq`` order, it gives one answer wherever the events
+come from -- the local record, the manifests, the persistent tier's event
+objects, the partners' replicas -- so every ``load()``, fallback, retention
+decision and replica restore asks :func:`line` instead of comparing step
+numbers across tiers (a step number alone cannot tell step 3 of an abandoned
+run from step 3 of the resumed one, nor that step 5 was abandoned).
+
+Events without a ``seq`` (manifests written before it existed) are ordered
+by step before every numbered event: their directories were already one line.
+
+Where the events live:
+
+* local tier: ``DIR/history.json`` (:class:`LocalRecord`), written atomically
+  by the coordinator *before* the commit's renames, so a crash never leaves
+  an abandoned step live in the record; it keeps the largest ``seq`` so that
+  numbering survives the deletion of every step.
+* object store (``persist_to`` or an ``s3://`` directory): one empty object
+  per event, ``PREFIX/history/<seq>-<step>-<save_id>`` (all in the key: one
+  listing reads them with the steps). Written when the local commit happens,
+  before the step's upload, so a rollback supersedes there at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+
+from .fileio import read_small_file, write_file_atomic
+
+log = logging.getLogger("lazyckpt")
+
+RECORD = "history.json"
+#: Object-store event keys, relative to the checkpoint prefix.
+EVENTS_PREFIX = "history/"
+_EVENT_KEY = re.compile(r"^history/(\d{12})-(\d{10})-([A-Za-z0-9_.-]+)$")
+#: Events kept in the local record besides those of steps present: enough to
+#: tell any tier's leftover of a recent abandoned run from the live line.
+RECENT_EVENTS = 256
+
+
+class Event(NamedTuple):
+    step: int
+    save_id: str
+    #: None: a manifest written before ``seq`` existed.
+    seq: Optional[int]
+
+
+def _merge(events: Iterable[Event]) -> List[Event]:
+    """One event per save (the same save seen on several tiers), numbered when any copy is."""
+    by_save: Dict[Tuple[int, str], Event] = {}
+    for e in events:
+        old = by_save.get((e.step, e.save_id))
+        if old is None or (old.seq is None and e.seq is not None) or \
+                (e.seq is not None and old.seq is not None and e.seq > old.seq):
+            by_save[(e.step, e.save_id)] = e
+    return sorted(by_save.values(), key=lambda e: (e.seq if e.seq is not None else 0, e.step, e.save_id))
+
+
+def line(events: Iterable[Event]) -> List[Tuple[int, str]]:
+    """The live saves, oldest step first: the events applied in commit order,
+    each one superseding every live step >= its own."""
+    live: List[Event] = []
+    for e in _merge(events):
+        live = [x for x in live if x.step < e.step]
+        live.append(e)
+    return [(e.step, e.save_id) for e in live]
+
+
+def abandoned(events: Iterable[Event]) -> Set[Tuple[int, str]]:
+    """The saves a later commit superseded (never returned, never re-committed)."""
+    merged = _merge(events)
+    return {(e.step, e.save_id) for e in merged} - set(line(merged))
+
+
+def max_seq(events: Iterable[Event]) -> int:
+    return max((e.seq for e in events if e.seq is not None), default=0)
+
+
+def manifest_event(raw: Optional[bytes]) -> Optional[Event]:
+    """(step, save_id, seq) of a manifest's bytes, or None if unreadable. Only
+    identifies the save; loading it checks the manifest in full."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+        step, sid, seq = doc.get("step"), doc.get("save_id"), doc.get("seq")
+    except (UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        return None
+    if type(step) is not int or not isinstance(sid, str):
+        return None
+    return Event(step, sid, seq if type(seq) is int else None)
+
+
+# --------------------------------------------------------------------------- object-store events
+
+
+def event_key(e: Event) -> str:
+    return f"{EVENTS_PREFIX}{e.seq:012d}-{e.step:010d}-{e.save_id}"
+
+
+def parse_event_key(relative: str) -> Optional[Event]:
+    m = _EVENT_KEY.match(relative)
+    return Event(int(m.group(2)), m.group(3), int(m.group(1))) if m else None
+
+
+def prunable(events: Iterable[Event], present: Dict[int, str]) -> List[Event]:
+    """Events an object-store tier no longer needs: their save is not there,
+    they supersede nothing still there, and they are not the largest ``seq``
+    (which keeps the numbering). ``present``: step -> save_id committed there."""
+    events = list(events)
+    top = max_seq(events)
+    present_seq = {(e.step, e.save_id): e.seq for e in events}
+    out = []
+    for e in events:
+        if e.seq == top or present.get(e.step) == e.save_id:
+            continue
+        supersedes_present = any(s >= e.step and (present_seq.get((s, sid)) is None
+                                                  or present_seq[(s, sid)] < e.seq)
+                                 for s, sid in present.items())
+        if not supersedes_present:
+            out.append(e)
+    return out
+
+
+# --------------------------------------------------------------------------- the local record
+
+
+class LocalRecord:
+    """``DIR/history.json``: ``{"seq": <largest>, "events": [[step, save_id, seq], ...]}``."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, RECORD)
+
+    def read(self) -> Tuple[int, List[Event]]:
+        raw = read_small_file(self.path, 16 << 20)
+        if raw is None:
+            return 0, []
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+            events = [Event(int(s), str(sid), int(q)) for s, sid, q in doc["events"]]
+            return max(int(doc["seq"]), max_seq(events)), events
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            # Damaged: the manifests still carry every present step's seq.
+            log.warning("lazyckpt: %s is unreadable; the line of history is taken from the manifests",
+                        self.path)
+            return 0, []
+
+    def add(self, event: Event, present_steps: Iterable[int]) -> None:
+        """Record a commit (coordinator, before its renames). Keeps the events
+        of the steps present and the newest others (bounded)."""
+        top, events = self.read()
+        events = [e for e in events if (e.step, e.save_id) != (event.step, event.save_id)] + [event]
+        present = set(present_steps)
+        events.sort(key=lambda e: e.seq)
+        recent = events[-RECENT_EVENTS:]
+        kept = [e for e in events[:-RECENT_EVENTS] if e.step in present] + recent
+        doc = {"seq": max(top, event.seq or 0), "events": [[e.step, e.save_id, e.seq] for e in kept]}
+        write_file_atomic(self.path, json.dumps(doc, separators=(",", ":")).encode())
+
+
+class History:
+    """The line of history of one Checkpointer: numbers its commits and
+    answers which saves are live, from the local record, the local manifests
+    and (``remote``) the persistent tier's events."""
+
+    def __init__(self, layout: Any, remote: Any = None):
+        #: A local CheckpointDir (None: the directory is itself on an object store).
+        self.layout = layout
+        #: An ObjectCheckpointDir whose events count too (persist_to=, or the directory itself).
+        self.remote = remote
+        self.record = LocalRecord(layout.path) if layout is not None else None
+        self._top: Optional[int] = None
+
+    # ------------------------------------------------------------ numbering
+
+    def next_seq(self) -> int:
+        """1 + the largest seq known (read once, then counted here)."""
+        if self._top is None:
+            top = 0
+            if self.record is not None:
+                top = max(self.record.read()[0], max_seq(self.local_events()))
+            if self.remote is not None:
+                try:
+                    top = max(top, max_seq(self.remote.listing()[1]))
+                except Exception as exc:        # unreachable now: local numbering still orders locally
+                    log.warning("lazyckpt: %s: its history cannot be read (%s); numbering commits from the "
+                                "local tier", getattr(self.remote, "url", self.remote), exc)
+            self._top = top
+        self._top += 1
+        return self._top
+
+    def saw(self, seq: Optional[int]) -> None:
+        """A save numbered elsewhere (a replica restored here) keeps the numbering above it."""
+        if seq is not None and self._top is not None:
+            self._top = max(self._top, seq)
+
+    def recorded(self, event: Event) -> None:
+        """Coordinator, before the commit's renames: the record says it first."""
+        if self.record is not None:
+            self.record.add(event, self.layout.steps())
+
+    # ------------------------------------------------------------ the local tier
+
+    def local_saves(self) -> Dict[int, Event]:
+        """step -> its event, for every step present locally (from its manifest,
+        else from the record; save_id None where neither tells)."""
+        from .layout import MANIFEST
+        out: Dict[int, Event] = {}
+        recorded: Dict[int, Event] = {}
+        if self.record is not None:
+            for e in sorted(self.record.read()[1], key=lambda e: e.seq):
+                recorded[e.step] = e
+        for step in self.layout.steps():
+            e = manifest_event(read_small_file(os.path.join(self.layout.step_path(step), MANIFEST), 1 << 30))
+            if e is None or e.step != step:
+                e = recorded.get(step, Event(step, None, None))     # type: ignore[arg-type]
+            out[step] = e
+        return out
+
+    def local_events(self) -> List[Event]:
+        events = [e for e in self.local_saves().values() if e.save_id is not None]
+        if self.record is not None:
+            events += self.record.read()[1]
+        return events
+
+
+__all__ = ["Event", "line", "abandoned", "max_seq", "History", "LocalRecord", "RECORD", "EVENTS_PREFIX",
+           "event_key", "parse_event_key", "prunable", "manifest_event"]
