@@ -51,6 +51,18 @@ class _Rule:
         self.predicate, self.status, self.code, self.count = predicate, status, code, count
 
 
+class Hold:
+    """Requests matching ``predicate`` wait until ``release()`` (see the module doc)."""
+
+    def __init__(self, predicate):
+        self.predicate = predicate
+        self.arrived = threading.Event()
+        self._go = threading.Event()
+
+    def release(self) -> None:
+        self._go.set()
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: "_Server"
@@ -97,6 +109,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _proxy(self):
         proxy = self.server.owner
+        for hold in proxy._matching_holds(self.command, self.path, self.headers):
+            hold.arrived.set()
+            hold._go.wait(300)
         fault = proxy._pick_fault(self.command, self.path, self.headers)
         if proxy._delay:
             time.sleep(proxy._delay)
@@ -223,6 +238,9 @@ class S3FaultProxy:
         with self._lock:
             self._fail_next: list[tuple[int, str | None]] = []
             self._rules: list[_Rule] = []
+            for hold in getattr(self, "_holds", []):
+                hold.release()
+            self._holds: list[Hold] = []
             self._delay = 0.0
             self._drop = False
 
@@ -239,6 +257,17 @@ class S3FaultProxy:
         with self._lock:
             self._delay = float(seconds)
             self._drop = drop
+
+    def hold_matching(self, predicate: Callable[[str, str, object], bool]) -> Hold:
+        hold = Hold(predicate)
+        with self._lock:
+            self._holds.append(hold)
+        return hold
+
+    def _matching_holds(self, method, path, headers):
+        with self._lock:
+            holds = [h for h in self._holds if not h._go.is_set()]
+        return [h for h in holds if h.predicate(method, path, headers)]
 
     def _pick_fault(self, method, path, headers):
         with self._lock:
@@ -260,6 +289,7 @@ class S3FaultProxy:
     # -- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
+        self.reset()                    # held requests go on (the server must not wait on them)
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()

@@ -89,6 +89,8 @@ class SaveHandle:
         #: "pending", "persisted", "failed" or "superseded by step N".
         self.persist_state: Optional[str] = None
         self.persist_error: Optional[CheckpointError] = None
+        #: Its persist_error was raised (by this handle's wait or the Checkpointer's): never again elsewhere.
+        self.persist_reported = False
         #: Seconds from save() until the persistent tier had it; where it is.
         self.persisted_s: Optional[float] = None
         self.persist_url: Optional[str] = None
@@ -134,6 +136,7 @@ class SaveHandle:
                     break
                 handle = handle._superseded_by
             if handle.persist_error is not None:
+                handle.persist_reported = True      # the Checkpointer's wait() will not raise it again
                 raise handle.persist_error
         return self
 

@@ -159,14 +159,27 @@ def load_step_dir(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank
 
 def load_step(url: str, manifest: Dict[str, Any], options: Options, pool: cf.ThreadPoolExecutor,
               rank: Optional[int] = None, **kwargs: Any) -> Any:
-    """Load a committed step on an object store (its save prefix and parsed
-    manifest): as :func:`load_step_dir`, without file locks (an object store
-    has none; retention deletes the manifest first, so a step deleted while
-    being read fails with a not-found error on its data, never a mix)."""
-    if rank is None:
-        rank = _current_rank()
-    step = StepFiles(url, manifest, options, None)
-    return load_tree(step.file(rank % manifest["world_size"]), step, pool, **kwargs)
+    """Load a committed step on an object store (its save prefix, and its
+    parsed manifest or None to read it here): as :func:`load_step_dir`. The
+    step is held by a reader lease (``tiers.reading_object_step``) while it is
+    read, so that retention and prune elsewhere keep it; where it is deleted
+    anyway (an expired lease, another tool) the error says so, as on a local
+    directory, instead of reporting the vanished objects as damage."""
+    from .tiers import reading_object_step
+    with reading_object_step(url, options) as held:
+        if manifest is None:
+            manifest = held.manifest()
+        elif not held.still_there():        # gone between the caller's read and our lease
+            raise held.deleted()
+        if rank is None:
+            rank = _current_rank()
+        try:
+            step = StepFiles(url, manifest, options, None)
+            return load_tree(step.file(rank % manifest["world_size"]), step, pool, **kwargs)
+        except CheckpointError as exc:
+            if not held.still_there():
+                raise held.deleted() from exc
+            raise
 
 
 def _current_rank() -> int:

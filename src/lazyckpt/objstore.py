@@ -27,10 +27,14 @@ connection errors with backoff. ``storage_options`` override any of it.
 
 from __future__ import annotations
 
+import email.utils
 import io
+import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
@@ -51,8 +55,37 @@ class StorageConfigError(CheckpointError):
     credentials, a missing bucket, no permission, a malformed URL."""
 
 
+class InvalidURLError(StorageConfigError, ValueError):
+    """A path that is a malformed ``s3://`` URL, or a URL of a scheme lazyckpt
+    does not support. Raised before anything is written: such a path never
+    silently becomes a local directory, nor a prefix the store rewrites."""
+
+
+#: Something that starts like a URL: ``scheme:`` (RFC 3986) -- ``s3:/b``, ``S3://b``,
+#: ``gs://b``, ``file:///x``, ``s3:b`` -- as opposed to a local path.
+_URL_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
+#: S3 bucket names (legacy ones included: capitals and "_" are refused by S3 today).
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{1,253}[A-Za-z0-9]$")
+
+
 def is_url(path: Any) -> bool:
-    return isinstance(path, str) and path.startswith(SCHEME)
+    """Whether ``path`` names an object store: a well-formed ``s3://`` URL.
+    Anything else that looks like a URL -- another scheme (``s3a://``, ``gs://``),
+    another spelling (``S3://``, ``s3:/``), or an ``s3://`` URL that
+    :meth:`ObjectURL.parse` refuses -- raises :class:`InvalidURLError`; a local
+    path (absolute, or relative and not starting with ``scheme:``) is False.
+    Every place that takes "a path or a URL" decides through this function."""
+    if not isinstance(path, str):
+        return False
+    if path.startswith(SCHEME):
+        ObjectURL.parse(path)
+        return True
+    if _URL_LIKE.match(path):
+        scheme = path.partition(":")[0]
+        raise InvalidURLError(f"{path!r}: unsupported URL ({scheme + ':'!r}): only s3:// URLs (lowercase, two "
+                              f"slashes) name an object store; to mean a local directory of this name, "
+                              f"write it as ./{path}", path=path)
+    return False
 
 
 @dataclass(frozen=True)
@@ -62,13 +95,37 @@ class ObjectURL:
 
     @classmethod
     def parse(cls, url: str) -> "ObjectURL":
-        if not is_url(url):
-            raise StorageConfigError(f"{url!r}: not an s3:// URL", path=str(url))
+        """``s3://BUCKET[/PREFIX][/]``, strictly: S3 keys are opaque strings, but
+        stores differ on ``a//b``, ``./..`` and backslashes (SeaweedFS rewrites
+        them, so listings no longer find what was written): refused here, once,
+        instead of losing every step later."""
+        if not isinstance(url, str) or not url.startswith(SCHEME):
+            raise InvalidURLError(f"{url!r}: not an s3:// URL", path=str(url))
         bucket, _, key = url[len(SCHEME):].partition("/")
+        def malformed(reason: str) -> InvalidURLError:
+            return InvalidURLError(f"{url}: malformed s3:// URL: {reason}", path=url)
+        if not bucket:
+            raise malformed("no bucket name (s3://BUCKET/PREFIX)")
         if len(bucket) < 3:
-            raise StorageConfigError(f"{url}: bucket name {bucket!r} is too short (S3 bucket names "
-                                     f"have 3 to 63 characters)", path=url)
-        return cls(bucket, key.strip("/"))
+            raise malformed(f"bucket name {bucket!r} is too short (S3 bucket names have 3 to 63 characters)")
+        if not _BUCKET.match(bucket):
+            raise malformed(f"{bucket!r} is not a valid bucket name (letters, digits, '.', '-', '_'; starting "
+                            f"and ending with a letter or digit)")
+        if key.endswith("/") and len(key) > 1:
+            key = key[:-1]                      # one trailing slash: "s3://b/run/" is "s3://b/run"
+        if key:
+            for part in key.split("/"):
+                if part == "":
+                    raise malformed("empty path component ('//', or a leading or doubled trailing '/') in "
+                                    "the prefix")
+                if part in (".", ".."):
+                    raise malformed(f"{part!r} path component in the prefix (object stores do not resolve "
+                                    f"it; spell the prefix out)")
+            bad = sorted({c for c in key if c == "\\" or ord(c) < 32 or ord(c) == 127})
+            if bad:
+                raise malformed(f"the prefix holds {', '.join(map(repr, bad))} (a backslash or a control "
+                                f"character), which object stores rewrite or refuse")
+        return cls(bucket, key)
 
     def join(self, *names: str) -> "ObjectURL":
         parts = [self.key] if self.key else []
@@ -239,6 +296,34 @@ class ObjectStore:
         except Exception as exc:
             raise self.error(exc, prefix, "listing") from exc
 
+    def listing(self, prefix: str) -> Tuple[List[Dict[str, Any]], datetime]:
+        """Every object under ``prefix`` and the server's clock when it listed
+        them (the ``Date`` header of the first page). Lease ages are this
+        reference minus ``LastModified``: both stamped by the server, so a
+        host whose own clock is skewed can neither expire a live lease nor keep
+        a dead one (a later page's objects only look younger: the safe side)."""
+        objects: List[Dict[str, Any]] = []
+        now: Optional[datetime] = None
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                now = now or _server_date(page)
+                objects += page.get("Contents", [])
+        except Exception as exc:
+            raise self.error(exc, prefix, "listing") from exc
+        return objects, now or self.server_time(prefix)
+
+    def server_time(self, near: str) -> datetime:
+        """The server's clock from an object it stamps (for servers that send no
+        ``Date`` header): PUT a probe, read its ``LastModified``, delete it."""
+        key = f"{near.rstrip('/')}/.clock-{uuid.uuid4().hex}" if near else f".clock-{uuid.uuid4().hex}"
+        self.put(key, b"")
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=key)["LastModified"]
+        except Exception as exc:
+            raise self.error(exc, key, "reading the server's clock") from exc
+        finally:
+            self.delete([key])
+
     def delete(self, keys: List[str]) -> None:
         for i in range(0, len(keys), 1000):      # the API's batch limit
             batch = [{"Key": k} for k in keys[i:i + 1000]]
@@ -267,6 +352,15 @@ class ObjectStore:
             err = self.error(exc, key, "aborting an upload")
             if not isinstance(err, CheckpointNotFoundError):
                 raise err from exc
+
+
+def _server_date(response: Dict[str, Any]) -> Optional[datetime]:
+    """A response's ``Date`` header (the server's clock, 1 s resolution), or None."""
+    raw = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return email.utils.parsedate_to_datetime(raw) if raw else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _error_code(exc: BaseException) -> Tuple[Optional[str], Optional[int]]:

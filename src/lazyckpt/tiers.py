@@ -25,14 +25,15 @@ import os
 import re
 import threading
 import time
-from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional, Tuple
+import uuid
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import manifest as manifests
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
 from .fileio import anonymous_buffer, open_for_read, pread_into
+from .history import Event, event_key, line, parse_event_key, prunable
 from .knobs import Options
-from .layout import LATEST, MANIFEST, StepDir, rank_filename, step_dirname
+from .layout import LATEST, MANIFEST, StepDir, deleted_while_reading, rank_filename, step_dirname
 from .objstore import ObjectOutput, ObjectURL, store_for
 
 log = logging.getLogger("lazyckpt")
@@ -70,10 +71,57 @@ class ObjectLease:
         if self._stop.is_set():
             return
         self._stop.set()
+        # A heartbeat still in flight would re-create the object after the delete.
+        self._thread.join()
         try:
             self.store.delete([self.key])
         except CheckpointError:
             pass                                # expires by age; retention deletes it with its prefix
+
+
+#: Reader leases of a committed save: ``step_X/<save_id>/.readers/<token>``.
+READERS = ".readers"
+
+
+@contextlib.contextmanager
+def reading_object_step(step_url: str, options: Options) -> Iterator["_HeldObjectStep"]:
+    """Hold a reader lease on a committed save prefix while it is read: an
+    object under ``.readers/`` whose heartbeat keeps it younger than the lease
+    expiry, so that retention and prune (in any process) keep the step until
+    the reader is done. Taken *before* the caller looks at the manifest again
+    (``_HeldObjectStep``): a deleter that removed the manifest re-lists the
+    prefix and puts the manifest back if a lease appeared (see ``_drop``)."""
+    store, key = store_for(step_url, options.storage_options)
+    lease = ObjectLease(store, f"{key}/{READERS}/{uuid.uuid4().hex}", options.lease_heartbeat_s)
+    try:
+        yield _HeldObjectStep(store, key, step_url)
+    finally:
+        lease.release()
+
+
+class _HeldObjectStep:
+    def __init__(self, store: Any, key: str, url: str):
+        self.store, self.key, self.url = store, key, url
+        m = re.search(r"step_(\d{10})/[^/]+$", key)
+        self.step = int(m.group(1)) if m else None
+
+    def manifest(self) -> Dict[str, Any]:
+        raw = self.store.get(f"{self.key}/{MANIFEST}", manifests.MAX_MANIFEST_BYTES)
+        if raw is None:
+            raise CheckpointNotFoundError(f"{self.url}: no committed checkpoint (no {MANIFEST})",
+                                          path=self.url, step=self.step)
+        return manifests.parse(raw, f"{self.url}/{MANIFEST}")
+
+    def still_there(self) -> bool:
+        """Whether the manifest (the commit) still exists; True when the store
+        cannot say (then the original error is the one to report)."""
+        try:
+            return self.store.size(f"{self.key}/{MANIFEST}") is not None
+        except CheckpointError:
+            return True
+
+    def deleted(self) -> CheckpointNotFoundError:
+        return deleted_while_reading(self.url, self.step)
 
 
 class ObjectCheckpointDir:
@@ -111,16 +159,52 @@ class ObjectCheckpointDir:
     # ---------------------------------------------------------------- listing
 
     def committed(self) -> Dict[int, str]:
-        """step -> save id of every committed step (one listing request per 1000 objects)."""
-        found: Dict[int, Tuple[str, Any]] = {}
+        """step -> save id of every live committed step (one listing request per
+        1000 objects): a save its line of history abandoned (a rollback whose
+        own step is not uploaded yet) is not one, so no reader of this tier
+        alone returns it."""
+        present, events = self.listing()
+        live = dict(line(events + [Event(s, sid, None) for s, sid in present.items()]))
+        return {s: sid for s, sid in present.items() if live.get(s) == sid}
+
+    def listing(self) -> Tuple[Dict[int, str], List[Event]]:
+        """(step -> save id of every committed step, the commit events stored
+        here) from one listing. A step that shows two manifests (a crash inside
+        a supersede) is the one committed later by ``seq``; only saves without
+        events (written before them) fall back to the 1-second LastModified."""
+        found: Dict[int, List[Tuple[str, Any]]] = {}
+        events: List[Event] = []
         for obj in self.store.list(self._key("")):
-            m = _COMMITTED.match(self._relative(obj["Key"]))
+            relative = self._relative(obj["Key"])
+            m = _COMMITTED.match(relative)
             if m:
-                step = int(m.group(1))
-                # Two manifests for one step only after a crash inside a supersede: the newer wins.
-                if step not in found or obj["LastModified"] > found[step][1]:
-                    found[step] = (m.group(2), obj["LastModified"])
-        return {s: v[0] for s, v in found.items()}
+                found.setdefault(int(m.group(1)), []).append((m.group(2), obj["LastModified"]))
+                continue
+            event = parse_event_key(relative)
+            if event is not None:
+                events.append(event)
+        seqs = {(e.step, e.save_id): e.seq for e in events}
+        committed = {}
+        for step, saves in found.items():
+            committed[step] = max(saves, key=lambda v: (seqs.get((step, v[0]), 0), v[1]))[0]
+        return committed, events
+
+    def events(self) -> List[Event]:
+        """Every commit event here, manifests without one included (seq None)."""
+        committed, events = self.listing()
+        return events + [Event(s, sid, None) for s, sid in committed.items()]
+
+    def put_event(self, event: Event) -> None:
+        """Record a commit here (an empty object; the key says it all)."""
+        self.store.put(self._key(event_key(event)), b"")
+
+    def prune_events(self) -> int:
+        """Delete the events this tier no longer needs (history.prunable)."""
+        committed, events = self.listing()
+        doomed = prunable(events, committed)
+        if doomed:
+            self.store.delete([self._key(event_key(e)) for e in doomed])
+        return len(doomed)
 
     def steps(self) -> List[int]:
         return sorted(self.committed())
@@ -139,7 +223,7 @@ class ObjectCheckpointDir:
         """Write the manifest of ``save_id``: step ``step`` exists from here on.
         Committed steps >= ``step`` (an abandoned line of history) are deleted
         first, as a local directory supersedes them."""
-        committed = self.committed()
+        committed, events = self.listing()
         superseded = sorted((s for s in committed if s >= step and committed[s] != save_id), reverse=True)
         for s in superseded:
             self._drop(s, committed[s])
@@ -147,31 +231,73 @@ class ObjectCheckpointDir:
             log.warning("lazyckpt: %s: step %d supersedes step(s) %s of an abandoned run (deleted)",
                         self.url, step, superseded)
         self.store.put(self._key(step_dirname(step), save_id, MANIFEST), manifest_raw)
+        # Events no longer needed go from the same listing (bounded without keep_last too).
+        present = {s: sid for s, sid in committed.items() if s not in superseded}
+        present[step] = save_id
+        doomed = prunable(events, present)
+        if doomed:
+            try:
+                self.store.delete([self._key(event_key(e)) for e in doomed])
+            except CheckpointError as exc:
+                log.debug("lazyckpt: %s: pruning history events failed (retried later): %s", self.url, exc)
         return superseded
 
     def write_latest(self, step: int) -> None:
         self.store.put(self._key(LATEST), f"{step}\n".encode())
 
-    def _drop(self, step: int, save_id: str) -> None:
-        """Manifest first (the step is gone at once), then the data."""
-        self.store.delete([self._key(step_dirname(step), save_id, MANIFEST)])
+    def _drop(self, step: int, save_id: str, even_if_read: bool = True) -> bool:
+        """Manifest first (the step is gone at once), then the data. Unless
+        ``even_if_read`` (superseding: an abandoned step must go), a step with a
+        live reader lease is left, and False returned. A reader puts its lease
+        and then reads the manifest; we delete the manifest and then list the
+        leases again: so a reader that saw the manifest is always seen here,
+        and gets its step back (the manifest re-put) instead of losing it."""
         prefix = self._key(step_dirname(step), save_id) + "/"
+        manifest_key = prefix + MANIFEST
+        raw = None
+        if not even_if_read:
+            if self._live_readers(prefix):
+                return False
+            raw = self.store.get(manifest_key, manifests.MAX_MANIFEST_BYTES)
+            if raw is None:
+                return False            # being deleted by another process
+        self.store.delete([manifest_key])
+        if raw is not None and self._live_readers(prefix):
+            self.store.put(manifest_key, raw)
+            return False
         self.store.delete([o["Key"] for o in self.store.list(prefix)])
+        return True
 
-    def delete_step(self, step: int) -> bool:
-        committed = self.committed()
+    def _live_readers(self, prefix: str) -> List[str]:
+        """Reader leases under ``prefix`` younger than the lease expiry, aged by
+        the server's clock (``ObjectStore.listing``), never this host's."""
+        objects, now = self.store.listing(prefix + READERS + "/")
+        expiry = self.options.lease_expiry_s
+        return [o["Key"] for o in objects if (now - o["LastModified"]).total_seconds() < expiry]
+
+    def delete_step(self, step: int, even_if_read: bool = False) -> bool:
+        """Delete a committed step; False if there is none, or a reader holds a
+        live lease on it (unless ``even_if_read``)."""
+        committed = self.listing()[0]          # an abandoned save left here too
         if step not in committed:
             return False
-        self._drop(step, committed[step])
-        return True
+        return self._drop(step, committed[step], even_if_read)
 
     def apply_retention(self, keep_last: Optional[int]) -> List[int]:
         if keep_last is None:
             return []
-        committed = self.committed()
-        old = sorted(committed)[:-keep_last] if len(committed) > keep_last else []
-        for s in old:
-            self._drop(s, committed[s])
+        committed, events = self.listing()
+        # Counted on the line of history: an abandoned save left here (its
+        # superseding step still uploading) is no kept step; it goes too.
+        live = dict(line(events + [Event(s, sid, None) for s, sid in committed.items()]))
+        kept = [s for s in sorted(committed) if live.get(s) == committed[s]][-keep_last:]
+        old = [s for s in sorted(committed) if s not in kept]
+        # A step being read (a live reader lease) stays until a later pass.
+        busy = [s for s in old if not self._drop(s, committed[s], even_if_read=False)]
+        if busy:
+            log.info("lazyckpt: %s: step(s) %s are being read; deleting them later", self.url, busy)
+        old = [s for s in old if s not in busy]
+        self.prune_events()
         return old
 
     # ---------------------------------------------------------------- leftovers
@@ -184,7 +310,8 @@ class ObjectCheckpointDir:
         groups: Dict[str, List[Any]] = {}
         uploads: Dict[str, List[Any]] = {}
         committed = set()
-        for obj in self.store.list(self._key("")):
+        objects, now = self.store.listing(self._key(""))     # now: the server's clock
+        for obj in objects:
             prefix = self._save_prefix(obj["Key"])
             if prefix is None:
                 continue
@@ -195,7 +322,6 @@ class ObjectCheckpointDir:
             prefix = self._save_prefix(up["Key"])
             if prefix is not None:
                 uploads.setdefault(prefix, []).append(up)
-        now = datetime.now(timezone.utc)
         out = []
         for prefix in set(groups) | set(uploads):
             if prefix in committed:
@@ -203,7 +329,8 @@ class ObjectCheckpointDir:
             times = [o["LastModified"] for o in groups.get(prefix, [])] + \
                     [u["Initiated"] for u in uploads.get(prefix, [])]
             age = min((now - t).total_seconds() for t in times)
-            if age > expiry:
+            # expiry 0: whatever its age (server stamps have 1 s resolution: "now" may equal them).
+            if age > expiry or expiry <= 0:
                 out.append((prefix, sum(o["Size"] for o in groups.get(prefix, [])), age))
         return out
 
@@ -245,13 +372,13 @@ def load_url(url: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Opti
     if key and store.size(key) is not None:
         return load_file(url, options, pool, **kwargs)
     if store.size(f"{key}/{MANIFEST}" if key else MANIFEST) is not None:
-        return load_step(url, read_manifest(url, options), options, pool, rank, **kwargs)
+        return load_step(url, None, options, pool, rank, **kwargs)     # its manifest: read under the lease
     directory = ObjectCheckpointDir(url, options)
     latest = directory.latest()
     if latest is None:
         raise CheckpointNotFoundError(f"{url}: no checkpoint object and no committed step here", path=url)
     step_url = directory.step_path(latest)
-    return load_step(step_url, read_manifest(step_url, options), options, pool, rank, **kwargs)
+    return load_step(step_url, None, options, pool, rank, **kwargs)
 
 
 # ---------------------------------------------------------------------- upload of a local file
@@ -353,24 +480,53 @@ class PersistentTier:
         self._busy = False
         self._thread: Optional[threading.Thread] = None
         self._round = 0
-        self._errors: List[CheckpointError] = []
+        self._errors: List[Tuple[Any, CheckpointError]] = []      # (the failed step's handle, error)
         self._closed = False
         self._stop = threading.Event()
         self._limit = _RateLimit(options.persist_bandwidth)
         self._pool = cf.ThreadPoolExecutor(max(1, options.writer_threads), thread_name_prefix="lazyckpt-persist")
+        #: Commit events not written yet (the store failed): written before the next upload.
+        self._unpublished: List[Event] = []
         if dist.coordinator:
             self.dir.clean_leftovers()
 
-    def enqueue(self, handle: Any, step: int, call: int, save_id: str, local_path: str) -> None:
+    def enqueue(self, handle: Any, step: int, call: int, save_id: str, local_path: str,
+                seq: Optional[int] = None) -> None:
         hold = contextlib.ExitStack()
         hold.enter_context(StepDir(local_path, step).reading())
         handle._persist_pending()
+        if seq is not None and self.dist.coordinator:
+            # The commit event goes up now, on the commit's thread, not after the
+            # upload: a rollback supersedes the abandoned steps here when it is
+            # committed (a reader of this tier alone never returns them).
+            self._publish_event(Event(step, save_id, seq))
         with self._cond:
             self._pending.append(_Drain(handle, step, call, save_id, local_path, self.dist.rank, hold))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lazyckpt-drain", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def _publish_event(self, event: Event) -> None:
+        """PUT a commit event; one that fails is retried by the drain before any upload."""
+        try:
+            self.dir.put_event(event)
+        except CheckpointError as exc:
+            log.warning("lazyckpt: %s: the commit event of step %d could not be written yet (%s); the drain "
+                        "retries it", self.url, event.step, exc)
+            with self._cond:
+                self._unpublished.append(event)
+
+    def _flush_events(self) -> None:
+        with self._cond:
+            events, self._unpublished = self._unpublished, []
+        try:
+            for i, event in enumerate(events):
+                self.dir.put_event(event)
+        except BaseException:
+            with self._cond:
+                self._unpublished = events[i:] + self._unpublished
+            raise
 
     # ---------------------------------------------------------------- thread
 
@@ -431,6 +587,8 @@ class PersistentTier:
         item = self._take(call)
         lease = None
         try:
+            if d.coordinator:
+                self._flush_events()        # never a manifest here before its commit event
             save_url = self.dir.save_url(item.step, item.save_id)
             lease = ObjectLease(self.dir.store, f"{store_key(save_url)}/{LEASE_PREFIX}{d.rank:05d}",
                                 self.options.lease_heartbeat_s)
@@ -474,7 +632,7 @@ class PersistentTier:
                 error.__cause__ = exc
             item.handle._persist_end(error=error)
             with self._cond:
-                self._errors.append(error)
+                self._errors.append((item.handle, error))
             raise error
         finally:
             item.hold.close()
@@ -497,9 +655,13 @@ class PersistentTier:
                 if left is not None and left <= 0:
                     raise CheckpointError(f"{self.url}: steps still being persisted after {timeout} s")
                 self._cond.wait(left if left is not None else 0.5)
-            errors, self._errors = self._errors, []
+            # Raised once: not one its handle's wait(persisted=True) already raised.
+            errors = [(h, e) for h, e in self._errors if not h.persist_reported]
+            self._errors = []
         if raise_errors and errors:
-            raise errors[0]
+            handle, error = errors[0]
+            handle.persist_reported = True
+            raise error
 
     def close(self, cancel: bool = False) -> None:
         if cancel:

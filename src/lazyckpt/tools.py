@@ -872,9 +872,10 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
 
 def _prune_url(url: str, keep: int, dry_run: bool) -> Dict[str, Any]:
     """``prune`` on an object store: older committed steps (each one's manifest
-    first, then its data) and the leftovers older than the lease expiry. There
-    are no reader locks and no references (incremental steps are local only),
-    so ``force`` has nothing to act on."""
+    first, then its data) and the leftovers older than the lease expiry. A
+    step with a live reader lease is kept, as a locked one is locally; there
+    are no references (incremental steps are local only), and ``force`` has
+    nothing to act on (it never deletes a step being read, here or locally)."""
     listing = _list_url(url)
     url = listing["directory"]
     directory = _object_dir(url, resolve_options())
@@ -886,10 +887,18 @@ def _prune_url(url: str, keep: int, dry_run: bool) -> Dict[str, Any]:
     if not dry_run:
         for action in actions[:len(doomed)]:
             try:
-                directory.delete_step(action.step)      # False: deleted concurrently, the outcome wanted
-                action.done = True
+                if directory.delete_step(action.step) or action.step not in directory.committed():
+                    action.done = True                  # (or deleted concurrently: the outcome wanted)
+                else:
+                    action.error = "being read by another process (a live reader lease); kept"
             except CheckpointError as exc:
                 action.error = str(exc)
+        if doomed:
+            try:
+                directory.prune_events()        # the history events of deleted steps (FORMAT.md §11.10)
+            except CheckpointError as exc:
+                import logging
+                logging.getLogger("lazyckpt").warning("lazyckpt: %s: pruning history events failed: %s", url, exc)
         if left:
             # The library's own cleanup (it lists again: what was written to
             # since our listing is young again and stays).
