@@ -49,7 +49,7 @@ def test_save_wait_steps_and_load(ckpt_dir, no_leaked_threads):
         for s in (10, 20, 30):
             assert_same(state_for(s), ckpt.load(step=s))
         assert_same({"model": state_for(20)["model"]}, ckpt.load(step=20, keys=["model"]))
-    assert _listing(ckpt_dir) == ["latest", "step_0000000010", "step_0000000020", "step_0000000030"]
+    assert _listing(ckpt_dir) == ["history.json", "latest", "step_0000000010", "step_0000000020", "step_0000000030"]
     # Committed steps are readable without a Checkpointer, too.
     assert_same(state_for(30), lazyckpt.load(ckpt_dir))
     assert_same(state_for(10), lazyckpt.load(os.path.join(ckpt_dir, "step_0000000010")))
@@ -164,7 +164,8 @@ def test_failed_commit_removes_the_temporary_directory(ckpt_dir, monkeypatch, wh
             ckpt.save(state_for(2), step=2).wait()
         monkeypatch.undo()
         assert ckpt.steps() == [1]
-        assert [n for n in os.listdir(ckpt_dir) if n.startswith(".")] == []
+        # Nothing hidden but the writer lease this open Checkpointer holds.
+        assert [n for n in os.listdir(ckpt_dir) if n.startswith(".")] == [".writer"]
         assert open(os.path.join(ckpt_dir, "latest")).read() == "1\n"
         ckpt.save(state_for(2), step=2).wait()
         assert_same(state_for(2), ckpt.load())
@@ -207,7 +208,7 @@ def test_keep_last_deletes_older_steps_only_after_a_newer_commit(ckpt_dir, no_le
         assert ckpt.load(step=3, allow_pickle=True)["gate"] == 0
         with pytest.raises(lazyckpt.CheckpointNotFoundError):
             ckpt.load(step=1)
-    assert _listing(ckpt_dir) == ["latest", "step_0000000003", "step_0000000004"]
+    assert _listing(ckpt_dir) == ["history.json", "latest", "step_0000000003", "step_0000000004"]
     assert open(os.path.join(ckpt_dir, "latest")).read() == "4\n"
 
 
@@ -223,7 +224,7 @@ def test_failed_save_does_not_trigger_retention(ckpt_dir):
             ckpt.save(dict(state_for(2), bad=Unpicklable()), step=2).wait()
         assert ckpt.steps() == [1]
         assert_same(state_for(1), ckpt.load())
-    assert _listing(ckpt_dir) == ["latest", "step_0000000001"]
+    assert _listing(ckpt_dir) == ["history.json", "latest", "step_0000000001"]
 
 
 # --------------------------------------------------------------------------- listing and leftovers
@@ -348,7 +349,7 @@ def test_sigkill_mid_write_leaves_the_last_commit_intact(ckpt_dir, tmp_path):
     with lazyckpt.Checkpointer(ckpt_dir, lease_expiry_s=0.5, **SMALL) as ckpt:
         assert ckpt.steps() == [1] and ckpt.latest_step() == 1
         assert_same(state_for(1), ckpt.load())
-        assert _listing(ckpt_dir) == ["latest", "step_0000000001"]
+        assert _listing(ckpt_dir) == ["history.json", "latest", "step_0000000001"]
         assert open(os.path.join(ckpt_dir, "latest")).read() == "1\n"
         ckpt.save(state_for(2), step=2).wait()
         assert ckpt.steps() == [1, 2]

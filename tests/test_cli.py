@@ -242,7 +242,7 @@ def test_prune_keeps_newest_and_removes_leftovers(made, tmp_path):
     r = run_cli("prune", run, "--keep", "1")
     assert r.returncode == 0, r.stderr
     assert "deleted step 10" in r.stdout and "deleted step 20" in r.stdout
-    assert sorted(os.listdir(run)) == ["latest", "step_0000000030"]
+    assert sorted(os.listdir(run)) == ["history.json", "latest", "step_0000000030"]
     assert lazyckpt.Checkpointer(run).steps() == [30]
     assert_same_tensors(lazyckpt.load(run), made["state"])
 

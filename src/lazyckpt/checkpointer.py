@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -23,7 +24,7 @@ from .engine import FilePart, SaveEngine, SaveHandle
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .incremental import IncrementalIndex
 from .knobs import Options, resolve
-from .layout import CheckpointDir
+from .layout import CheckpointDir, WriterLease
 from .loader import KeySpec, MapLocation, load_step, load_step_dir
 from .objstore import is_url
 from .manifest import check_metadata
@@ -33,6 +34,7 @@ from .autorep import AutoReplication
 from .replicas import ReplicaTier, node_group
 from .replicas import restore as restore_replicas
 from .replicas import topology as replica_topology
+from .history import Event, History, line
 from .tiers import ObjectCheckpointDir, PersistentTier, read_manifest
 
 log = logging.getLogger("lazyckpt")
@@ -50,9 +52,10 @@ class Checkpointer:
     whose persistent buffers are being captured (BatchNorm) waits too. See
     docs/ARCHITECTURE.md for the contract.
 
-    With ``incremental=True`` (a knob: also ``"content"``, and ``full_every``)
-    a tensor storage unchanged since the previous committed step is not
-    written again: the new step refers to the earlier bytes, and retention
+    With ``incremental=True`` (a knob, = ``"content"``; ``full_every``) a
+    tensor whose bytes are unchanged since the previous committed step (block
+    checksums compared at save time; ``"version-counters"`` trusts torch's
+    counters instead and misses fused optimizers and more) is not written again: the new step refers to the earlier bytes, and retention
     keeps every step a kept step refers to (see lazyckpt/incremental.py).
 
     Steps form one line of history: saving step S supersedes every committed
@@ -77,7 +80,8 @@ class Checkpointer:
                  commit_timeout_s: float = 600.0, guard_buffers: bool = True,
                  persist_to: Optional[str] = None, persist_keep_last: Optional[int] = None,
                  storage_options: Optional[Dict[str, Any]] = None, replicas: int = 0,
-                 node_size: Optional[int] = None, replica_bandwidth: float = 0.0, **knobs: Any):
+                 node_size: Optional[int] = None, replica_bandwidth: float = 0.0, takeover: bool = False,
+                 **knobs: Any):
         for name, value in (("keep_last", keep_last), ("persist_keep_last", persist_keep_last)):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
@@ -90,6 +94,11 @@ class Checkpointer:
         if persist_to is not None and (self.on_object_store or not is_url(persist_to)):
             raise ValueError(f"persist_to must be an s3:// URL and the directory a local one, got "
                              f"directory={directory!r}, persist_to={persist_to!r}")
+        _refuse_options_that_do_not_apply(
+            object_store=self.on_object_store or persist_to is not None, persist_to=persist_to,
+            incremental=self.options.incremental, replicas=replicas, storage_options=storage_options,
+            persist_keep_last=persist_keep_last, persist_bandwidth=knobs.get("persist_bandwidth"),
+            full_every=knobs.get("full_every"), node_size=node_size, replica_bandwidth=replica_bandwidth)
         if (self.on_object_store or persist_to is not None) and self.options.incremental != "off":
             raise ValueError("incremental checkpoints are not supported on object stores yet: their "
                              "references name local step directories")
@@ -150,11 +159,27 @@ class Checkpointer:
         #: The persistent tier committed steps drain to (persist_to=), or None.
         self.persistent = PersistentTier(persist_to, self.options, self._dist, persist_keep_last) \
             if persist_to is not None else None
+        #: The line of history (lazyckpt/history.py): numbers commits, tells live from abandoned
+        #: saves across the local record, the manifests and the persistent tier's events.
+        self.history = History(None if self.on_object_store else self.layout,
+                               self.layout if self.on_object_store else
+                               (self.persistent.dir if self.persistent is not None else None))
+        #: One writer per directory: the lease is taken by the first save() (a Checkpointer
+        #: that only loads never needs it), held by the commit group's coordinator.
+        self._takeover = takeover
+        self._writer: Optional[WriterLease] = None
         #: Where the last load() read from: {"step", "tier", "path"}.
         self.loaded_from: Optional[Dict[str, Any]] = None
         if self._dist.coordinator:
             # Only what is provably dead (leases expired): never another process's live save.
             self.layout.clean_leftovers()
+        #: The latest local step re-enqueued for the persistent tier at start (its upload
+        #: failed or never ran before the last run ended), or None.
+        self.resumed_drain: Optional[SaveHandle] = None
+        #: The restored step replicated anew after a load() that brought a lost node back, or None.
+        self.restored_replication: Optional[SaveHandle] = None
+        if self.persistent is not None and self._replicas is None:
+            self._resume_drain()
 
     # ------------------------------------------------------------------ saving
 
@@ -178,6 +203,7 @@ class Checkpointer:
             self._engine.raise_errors()
             if type(step) is not int or not 0 <= step < 10 ** 10:
                 raise ValueError(f"step must be an int in [0, 1e10), got {step!r}")
+            self._hold_writer_lease()
             metadata = check_metadata(metadata)
             replicated = self._replicated_keys(state)
             # A hit leaves the tensors' checks to the capture thread (lazyckpt/plan.py).
@@ -186,7 +212,7 @@ class Checkpointer:
             strategy = commit(self.layout, self._dist, step, call, keep_last=self.keep_last,
                               replicated=replicated, metadata=metadata,
                               heartbeat_s=self.options.lease_heartbeat_s, incremental=self._incremental,
-                              auto=self._auto)
+                              auto=self._auto, history=self.history)
             if self.persistent is not None or self._replicas is not None:
                 strategy.on_committed = self._drain
             part = FilePart(flat, strategy.footer_metadata(),
@@ -201,6 +227,22 @@ class Checkpointer:
         job.handle.persistent = self.on_object_store
         return job.handle
 
+    def _hold_writer_lease(self) -> None:
+        """Take the directory's writer lease at the first save, check it at every
+        later one (a takeover by another Checkpointer fails this save, and the
+        commit of any save already queued). Released by close(), or once this
+        Checkpointer is collected and its pending saves are done (the engine's
+        lifetime). Object-store directories have no writer lease yet (STORAGE.md)."""
+        if self.on_object_store or not self._dist.coordinator:
+            return
+        if self._writer is not None:
+            self._writer.check()
+            return
+        self._writer = WriterLease(self.directory, self.options.lease_heartbeat_s, self.options.lease_expiry_s,
+                                   takeover=self._takeover)
+        self.layout.writer = self._writer
+        weakref.finalize(self, _release_when_idle, self._engine, self._writer)
+
     def _replicated_keys(self, state: Any) -> List[Any]:
         if self.replicated != "auto":
             return self.replicated
@@ -211,7 +253,41 @@ class Checkpointer:
             self._replicas.enqueue(handle, strategy.step, strategy.call, self.layout.step_path(strategy.step))
         if self.persistent is not None:
             self.persistent.enqueue(handle, strategy.step, strategy.call, strategy.save_id,
-                                    self.layout.step_path(strategy.step))
+                                    self.layout.step_path(strategy.step), strategy.seq)
+
+    def _resume_drain(self) -> None:
+        """A restart retries the upload of the latest live local step when the
+        persistent tier lacks that save (its upload failed, or the process died
+        first). Every rank enqueues it (call -1: any new save supersedes it)."""
+        try:
+            live, local, remote = self._line()
+        except CheckpointError as exc:
+            log.warning("lazyckpt: %s: cannot tell whether the latest step is persisted (%s)",
+                        self.persistent.url, exc)
+            return
+        if not live:
+            return
+        step, save_id = live[-1]
+        if step not in local or local[step].save_id != save_id or remote.get(step) == save_id:
+            return
+        if not self._dist.distributed:
+            # Damaged at rest since it was committed: never replace a good copy there with it.
+            from .tools import verify
+            report = verify(self.layout.step_path(step), self.options)
+            if not report.ok:
+                log.warning("lazyckpt: step %d is not on the persistent tier %s and its local copy is damaged "
+                            "(%s); it is not uploaded", step, self.persistent.url, report.problems[0].message)
+                return
+        handle = SaveHandle(f"step {step}", step=step, path=self.layout.step_path(step))
+        handle._done.set()
+        log.info("lazyckpt: step %d is not on the persistent tier %s; uploading it again", step,
+                 self.persistent.url)
+        try:
+            self.persistent.enqueue(handle, step, -1, save_id, self.layout.step_path(step), local[step].seq)
+        except CheckpointError as exc:
+            log.warning("lazyckpt: step %d cannot be held for its upload: %s", step, exc)
+            return
+        self.resumed_drain = handle
 
     def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
         """Block until every pending save has copied its data out of the live state."""
@@ -282,6 +358,8 @@ class Checkpointer:
             # Collective: a node that lost its directory gets its files back from partners.
             where = self._restore_from_replicas(step)
             step = where["step"]
+            if where.pop("replicate_again", False):
+                self._replicate_again(step)
         errors = []
         for step_, tier, path in self._candidates(step):
             try:
@@ -309,11 +387,23 @@ class Checkpointer:
         persisted: List[int] = []
         if self.persistent is not None:
             try:
-                persisted = sorted(self.persistent.dir.committed())
+                live, _local, remote = self._line()
+                persisted = sorted(s for s, sid in live if remote.get(s) == sid)
             except CheckpointError as exc:
                 log.warning("lazyckpt: the persistent tier %s cannot be listed: %s", self.persistent.url, exc)
         return restore_replicas(self.directory, self.layout, self.topology, self._replicas.k,
-                                self._replicas.group, step, persisted)
+                                self._replicas.group, step, persisted, self.history)
+
+    def _replicate_again(self, step: int) -> None:
+        """After a restore that brought a lost node back: the replicas that node held
+        for its partners were lost with it, so the step is replicated anew (in the
+        background, on every rank: the restore decided it for all of them). Without
+        this, k=1 would not survive the loss of the partner next."""
+        handle = SaveHandle(f"step {step}", step=step, path=self.layout.step_path(step))
+        handle._done.set()
+        # call -1: the next save (call >= 0) supersedes this round if it is still queued.
+        self._replicas.enqueue(handle, step, -1, self.layout.step_path(step))
+        self.restored_replication = handle
 
     def replica_stats(self) -> Dict[str, Any]:
         """The replica tier: what this rank holds for its partners (bounded:
@@ -329,31 +419,51 @@ class Checkpointer:
         pool = self._engine.resources.readers
         if tier == "local" and not self.on_object_store:
             return load_step_dir(path, self.options, pool, rank=self._dist.rank, **kwargs)
-        return load_step(path, read_manifest(path, self.options), self.options, pool, self._dist.rank, **kwargs)
+        return load_step(path, None, self.options, pool, self._dist.rank, **kwargs)   # manifest read under its reader lease
+
+    def _line(self) -> Any:
+        """(the live saves [(step, save_id)], oldest first; local step -> Event;
+        persistent step -> save_id): one line of history over both tiers."""
+        local = self.history.local_saves()
+        events = self.history.local_events()
+        remote: Dict[int, str] = {}
+        try:
+            remote, remote_events = self.persistent.dir.listing()
+            events += remote_events + [Event(s, sid, None) for s, sid in remote.items()]
+        except CheckpointError as exc:
+            if not local:
+                raise
+            log.warning("lazyckpt: the persistent tier %s cannot be listed (%s); loading from the local "
+                        "tier only", self.persistent.url, exc)
+        # A local step whose manifest and record say nothing still counts (its load reports the damage).
+        events += [Event(s, f"?unreadable-{s}", None) for s, e in local.items() if e.save_id is None]
+        return line(events), local, remote
 
     def _candidates(self, step: Optional[int]) -> List[Any]:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""
-        local = {s: self.layout.step_path(s) for s in self.layout.steps()} if not self.on_object_store \
-            else {s: self.layout.save_url(s, sid) for s, sid in self.layout.committed().items()}
-        remote = {}
-        if self.persistent is not None:
-            try:
-                remote = {s: self.persistent.dir.save_url(s, sid)
-                          for s, sid in self.persistent.dir.committed().items()}
-            except CheckpointError as exc:
-                if not local:
-                    raise
-                log.warning("lazyckpt: the persistent tier %s cannot be listed (%s); loading from the local "
-                            "tier only", self.persistent.url, exc)
-        order = sorted(set(local) | set(remote), reverse=True)
+        if self.persistent is None:
+            # One tier: its steps are one line by construction (committing S removes every step >= S).
+            local = {s: self.layout.step_path(s) for s in self.layout.steps()} if not self.on_object_store \
+                else {s: self.layout.save_url(s, sid) for s, sid in self.layout.committed().items()}
+            order = sorted(local, reverse=True) if step is None else [step] if step in local else []
+            return [(s, "local" if not self.on_object_store else "object store", local[s]) for s in order]
+        # Two tiers: a copy counts only if it is the live save of its step (the same save_id), so
+        # neither an abandoned step nor another run's save of the same step number is ever loaded.
+        live, local, remote = self._line()
         if step is not None:
-            order = [step] if step in local or step in remote else []
+            live = [(s, sid) for s, sid in live if s == step]
+            if not live and (step in local or step in remote):
+                raise CheckpointNotFoundError(
+                    f"{self.directory}: step {step} was abandoned (a later save of an older step superseded it: "
+                    f"a run resumed from an earlier step); it is not loaded", path=self.directory, step=step)
         out = []
-        for s in order:
-            if s in local:
-                out.append((s, "local" if not self.on_object_store else "object store", local[s]))
-            if s in remote:
-                out.append((s, "persistent", remote[s]))
+        for s, sid in reversed(live):
+            if s in local and local[s].save_id in (sid, None):
+                out.append((s, "local", self.layout.step_path(s)))
+            elif s in local and sid.startswith("?unreadable-"):
+                out.append((s, "local", self.layout.step_path(s)))
+            if remote.get(s) == sid:
+                out.append((s, "persistent", self.persistent.dir.save_url(s, sid)))
         return out
 
     def load_async(self, step: Optional[int] = None, map_location: MapLocation = None,
@@ -390,9 +500,45 @@ class Checkpointer:
                 self.persistent.close(cancel=cancel)
             if not cancel and (self.persistent is not None or self._replicas is not None):
                 self._retain_drained()
+            if self._writer is not None:
+                self._writer.release()
 
     def __enter__(self) -> "Checkpointer":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(cancel=exc_type is not None)
+
+
+def _refuse_options_that_do_not_apply(*, object_store: bool, persist_to: Optional[str], incremental: str,
+                                      replicas: int, **passed: Any) -> None:
+    """An option passed to this Checkpointer that nothing would read is a
+    mistake (a typo'd combination, a forgotten ``persist_to``): refused, with
+    the option and the reason. Only explicit arguments: a LAZYCKPT_* variable
+    or an ``Options`` object is a site-wide default, not a request to this one."""
+    needs = {"storage_options": (object_store, "it configures the object store, and neither the directory "
+                                               "nor persist_to is an s3:// URL"),
+             "persist_keep_last": (persist_to is not None, "it is the persistent tier's retention, and "
+                                                           "persist_to is not set"),
+             "persist_bandwidth": (persist_to is not None, "it caps the persistent tier's upload, and "
+                                                           "persist_to is not set"),
+             "full_every": (incremental != "off", "it spaces the full saves of incremental checkpoints, "
+                                                  "and incremental is off"),
+             "node_size": (bool(replicas), "it groups ranks into nodes for replicas, and replicas=0"),
+             "replica_bandwidth": (bool(replicas), "it caps the replica transfer, and replicas=0")}
+    defaults = {"replica_bandwidth": 0.0, "full_every": 0, "persist_bandwidth": 0.0}   # the default changes nothing
+    for name, (applies, why) in needs.items():
+        value = passed[name]
+        if value is not None and value != defaults.get(name) and not applies:
+            shown = "{...}" if name == "storage_options" else repr(value)     # it may hold credentials
+            raise ValueError(f"{name}={shown} does not apply here: {why}")
+
+
+def _release_when_idle(engine: SaveEngine, writer: WriterLease) -> None:
+    """A Checkpointer collected without close(): its writer lease goes now if
+    no save of it is pending, else once the last one is done (the engine lives
+    until then), so that no second writer starts under a save still committing."""
+    if engine.pending():
+        weakref.finalize(engine, writer.release)
+    else:
+        writer.release()

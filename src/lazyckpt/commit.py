@@ -30,6 +30,7 @@ from .distributed import RankInfo, agree, refuse
 from .engine import CommitStrategy, FilePart, Job
 from .errors import CheckpointError, CheckpointNotFoundError
 from .autorep import AutoReplication
+from .history import Event
 from .incremental import IncrementalIndex, Plan
 from .fileio import fsync_dir, remove_quietly, write_file_atomic
 from .layout import MANIFEST, CheckpointDir, StepDir, new_token, rank_filename, remove_tree, sibling_temp
@@ -96,8 +97,12 @@ class StepCommit(CommitStrategy):
     def __init__(self, layout: CheckpointDir, dist: RankInfo, step: int, call: int, *,
                  keep_last: Optional[int], replicated: List[Any], metadata: Dict[str, Any],
                  heartbeat_s: float, incremental: Optional[IncrementalIndex] = None,
-                 auto: Optional[AutoReplication] = None):
+                 auto: Optional[AutoReplication] = None, history: Any = None):
         self.layout = layout
+        #: The Checkpointer's line of history (lazyckpt/history.py): numbers the commit.
+        self.history = history
+        #: This commit's seq (set by the coordinator at commit).
+        self.seq: Optional[int] = None
         self.path = layout.path
         self.dist = dist
         self.step = step
@@ -112,12 +117,15 @@ class StepCommit(CommitStrategy):
         self._reported = False
         self.incremental = incremental
         self._plan: Optional[Plan] = None
+        self._held_references: List[Any] = []     # read locks of the steps referred to, checked at commit
         self._keyset: Optional[str] = None
         self._layouts: Optional[str] = None
         #: replicated unset or "auto" (several ranks): identical keys found by content.
         self.auto = auto
         self._auto_nodes: Dict[str, Any] = {}
         self._auto_reported = False
+        #: Named replicated keys (several ranks): repr(key) -> xxh3 of this rank's bytes.
+        self._replicated_sums: Optional[Dict[str, Optional[str]]] = None
         #: Called with (handle, self) once the step is committed (the persistent tier's enqueue).
         self.on_committed: Optional[Callable[[Any, "StepCommit"], None]] = None
 
@@ -166,6 +174,8 @@ class StepCommit(CommitStrategy):
                 self._auto_nodes = AutoReplication.key_nodes(part.flat.tree)
                 if self.auto.mode == "auto":
                     self._check_candidates(part, resources)
+            elif self.auto is None and self.replicated:
+                self._replicated_sums = self._hash_named_replicated(part, resources)
         if self.incremental is None:
             return
         sources = part.flat.sources
@@ -175,11 +185,24 @@ class StepCommit(CommitStrategy):
         else:
             plan = self.incremental.plan(sources, self.step)
         gone = set()
+        self._held_references = []
         for step in plan.referenced_steps:
             try:
-                job.holds.enter_context(StepDir(self.layout.step_path(step), step).reading())
+                held = job.holds.enter_context(StepDir(self.layout.step_path(step), step).reading())
             except CheckpointNotFoundError:
                 gone.add(step)          # deleted meanwhile (by hand): write those bytes again
+                continue
+            # Another writer may have re-saved that step since this index recorded it
+            # (issue 22 case 6): a reference to it would commit an unloadable step.
+            wanted = plan.save_ids(step)
+            found = _held_save_id(held)
+            if wanted != {found}:
+                log.warning("lazyckpt: %s: step %d is now another save (save id %s, not %s); step %d writes "
+                            "those bytes in full instead of referring to them", self.path, step, found,
+                            ", ".join(sorted(wanted)), self.step)
+                gone.add(step)
+            else:
+                self._held_references.append(held)
         plan.drop_steps(gone)
         plan.apply(sources)
         self._plan = plan
@@ -204,12 +227,52 @@ class StepCommit(CommitStrategy):
         outcome = agree(self.dist, f"auto/{self.key}", {"ok": True, "cands": candidates, "d": digests},
                         self.step, lambda done: {"dedup": AutoReplication.verdict(done)})
         dedup = [k for k in outcome.get("dedup", []) if k in self._auto_nodes]
-        AutoReplication.write_own_copies(self._auto_nodes, dedup, sources)
+        AutoReplication.assign_owners(self._auto_nodes, dedup, sources, self.dist.rank, self.dist.world_size)
         if dedup != candidates:
             log.info("lazyckpt: step %d: %s differ between ranks and are written by each rank",
                      self.step, sorted(set(candidates) - set(dedup)))
         self.replicated = dedup
         part.digest = json.dumps(dedup)     # the same on every rank, whatever each one walked
+
+    def _hash_named_replicated(self, part: FilePart, resources: Any) -> Dict[str, Optional[str]]:
+        """Named ``replicated=`` keys: xxh3 of this rank's own bytes of each key (the
+        entries it does not write included), on the capture thread before anything
+        is captured, so as the state was at save(). Reported at commit, where the
+        coordinator compares them (:meth:`_check_replicated_values`). Keyed by
+        ``repr`` (JSON keys are strings; ``1`` and ``"1"`` stay apart)."""
+        sources = part.flat.sources
+        nodes = AutoReplication.key_nodes(part.flat.tree, self.replicated)
+        with _device_buffer(resources, [s.own_copy for s in sources]) as buffer:
+            digests = AutoReplication.content_digests(nodes, self.replicated, sources, buffer, part.events,
+                                                      skip_objects=True)
+        return {repr(k): d for k, d in digests.items()}
+
+    def _check_replicated_values(self, done: Dict[int, Dict[str, Any]]) -> None:
+        """Coordinator: named replicated keys must hold the same bytes on every rank;
+        each entry is written by one rank, so a difference would load as a mix of
+        the ranks' values. Names each differing key and which ranks agree."""
+        reports = {r: v.get("replicated_sums") for r, v in done.items()}
+        if any(not isinstance(sums, dict) for sums in reports.values()):
+            return
+        differing = []
+        for key in sorted({k for sums in reports.values() for k in sums}):
+            groups: Dict[Any, List[int]] = {}
+            for r in sorted(reports):
+                if key in reports[r] and reports[r][key] is None:
+                    break               # not comparable on that rank (a device without a host buffer)
+                groups.setdefault(reports[r].get(key, "absent"), []).append(r)
+            else:
+                if len(groups) > 1:
+                    shown = [_ranks(g) for g in sorted(groups.values(), key=len, reverse=True)[:4]]
+                    more = f" | {len(groups) - 4} more groups" if len(groups) > 4 else ""
+                    differing.append(f"{key} ({' | '.join(shown)}{more})")
+        if differing:
+            raise CheckpointError(
+                f"step {self.step}: the replicated keys {', '.join(differing)} hold different values on "
+                f"different ranks (ranks separated by '|' differ); each entry of a replicated key is written by "
+                f"one rank only, so this step would load a mix of the ranks' values. Leave per-rank keys out of "
+                f"replicated= (DDP with broadcast_buffers=False keeps per-rank BatchNorm statistics) or use "
+                f"replicated='auto'", step=self.step)
 
     def part_path(self, job: Job, part: FilePart) -> str:
         path = os.path.join(self.tmp, rank_filename(self.dist.rank))
@@ -217,6 +280,13 @@ class StepCommit(CommitStrategy):
         return path
 
     def commit(self, job: Job) -> None:
+        for held in self._held_references:
+            # Renamed away under its read lock: only another writer superseding it does
+            # that. Fail the save rather than commit a step whose references dangle.
+            if not held.still_there():
+                raise CheckpointError(f"step {self.step}: step {held.step_dir.step}, which it refers to "
+                                      f"(incremental), was replaced or deleted while it was written; another "
+                                      f"writer on {self.path}? Not committed", step=self.step)
         (part,) = job.parts
         flat_shards = part.shards
         report: Dict[str, Any] = {"ok": True, "step": self.step, "bytes": part.stats.file_bytes,
@@ -230,6 +300,8 @@ class StepCommit(CommitStrategy):
         report["keyset"] = self._keyset
         if self.auto is not None and self.auto.reporting:
             report["keys"] = AutoReplication.commit_digests(self._auto_nodes, part.entries)
+        if self._replicated_sums is not None:
+            report["replicated_sums"] = self._replicated_sums
         if self._layouts is not None:
             report["layouts"] = self._layouts
         elif flat_shards:
@@ -252,6 +324,7 @@ class StepCommit(CommitStrategy):
             raise CheckpointError(f"step {self.step}: the ranks saved different steps in this call "
                                   f"({sorted(map(str, steps))}); save() must be called with the same step "
                                   f"on every rank", step=self.step)
+        self._check_replicated_values(done)
         if len({v["digest"] for v in done.values()}) > 1:
             raise CheckpointError(f"step {self.step}: the replicated keys {self.replicated} differ between "
                                   f"ranks; they cannot be written once", step=self.step)
@@ -259,8 +332,10 @@ class StepCommit(CommitStrategy):
             name = v.pop("shards_file", None)
             if name is not None:
                 v["shards"] = json.loads(self._take_side(name))
+        if self.history is not None:
+            self.seq = self.history.next_seq()
         raw = manifest.build(self.step, done, self.save_id, {"step": self.step, **self.metadata},
-                             self.replicated, layouts=self._collect_layouts(done))
+                             self.replicated, layouts=self._collect_layouts(done), seq=self.seq)
         self._publish(raw)
         if self.auto is None or not self.dist.distributed:
             return None
@@ -305,6 +380,10 @@ class StepCommit(CommitStrategy):
     def _publish(self, raw: bytes) -> None:
         write_file_atomic(os.path.join(self.tmp, MANIFEST), raw)
         fsync_dir(self.tmp)
+        if self.history is not None:
+            # Recorded before the renames: a crash in between leaves the record
+            # saying the superseded steps are abandoned, never live.
+            self.history.recorded(Event(self.step, self.save_id, self.seq))
         self.layout.commit(self.tmp, self.step, keep_superseded=self.keep_last is None)
 
     def abort(self, job: Job, error: BaseException) -> None:
@@ -331,6 +410,31 @@ class StepCommit(CommitStrategy):
 
     def failure_message(self, job: Job, cause: str) -> str:
         return f"{self.path}: checkpoint of step {self.step} failed: {cause}"
+
+
+def _ranks(ranks: List[int]) -> str:
+    """"rank 3" / "ranks 0-2, 5": short even for many ranks."""
+    spans: List[List[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans[:8])
+    if len(spans) > 8:
+        text += ", ..."
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def _held_save_id(held: Any) -> Optional[str]:
+    """The save id in the manifest whose read lock is ``held`` (the file locked,
+    not whatever the path names now); None if unreadable."""
+    try:
+        size = min(os.fstat(held.fd).st_size, manifest.MAX_MANIFEST_BYTES + 1)
+        raw = os.pread(held.fd, size, 0)
+        return manifest.parse(raw, held.manifest).get("save_id")
+    except (OSError, CheckpointError):
+        return None
 
 
 @contextlib.contextmanager
@@ -387,6 +491,10 @@ class ObjectStepCommit(StepCommit):
         return data
 
     def _publish(self, raw: bytes) -> None:
+        if self.seq is not None:
+            # The event before the manifest: a second manifest of this step left
+            # by a crash inside the supersede is told apart by seq.
+            self.layout.put_event(Event(self.step, self.save_id, self.seq))
         self.layout.commit(self.step, self.save_id, raw)
 
     def abort(self, job: Job, error: BaseException) -> None:

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import threading
 import time
@@ -36,8 +37,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from .errors import CheckpointNotFoundError
-from .fileio import fsync_dir, read_small_file, write_file_atomic
+from .errors import CheckpointError, CheckpointNotFoundError
+from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
 
 log = logging.getLogger("lazyckpt")
 
@@ -49,8 +50,10 @@ DELETING_PREFIX = ".deleting-"
 ABANDONED_PREFIX = ".abandoned-"
 #: A hidden sibling of a file or directory written by an integration (``sibling_temp``).
 SIBLING_TEMP = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<token>[0-9a-f]{12}|.+-\d+-[0-9a-f]{8})$")
-#: Temporaries of ``write_file_atomic`` (``latest``, ``manifest.json``).
-SMALL_TEMP = re.compile(r"^(latest|manifest\.json)\.tmp-[0-9A-Za-z]+$")
+#: Temporaries of ``write_file_atomic`` (``latest``, ``manifest.json``, ``history.json``).
+SMALL_TEMP = re.compile(r"^(latest|manifest\.json|history\.json|\.writer)\.tmp-[0-9A-Za-z]+$")
+#: The writer lease of a Checkpointer directory (``WriterLease``).
+WRITER = ".writer"
 
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_EXPIRY_S = 60.0
@@ -318,7 +321,7 @@ class Leftover:
     """A name in a checkpoint directory that is not a committed step."""
     name: str
     #: "saving" (a live save), "interrupted-save" (provably dead), "deleting",
-    #: "abandoned" (superseded by a rollback), "small-tmp", "incomplete-step"
+    #: "abandoned" (superseded by a rollback), "small-tmp", "incomplete-step", "dead-writer"
     kind: str
     bytes: int
     step: Optional[int] = None
@@ -329,12 +332,13 @@ class Leftover:
                 "deleting": "interrupted delete",
                 "abandoned": "abandoned: superseded by a save of an older step (rollback)",
                 "small-tmp": "interrupted update of a small file",
+                "dead-writer": "writer lease of a Checkpointer that died (unlocked, heartbeat expired)",
                 "incomplete-step": f"not committed: no {MANIFEST}"}[self.kind]
 
     @property
     def removable(self) -> bool:
         """What a cleanup may remove without asking: provably dead leftovers."""
-        return self.kind in ("interrupted-save", "deleting", "small-tmp")
+        return self.kind in ("interrupted-save", "deleting", "small-tmp", "dead-writer")
 
 
 def tree_bytes(path: str) -> int:
@@ -389,6 +393,8 @@ class CheckpointDir:
     def __init__(self, path: str, lease_expiry_s: float = DEFAULT_EXPIRY_S):
         self.path = os.path.abspath(os.fspath(path))
         self.lease_expiry_s = lease_expiry_s
+        #: The writer lease this process holds here (``WriterLease``), checked at every commit.
+        self.writer: Optional["WriterLease"] = None
 
     # ---------------------------------------------------------------- names
 
@@ -430,6 +436,8 @@ class CheckpointDir:
     def commit(self, tmp: str, step: int, keep_superseded: bool) -> List[int]:
         """Make the complete, fsynced temporary directory ``tmp`` the committed
         ``step``; returns the steps it superseded (>= step)."""
+        if self.writer is not None:
+            self.writer.check()         # displaced by a takeover since save(): commit nothing
         superseded = [s for s in self.steps() if s >= step]
         retired = []
         for s in sorted(superseded, reverse=True):
@@ -568,6 +576,10 @@ class CheckpointDir:
                 kind = "abandoned"
             elif SMALL_TEMP.match(name):
                 kind = "saving" if is_live(path, self.lease_expiry_s, now) else "small-tmp"
+            elif name == WRITER:
+                if is_live(path, self.lease_expiry_s, now):
+                    continue            # a live writer's lease: not a leftover
+                kind = "dead-writer"
             elif STEP_DIR.match(name) and os.path.isdir(path) and \
                     not os.path.isfile(os.path.join(path, MANIFEST)):
                 kind = "incomplete-step"
@@ -617,3 +629,163 @@ def clean_sibling_temps(directory: str, expiry_s: float = DEFAULT_EXPIRY_S) -> L
     if removed:
         log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", directory, removed)
     return removed
+
+
+# --------------------------------------------------------------------------- the writer lease
+
+
+class WriterLease:
+    """One writer per checkpoint directory (docs/FORMAT.md §11.5).
+
+    A Checkpointer that saves holds ``DIR/.writer``: a :class:`Lease` on it (an
+    exclusive flock for as long as it lives, its mtime refreshed by the keeper
+    thread), and JSON naming the holder (pid, host, an id, since when). A
+    second writer -- another process, or another Checkpointer object in this
+    one -- is refused with the holder's name. A dead holder's flock is gone
+    with its process, so a restart is never blocked; on a file system without
+    locks the heartbeat alone decides (a holder not heard from within
+    ``expiry_s`` is dead).
+
+    ``takeover=True`` displaces a live holder: the new lease is a new file
+    renamed over ``.writer``, so the old holder's lock is on a file that no
+    longer has that name; its :meth:`check` (every save, and every commit)
+    then fails, naming who took over."""
+
+    def __init__(self, directory: str, heartbeat_s: float, expiry_s: float, takeover: bool = False):
+        self.directory = directory
+        self.path = os.path.join(directory, WRITER)
+        self.expiry_s = expiry_s
+        self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "id": uuid.uuid4().hex,
+                       "since": time.time()}
+        self._lease = self._take_over(heartbeat_s) if takeover else self._acquire(heartbeat_s)
+
+    # ---------------------------------------------------------------- taking it
+
+    def _acquire(self, heartbeat_s: float) -> Lease:
+        for _ in range(100):            # retried only when a takeover renames the file under us
+            try:
+                before = os.stat(self.path)
+            except FileNotFoundError:
+                before = None
+            if before is not None and _held_here(before):
+                # Another Checkpointer of this process. Probing would be wrong: a
+                # POSIX-lock emulation of flock (NFS) grants it to the same process.
+                raise self._refused(read_writer(self.path), same_process=True)
+            try:
+                lease = Lease(self.path, heartbeat_s)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise self._refused(read_writer(self.path)) from None
+                raise
+            if not self._current(lease):
+                lease.release()         # locked a file a takeover had just replaced: retry on the new one
+                continue
+            if not lease.locked and before is not None:     # no locks here: the heartbeat alone decides
+                holder = read_writer(self.path)             # (its mtime from before our own keeper beats it)
+                if holder and not holder.get("released") and time.time() - before.st_mtime < self.expiry_s:
+                    lease.release()
+                    raise self._refused(holder)
+            self._write(lease.fd, self.holder)
+            return lease
+        raise CheckpointError(f"{self.directory}: could not take the writer lease ({self.path} keeps being "
+                              f"replaced: writers taking it over from each other)", path=self.directory)
+
+    def _take_over(self, heartbeat_s: float) -> Lease:
+        previous = read_writer(self.path)
+        tmp = f"{self.path}.tmp-{new_token()}"
+        lease = Lease(tmp, heartbeat_s)
+        try:
+            holder = dict(self.holder)
+            if previous and not previous.get("released"):
+                holder["took_over_from"] = {k: previous.get(k) for k in ("pid", "host", "id")}
+                log.warning("lazyckpt: %s: taking over the writer lease from %s (takeover=True)", self.directory,
+                            describe_writer(previous))
+            self._write(lease.fd, holder)
+            os.rename(tmp, self.path)
+            fsync_dir(self.directory)
+        except BaseException:
+            lease.release()
+            remove_quietly(tmp)
+            raise
+        lease.path = self.path
+        return lease
+
+    def _current(self, lease: Lease) -> bool:
+        """Whether ``.writer`` still names the file ``lease`` holds."""
+        try:
+            return os.path.samestat(os.fstat(lease.fd), os.stat(self.path))
+        except OSError:
+            return False
+
+    @staticmethod
+    def _write(fd: int, holder: Dict) -> None:
+        import json
+        data = json.dumps(holder, sort_keys=True).encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))     # written first, then cut: never an empty holder
+
+    def _refused(self, holder: Optional[Dict], same_process: bool = False) -> CheckpointError:
+        who = describe_writer(holder)
+        if same_process or (holder and holder.get("pid") == os.getpid()
+                            and holder.get("host") == socket.gethostname()):
+            who += " (this process: another Checkpointer on this directory is still open; close() it)"
+        return CheckpointError(f"{self.directory}: another Checkpointer is saving into this directory: {who}. "
+                               f"One writer per directory: two would supersede each other's steps and refer "
+                               f"to each other's bytes. Load with this one, or pass takeover=True to make it "
+                               f"the writer (the other one's next save then fails)", path=self.directory)
+
+    # ---------------------------------------------------------------- holding it
+
+    def check(self) -> None:
+        """Raise unless this is still the directory's writer (before every save
+        and at every commit)."""
+        lease = self._lease
+        if lease.fd < 0:
+            raise CheckpointError(f"{self.directory}: this Checkpointer gave up its writer lease (closed)",
+                                  path=self.directory)
+        if self._current(lease):
+            return
+        holder = read_writer(self.path)
+        if holder is None:
+            raise CheckpointError(f"{self.directory}: the writer lease {self.path} was removed while this "
+                                  f"Checkpointer held it; it no longer saves here", path=self.directory)
+        raise CheckpointError(f"{self.directory}: another Checkpointer took over this directory "
+                              f"({describe_writer(holder)}, takeover=True); this one can no longer save "
+                              f"into it", path=self.directory)
+
+    def release(self) -> None:
+        """Idempotent. Removes ``.writer`` while it still names this lease (and
+        the lock is still held, so an acquirer that opened it meanwhile sees it
+        gone and retries), then drops the lock. A takeover renaming its file in
+        between the check and the unlink loses that file: its holder's next
+        save then fails clearly (``check``); nothing is committed wrongly."""
+        lease = self._lease
+        if lease.fd < 0:
+            return
+        try:
+            if self._current(lease):
+                self._write(lease.fd, {**self.holder, "released": True})   # for file systems without locks
+                os.unlink(self.path)
+        except OSError:
+            pass
+        lease.release()
+
+
+def read_writer(path: str) -> Optional[Dict]:
+    """The holder a ``.writer`` file names, or None (missing, being written)."""
+    import json
+    raw = read_small_file(path, 1 << 16)
+    try:
+        holder = json.loads(raw.decode()) if raw else None
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def describe_writer(holder: Optional[Dict]) -> str:
+    if not holder:
+        return "a writer whose lease file is being written"
+    since = holder.get("since")
+    age = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" \
+        if isinstance(since, (int, float)) else ""
+    return f"pid {holder.get('pid')} on {holder.get('host')}{age}"
