@@ -1,0 +1,645 @@
+"""The model of issue 22's model-based test: a training run driven by rules,
+checked against an oracle that is the line of history.
+
+Shared by tests/test_model_based.py (hypothesis state machine for one rank,
+seeded random programs for several ranks) and scripts/soak_model.py.
+
+The oracle knows, for every step of the current line, the exact tensor values
+the state had at ``save()``, and every abandoned save ``(step, values)``: a
+rollback to step k followed by a save of k+1 abandons the line's steps >= k+1.
+Invariants (``Run.check``): ``load()`` returns the line's latest state
+bit-exact; every listed step (local tier, persistent tier) loads exactly its
+own state or is refused as not found; no abandoned save is ever returned;
+``lazyckpt verify`` passes on the directory.
+
+A run is driven through ``Run.apply(rule, arg)``: rules are plain names with
+one int argument, so a program is a list of ``(rule, arg)`` that replays the
+same on every rank (``random_program``) and prints as a reproducer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+import lazyckpt
+from lazyckpt import tools
+from lazyckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.knobs import INCREMENTAL_MODES, resolve
+
+# ----------------------------------------------------------------- configurations
+
+#: incremental= values to drive: off, True (the default mode's alias) and every
+#: named mode of this version of the library (read from knobs, so a renamed or
+#: added mode is picked up), one value per distinct resolved mode.
+def incremental_settings() -> List[Any]:
+    out, seen = [], set()
+    for value in [False, True] + [m for m in INCREMENTAL_MODES if m != "off"]:
+        mode = resolve(incremental=value).incremental
+        if mode not in seen:
+            seen.add(mode)
+            out.append(value)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    incremental: Any = False
+    persist: bool = False
+    replicas: int = 0
+    replicated: Optional[str] = None      # None, "named" (replicated=["shared"]) or "auto"
+    ranks: int = 1
+
+    @property
+    def id(self) -> str:
+        """e.g. ``incTrue-persist-rep0-named-2r`` (usable in pytest -k and --config)."""
+        return (f"inc{self.incremental}-{'persist' if self.persist else 'local'}-rep{self.replicas}"
+                f"-{self.replicated or 'unset'}-{self.ranks}r")
+
+    @staticmethod
+    def parse(text: str) -> "Config":
+        inc, tier, rep, replicated, ranks = text.rsplit("-", 4)     # a mode's name may hold a dash
+        inc = {"False": False, "True": True}.get(inc[3:], inc[3:])
+        return Config(inc, tier == "persist", int(rep[3:]), None if replicated == "unset" else replicated,
+                      int(ranks[:-1]))
+
+
+def all_configs() -> List[Config]:
+    return [Config(inc, persist, replicas, replicated, ranks)
+            for inc in incremental_settings() for persist in (False, True) for replicas in (0, 1)
+            for replicated in (None, "named", "auto") for ranks in (1, 2)]
+
+
+#: Combinations the library refuses today: the words one of which the ValueError
+#: must contain (where several reasons apply, the library names one). Update
+#: this when a combination becomes supported: the test fails both ways (a
+#: listed one accepted, an unlisted one refused).
+def expected_refusal(cfg: Config) -> List[str]:
+    reasons = []
+    if cfg.replicas and cfg.ranks < 2:
+        reasons.append("replicas")        # the partners are other ranks (other nodes)
+    incremental = resolve(incremental=cfg.incremental).incremental != "off"
+    if incremental and cfg.replicas:
+        reasons.append("incremental")
+    if incremental and cfg.persist:
+        reasons.append("incremental")
+    return reasons
+
+
+def checkpointer_kwargs(cfg: Config, persist_url: Optional[str]) -> Dict[str, Any]:
+    kw: Dict[str, Any] = dict(keep_last=3, incremental=cfg.incremental, commit_timeout_s=60,
+                              lease_expiry_s=30.0)
+    if cfg.persist:
+        kw.update(persist_to=persist_url, persist_keep_last=6)
+    if cfg.replicas:
+        kw.update(replicas=cfg.replicas, node_size=1)
+    if cfg.replicated == "named":
+        kw["replicated"] = ["shared"]
+    elif cfg.replicated == "auto":
+        kw["replicated"] = "auto"
+    return kw
+
+
+# ----------------------------------------------------------------- the live state
+
+class Trainee:
+    """A small model (Linear + BatchNorm1d + Linear) with a plain AdamW, a
+    second Linear with a fused AdamW, and a buffer identical on every rank
+    ("shared": the replicated key). About 40 KB in all."""
+
+    def __init__(self, rank: int):
+        g = torch.Generator().manual_seed(1234 + rank)
+        torch.manual_seed(1234 + rank)
+        self.rank = rank
+        self.a = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+        self.b = torch.nn.Linear(16, 8)
+        self.opt_a = torch.optim.AdamW(self.a.parameters(), lr=1e-2)
+        try:
+            self.opt_b = torch.optim.AdamW(self.b.parameters(), lr=1e-2, fused=True)
+        except (RuntimeError, ValueError):      # a torch without fused CPU kernels
+            self.opt_b = torch.optim.AdamW(self.b.parameters(), lr=1e-2)
+        self.shared = torch.zeros(64)
+        self.gen = g
+        # One step each, so the optimizers' state (moments, step counters) exists from the start.
+        self.train("plain")
+        self.train("fused")
+
+    def state(self) -> Dict[str, Any]:
+        return {"a": self.a.state_dict(), "b": self.b.state_dict(), "opt_a": self.opt_a.state_dict(),
+                "opt_b": self.opt_b.state_dict(), "shared": {"buf": self.shared}}
+
+    def _batch(self) -> torch.Tensor:
+        return torch.randn(8, 16, generator=self.gen)
+
+    def train(self, kind: str) -> None:
+        """One in-place update through one kind of writer."""
+        if kind == "plain":                  # AdamW (foreach), eval-mode BatchNorm: no stats update
+            self.a.eval()
+            self.opt_a.zero_grad()
+            self.a(self._batch()).square().mean().backward()
+            self.opt_a.step()
+        elif kind == "fused":                # fused AdamW: weights, moments, step
+            self.opt_b.zero_grad()
+            self.b(self._batch()).square().mean().backward()
+            self.opt_b.step()
+        elif kind == "batchnorm":            # training-mode forward: running_mean/var, num_batches_tracked
+            self.a.train()
+            with torch.no_grad():
+                self.a(self._batch())
+        elif kind == "data":                 # .data: a different version counter
+            self.a[0].weight.data.mul_(0.5).add_(0.25)
+        elif kind == "numpy":                # a numpy view of the storage
+            self.b.bias.detach().numpy()[:] += 1.0
+            self.shared.numpy()[::3] += 0.5   # the same on every rank
+        elif kind == "collective":           # an in-place collective (identical result on every rank)
+            import torch.distributed as dist
+            self.shared.numpy()[1::3] += 1.0
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(self.shared)
+                self.shared.numpy()[:] /= dist.get_world_size()
+        else:
+            raise ValueError(kind)
+
+
+TRAIN_KINDS = ("plain", "fused", "batchnorm", "data", "numpy", "collective")
+
+#: The writers an incremental mode documents that it misses (knobs.Options.incremental):
+#: outside its contract, so the model does not use them in that mode (a "plain" step instead).
+MISSED_WRITERS = {"version-counters": {"fused", "batchnorm", "data", "numpy", "collective"}}
+
+
+def flat(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    """path -> leaf; tensors cloned, so a snapshot does not follow the live state."""
+    out: Dict[str, Any] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}/{k}"))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(flat(v, f"{prefix}/{i}"))
+    elif isinstance(tree, torch.Tensor):
+        out[prefix] = tree.detach().clone()
+    else:
+        out[prefix] = tree
+    return out
+
+
+def tensor_diff(expected: Dict[str, Any], got: Dict[str, Any]) -> List[str]:
+    """The paths whose tensors differ (bit-exact: torch.equal; the states hold no NaN)."""
+    bad = []
+    for k, v in expected.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        w = got.get(k)
+        if not isinstance(w, torch.Tensor) or w.dtype != v.dtype or w.shape != v.shape or not torch.equal(w, v):
+            bad.append(k)
+    missing = [k for k, v in got.items() if isinstance(v, torch.Tensor) and k not in expected]
+    return bad + [f"{k} (unexpected)" for k in missing]
+
+
+def same(expected: Dict[str, Any], got: Dict[str, Any]) -> bool:
+    return not tensor_diff(expected, got)
+
+
+# ----------------------------------------------------------------- the oracle
+
+@dataclasses.dataclass
+class Line:
+    """The line of history: committed steps in commit order, and the abandoned saves."""
+    steps: "OrderedDict[int, Dict[str, Any]]" = dataclasses.field(default_factory=OrderedDict)
+    abandoned: List[Tuple[int, Dict[str, Any]]] = dataclasses.field(default_factory=list)
+
+    def commit(self, step: int, values: Dict[str, Any]) -> None:
+        for s in [s for s in self.steps if s >= step]:
+            self.abandoned.append((s, self.steps.pop(s)))
+        self.steps[step] = values
+
+    def latest(self) -> Optional[Tuple[int, Dict[str, Any]]]:
+        if not self.steps:
+            return None
+        s = next(reversed(self.steps))
+        return s, self.steps[s]
+
+    def copy(self) -> "Line":
+        return Line(OrderedDict(self.steps), list(self.abandoned))
+
+
+#: The process rule_kill kills: argv = directory, state file, step, repr(Config), repr(persist url).
+_KILLED_SAVER = """
+import sys, time, torch, lazyckpt
+from _model import Config, checkpointer_kwargs
+directory, state_file, step, cfg, url = sys.argv[1:]
+ckpt = lazyckpt.Checkpointer(directory, **checkpointer_kwargs(eval(cfg), eval(url)))
+handle = ckpt.save(torch.load(state_file, weights_only=False), step=int(step))
+print("saving", flush=True)
+ckpt.wait()
+time.sleep(60)          # killed before
+"""
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+# ----------------------------------------------------------------- a run
+
+class Run:
+    """One rank's training run, its Checkpointer and its oracle."""
+
+    def __init__(self, cfg: Config, base: str, persist_url: Optional[str], rank: int = 0, world: int = 1,
+                 log: Optional[List[str]] = None):
+        self.cfg, self.base, self.persist_url, self.rank, self.world = cfg, base, persist_url, rank, world
+        self.local = os.path.join(base, f"node{rank}") if cfg.replicas else os.path.join(base, "run")
+        self.trainee = Trainee(rank)
+        self.line = Line()
+        self.next_step = 1
+        #: Saves not known committed: after a crash, any prefix of them may have committed.
+        self.uncertain: List[Tuple[int, Dict[str, Any]]] = []
+        self.pending: List[Tuple[Any, int, Dict[str, Any]]] = []
+        self.log = log if log is not None else []
+        self.ckpt = self._open()
+
+    # -- helpers
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def _open(self) -> lazyckpt.Checkpointer:
+        return lazyckpt.Checkpointer(self.local, **checkpointer_kwargs(self.cfg, self.persist_url))
+
+    def fail(self, message: str) -> None:
+        raise InvariantError(f"[rank {self.rank}] {message}")
+
+    def _settle(self) -> None:
+        """Every save handed to the live Checkpointer is committed: the oracle records it."""
+        for handle, step, values in self.pending:
+            try:
+                handle.wait(timeout=120)
+            except Exception as exc:
+                self.fail(f"save of step {step} failed: {type(exc).__name__}: {exc}")
+            self.line.commit(step, values)
+        self.pending = []
+
+    # -- rules
+    def apply(self, rule: str, arg: int = 0) -> None:
+        self.log.append(f"{rule}({arg})")
+        getattr(self, "rule_" + rule)(arg)
+
+    def rule_train(self, arg: int) -> None:
+        kind = TRAIN_KINDS[arg % len(TRAIN_KINDS)]
+        if kind in MISSED_WRITERS.get(resolve(incremental=self.cfg.incremental).incremental, ()):
+            kind = "plain"
+        self.ckpt.wait_for_snapshot()        # the save contract: no in-place write before the capture
+        self.trainee.train(kind)
+
+    def rule_save(self, arg: int) -> None:
+        step = self.next_step
+        state = self.trainee.state()
+        values = flat(state)
+        handle = self.ckpt.save(state, step=step)
+        self.pending.append((handle, step, values))
+        self.next_step = step + 1
+
+    def rule_wait(self, arg: int) -> None:
+        self.ckpt.wait()
+        self._settle()
+
+    def rule_rollback(self, arg: int) -> None:
+        """Load step k of the line into the live state; the next save is k+1."""
+        self.ckpt.wait()
+        self._settle()
+        listed = [s for s in self.ckpt.steps() if s in self.line.steps]
+        if not listed:
+            return
+        k = listed[arg % len(listed)]
+        self.ckpt.load(step=k, into=self.trainee.state())
+        diff = tensor_diff(self.line.steps[k], flat(self.trainee.state()))
+        if diff:
+            self.fail(f"load(step={k}, into=) filled the live state with other values: {diff[:5]}")
+        self.next_step = k + 1
+
+    def rule_crash(self, arg: int) -> None:
+        """Drop the Checkpointer without closing it, then a new one on the directory."""
+        if self.distributed:
+            # Its threads could still run collectives against the new one's: the local commits
+            # end first (drains to the other tiers are cut short by the drop).
+            self._settle()
+        else:
+            self.uncertain = [(step, values) for _, step, values in self.pending]
+        handles = [h for h, _, _ in self.pending]
+        self.pending = []
+        ckpt, self.ckpt = self.ckpt, None
+        del ckpt
+        gc.collect()
+        # The dropped object's threads are not killed: the "dead process" is the one whose
+        # saves have ended, committed or not (which of them did, the next load() tells).
+        for h in handles:
+            try:
+                h.wait(timeout=120)
+            except Exception:
+                pass
+        self._barrier()
+        self.ckpt = self._open()
+        self._resolve_uncertain()
+
+    def rule_kill(self, arg: int) -> None:
+        """Another process (the same run, after a restart) saves the next step and is
+        killed with SIGKILL at a random instant of that save; then a Checkpointer
+        here again. One rank only (the others would wait for it in a collective)."""
+        if self.distributed:
+            return
+        self.ckpt.close()
+        self._settle()
+        step = self.next_step
+        state = self.trainee.state()
+        values = flat(state)
+        state_file = os.path.join(self.base, "kill-state.pt")
+        torch.save(state, state_file)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_SAVER, self.local, state_file, str(step), repr(self.cfg),
+             repr(self.persist_url)],
+            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))})
+        try:
+            child.stdout.readline()               # "saving": save() was called
+            time.sleep(random.Random(arg).uniform(0, 0.05))   # mostly mid-save, some after it
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            child.stdout.close()
+        self.next_step = step + 1
+        self.uncertain = [(step, values)]
+        self.ckpt = self._open()
+        self._resolve_uncertain()
+
+    def _resolve_uncertain(self) -> None:
+        """After a crash: the new latest says which of the uncertain saves committed."""
+        if not self.uncertain:
+            return
+        candidates = []
+        for i in range(len(self.uncertain), -1, -1):
+            line = self.line.copy()
+            for step, values in self.uncertain[:i]:
+                line.commit(step, values)
+            candidates.append(line)
+        try:
+            got = self.ckpt.load()
+            step = self.ckpt.loaded_from["step"]
+        except CheckpointNotFoundError:
+            got, step = None, None
+        for line in candidates:
+            latest = line.latest()
+            if (latest is None and got is None) or (latest is not None and got is not None and latest[0] == step
+                                                    and same(latest[1], flat(got))):
+                self.line = line
+                self.uncertain = []
+                return
+        self.fail(f"after a crash with saves {[s for s, _ in self.uncertain]} in flight, load() returned "
+                  f"step {step}, which is none of the possible latest states "
+                  f"{[(l.latest() or (None,))[0] for l in candidates]}")
+
+    def rule_restart(self, arg: int) -> None:
+        self.ckpt.close()
+        self._settle()
+        self._barrier()
+        self.ckpt = self._open()
+
+    def rule_lose_local(self, arg: int) -> None:
+        """The node-local directory is gone (a replaced node). With persist_to or
+        replicas the latest committed step comes back, else nothing is left."""
+        self.ckpt.close()
+        self._settle()
+        self._barrier()
+        if self.cfg.replicas:
+            lost = self.rank == (arg % self.world)       # one node's directory
+            if lost:
+                shutil.rmtree(self.local, ignore_errors=True)
+        else:
+            lost = True
+            if self.rank == 0:
+                shutil.rmtree(self.local, ignore_errors=True)
+        self._barrier()
+        self.ckpt = self._open()
+        if lost and not self.cfg.persist and not self.cfg.replicas:
+            self.line = Line(OrderedDict(), self.line.abandoned + list(self.line.steps.items()))
+
+    def rule_corrupt(self, arg: int) -> None:
+        """Flip one byte of this rank's file of a listed step: load(step) must raise
+        CorruptCheckpointError or return that same save (an intact copy on another
+        tier, or an unchecked padding byte), never other values. Undone afterwards."""
+        self.ckpt.wait()
+        self._settle()
+        listed = [s for s in self.ckpt.steps() if s in self.line.steps]
+        if not listed:
+            return
+        step = listed[arg % len(listed)]
+        path = os.path.join(self.ckpt.step_path(step), f"rank_{self.rank:05d}.lzc")
+        if not os.path.exists(path):          # replicated/auto: the file may be another rank's
+            path = os.path.join(self.ckpt.step_path(step), "rank_00000.lzc")
+        size = os.path.getsize(path)
+        offset = random.Random(arg).randrange(size)
+        self._barrier()
+        if self.rank == 0 or path.endswith(f"rank_{self.rank:05d}.lzc"):
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                old = f.read(1)
+                f.seek(offset)
+                f.write(bytes([old[0] ^ 0x5A]))
+        else:
+            old = None
+        self._barrier()
+        try:
+            for s in ([step] if self.cfg.replicas else [step, None]):
+                try:
+                    got = self.ckpt.load(step=s)
+                except CorruptCheckpointError:
+                    continue
+                loaded = self.ckpt.loaded_from["step"]
+                expected = self.line.steps.get(loaded)
+                if expected is None or not same(expected, flat(got)):
+                    self.fail(f"with byte {offset} of {path} flipped, load(step={s}) returned step {loaded} "
+                              f"with other values than its save"
+                              + (f" ({tensor_diff(expected, flat(got))[:5]})" if expected else ""))
+        finally:
+            self._barrier()
+            if old is not None:
+                with open(path, "r+b") as f:
+                    f.seek(offset)
+                    f.write(old)
+            self._barrier()
+
+    def rule_prune(self, arg: int) -> None:
+        """`lazyckpt prune --keep N` on the directory while another thread reads every
+        listed step: each read gets that step's exact state or CheckpointNotFoundError."""
+        self._settle_if_quiet()
+        keep = 1 + arg % 2
+        targets = [(s, self.ckpt.step_path(s)) for s in self.ckpt.steps()]
+        problems: List[str] = []
+        stop = threading.Event()
+
+        def reader() -> None:
+            rounds = 0
+            while not stop.is_set() or rounds < 1:
+                rounds += 1
+                for s, path in targets:
+                    try:
+                        got = lazyckpt.load(path)
+                    except CheckpointNotFoundError:
+                        continue
+                    except Exception as exc:
+                        problems.append(f"step {s}: {type(exc).__name__}: {exc}")
+                        continue
+                    expected = self.line.steps.get(s)
+                    if self.world == 1 and (expected is None or not same(expected, flat(got))):
+                        problems.append(f"step {s}: read other values than its save")
+
+        t = threading.Thread(target=reader, name="model-reader")
+        t.start()
+        try:
+            self._barrier()
+            if self.rank == 0 or self.cfg.replicas:        # a shared directory, or each node's own
+                tools.prune(self.local, keep)
+        finally:
+            stop.set()
+            t.join()
+        self._barrier()
+        if problems:
+            self.fail(f"a reader during prune --keep {keep}: {problems[:3]}")
+
+    def _settle_if_quiet(self) -> None:
+        self.ckpt.wait()
+        self._settle()
+
+    RULES = ("train", "save", "wait", "rollback", "crash", "kill", "restart", "lose_local", "corrupt", "prune")
+
+    # -- invariants
+    def check(self) -> None:
+        if self.distributed or self.cfg.replicas:
+            self.ckpt.wait()                 # collective loads need the same listing on every rank
+        self._settle()
+        latest = self.line.latest()
+        try:
+            got = self.ckpt.load()
+        except CheckpointNotFoundError:
+            got = None
+        if latest is None:
+            if got is not None:
+                self.fail(f"load() returned step {self.ckpt.loaded_from['step']} but nothing is on the line "
+                          f"(abandoned or lost: {[s for s, _ in self.line.abandoned]})")
+        else:
+            if got is None:
+                self.fail(f"load() found nothing; the line's latest is step {latest[0]}")
+            step = self.ckpt.loaded_from["step"]
+            if step != latest[0] or not same(latest[1], flat(got)):
+                self.fail(f"load() returned step {step} from the {self.ckpt.loaded_from['tier']} tier, "
+                          f"the line's latest is step {latest[0]}"
+                          + self._which(step, flat(got)))
+        listed = set(self.ckpt.steps())
+        if self.ckpt.persistent is not None:
+            listed |= set(self.ckpt.persistent.dir.committed())
+        if self.cfg.replicas:
+            # load() is collective there: every rank asks for the same step. A node that lost its
+            # directory holds only what was restored (the latest): the steps every node lists.
+            import torch.distributed as dist
+            everyone: List[Any] = [None] * self.world
+            dist.all_gather_object(everyone, sorted(listed))
+            listed = set.intersection(*map(set, everyone))
+        for s in sorted(listed):
+            try:
+                got = self.ckpt.load(step=s)
+            except CheckpointNotFoundError:
+                # Retention may be running since the listing (keep_last once drained,
+                # persist_keep_last): once it has ended, a step still listed must load.
+                if s in self.line.steps and not self.cfg.replicas:
+                    self.ckpt.wait()
+                    if s in self._listed():
+                        try:
+                            got = self.ckpt.load(step=s)
+                        except CheckpointNotFoundError:
+                            self.fail(f"step {s} is listed and on the line but load(step={s}) finds nothing")
+                    else:
+                        continue
+                else:
+                    continue
+            values = flat(got)
+            expected = self.line.steps.get(s)
+            if expected is None or not same(expected, values):
+                self.fail(f"load(step={s}) from the {self.ckpt.loaded_from['tier']} tier"
+                          + self._which(s, values))
+        if (self.rank == 0 or self.cfg.replicas) and self.ckpt.steps():
+            report = tools.verify(self.local)
+            if not report.ok:
+                self.fail(f"lazyckpt verify {self.local}: {[p.message for p in report.problems][:3]}")
+
+    def _listed(self) -> set:
+        listed = set(self.ckpt.steps())
+        if self.ckpt.persistent is not None:
+            listed |= set(self.ckpt.persistent.dir.committed())
+        return listed
+
+    def _which(self, step: int, values: Dict[str, Any]) -> str:
+        for s, v in self.line.abandoned:
+            if s == step and same(v, values):
+                return f": an ABANDONED save of step {step}"
+        expected = self.line.steps.get(step)
+        if expected is None:
+            return f": step {step} is not on the line (abandoned or never saved)"
+        return f": values differ from step {step}'s save in {tensor_diff(expected, values)[:6]}"
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+            self.ckpt = None
+
+
+# ----------------------------------------------------------------- random programs
+
+#: Relative weights of the rules in a random program.
+WEIGHTS = {"train": 6, "save": 6, "wait": 2, "rollback": 2, "crash": 1, "kill": 1, "restart": 1,
+           "lose_local": 1, "corrupt": 1, "prune": 1}
+
+
+def random_program(seed: int, length: int, cfg: Config) -> List[Tuple[str, int]]:
+    rng = random.Random(seed)
+    rules = [r for r in WEIGHTS if r != "lose_local" or cfg.persist or cfg.replicas or rng.random() < 0.5]
+    weights = [WEIGHTS[r] for r in rules]
+    return [(rng.choices(rules, weights)[0], rng.randrange(1 << 16)) for _ in range(length)]
+
+
+def run_program(cfg: Config, base: str, persist_url: Optional[str], program: List[Tuple[str, int]],
+                rank: int = 0, world: int = 1) -> List[str]:
+    """Run ``program`` with an invariant check after every rule; raise InvariantError
+    naming the rule index and the program prefix that reproduces it."""
+    log: List[str] = []
+    run = Run(cfg, base, persist_url, rank, world, log)
+    try:
+        run.check()
+        for i, (rule, arg) in enumerate(program):
+            try:
+                run.apply(rule, arg)
+                run.check()
+            except Exception as exc:
+                raise InvariantError(f"{cfg.id}: rule {i} {rule}({arg}) of program {program[:i + 1]}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        try:
+            run.close()
+        except Exception:
+            pass
+    return log
