@@ -15,7 +15,6 @@ real HTTP proxy of tests/_s3proxy.py in front of it (issue 22, case 7).
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -26,7 +25,7 @@ import torch
 import lazyckpt
 import lazyckpt.tiers
 import lazyckpt.tools
-from lazyckpt.errors import CheckpointNotFoundError, CheckpointWriteError
+from lazyckpt.errors import CheckpointWriteError
 from lazyckpt.knobs import resolve as resolve_options
 
 _s3proxy = pytest.importorskip("_s3proxy")

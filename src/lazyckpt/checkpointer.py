@@ -35,7 +35,7 @@ from .replicas import ReplicaTier, node_group
 from .replicas import restore as restore_replicas
 from .replicas import topology as replica_topology
 from .history import Event, History, line
-from .tiers import ObjectCheckpointDir, PersistentTier, read_manifest
+from .tiers import ObjectCheckpointDir, PersistentTier
 
 log = logging.getLogger("lazyckpt")
 
@@ -278,8 +278,7 @@ class Checkpointer:
                 log.warning("lazyckpt: step %d is not on the persistent tier %s and its local copy is damaged "
                             "(%s); it is not uploaded", step, self.persistent.url, report.problems[0].message)
                 return
-        handle = SaveHandle(f"step {step}", step=step, path=self.layout.step_path(step))
-        handle._done.set()
+        handle = self._committed_handle(step)
         log.info("lazyckpt: step %d is not on the persistent tier %s; uploading it again", step,
                  self.persistent.url)
         try:
@@ -288,6 +287,13 @@ class Checkpointer:
             log.warning("lazyckpt: step %d cannot be held for its upload: %s", step, exc)
             return
         self.resumed_drain = handle
+
+    def _committed_handle(self, step: int) -> SaveHandle:
+        """A handle for a step committed earlier (by this run or a previous one)
+        that a tier sends again: its tier states say how that went."""
+        handle = SaveHandle(f"step {step}", step=step, path=self.layout.step_path(step))
+        handle._done.set()
+        return handle
 
     def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
         """Block until every pending save has copied its data out of the live state."""
@@ -399,8 +405,7 @@ class Checkpointer:
         for its partners were lost with it, so the step is replicated anew (in the
         background, on every rank: the restore decided it for all of them). Without
         this, k=1 would not survive the loss of the partner next."""
-        handle = SaveHandle(f"step {step}", step=step, path=self.layout.step_path(step))
-        handle._done.set()
+        handle = self._committed_handle(step)
         # call -1: the next save (call >= 0) supersedes this round if it is still queued.
         self._replicas.enqueue(handle, step, -1, self.layout.step_path(step))
         self.restored_replication = handle
