@@ -446,6 +446,13 @@ class Run:
         self.ckpt.wait()
         self._settle()
         listed = [s for s in self.ckpt.steps() if s in self.line.steps]
+        if self.distributed:
+            # load(step=) is collective: every rank must pick the same step, and
+            # node-local listings differ after a lost node (seed 2212, program-seed 907128806).
+            import torch.distributed as dist
+            every: list = [None] * self.world
+            dist.all_gather_object(every, listed)
+            listed = sorted(set.intersection(*(set(x) for x in every)))
         if not listed:
             return
         step = listed[arg % len(listed)]
