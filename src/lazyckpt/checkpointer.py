@@ -35,7 +35,7 @@ from .replicas import ReplicaTier, node_group
 from .replicas import restore as restore_replicas
 from .replicas import topology as replica_topology
 from .history import Event, History, line
-from .tiers import ObjectCheckpointDir, PersistentTier
+from .tiers import ObjectCheckpointDir, ObjectWriterLease, PersistentTier
 
 log = logging.getLogger("lazyckpt")
 
@@ -167,7 +167,7 @@ class Checkpointer:
         #: One writer per directory: the lease is taken by the first save() (a Checkpointer
         #: that only loads never needs it), held by the commit group's coordinator.
         self._takeover = takeover
-        self._writer: Optional[WriterLease] = None
+        self._writer: Optional[Union[WriterLease, ObjectWriterLease]] = None
         #: Where the last load() read from: {"step", "tier", "path"}.
         self.loaded_from: Optional[Dict[str, Any]] = None
         if self._dist.coordinator:
@@ -232,14 +232,19 @@ class Checkpointer:
         later one (a takeover by another Checkpointer fails this save, and the
         commit of any save already queued). Released by close(), or once this
         Checkpointer is collected and its pending saves are done (the engine's
-        lifetime). Object-store directories have no writer lease yet (STORAGE.md)."""
-        if self.on_object_store or not self._dist.coordinator:
+        lifetime). On an object store the lease is an object (tiers.ObjectWriterLease)."""
+        if not self._dist.coordinator:
             return
         if self._writer is not None:
             self._writer.check()
             return
-        self._writer = WriterLease(self.directory, self.options.lease_heartbeat_s, self.options.lease_expiry_s,
-                                   takeover=self._takeover)
+        if self.on_object_store:
+            self._writer = ObjectWriterLease(self.layout.store, self.layout.prefix, self.directory,
+                                             self.options.lease_heartbeat_s, self.options.lease_expiry_s,
+                                             takeover=self._takeover)
+        else:
+            self._writer = WriterLease(self.directory, self.options.lease_heartbeat_s,
+                                       self.options.lease_expiry_s, takeover=self._takeover)
         self.layout.writer = self._writer
         weakref.finalize(self, _release_when_idle, self._engine, self._writer)
 
@@ -539,7 +544,7 @@ def _refuse_options_that_do_not_apply(*, object_store: bool, persist_to: Optiona
             raise ValueError(f"{name}={shown} does not apply here: {why}")
 
 
-def _release_when_idle(engine: SaveEngine, writer: WriterLease) -> None:
+def _release_when_idle(engine: SaveEngine, writer: Union[WriterLease, ObjectWriterLease]) -> None:
     """A Checkpointer collected without close(): its writer lease goes now if
     no save of it is pending, else once the last one is done (the engine lives
     until then), so that no second writer starts under a save still committing."""
