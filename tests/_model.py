@@ -281,6 +281,19 @@ class Run:
             import torch.distributed as dist
             dist.barrier()
 
+    def _listed_everywhere(self) -> list:
+        """The line's steps that every rank lists. load(step=) is collective, so
+        every rank must pick the same step, and node-local listings differ after
+        a lost node (soak seed 2212, program-seed 907128806; seed 3301,
+        program-seed 594096308: ranks rolled back to different steps)."""
+        listed = [s for s in self.ckpt.steps() if s in self.line.steps]
+        if not self.distributed:
+            return listed
+        import torch.distributed as dist
+        every: list = [None] * self.world
+        dist.all_gather_object(every, listed)
+        return sorted(set.intersection(*(set(x) for x in every)))
+
     def _open(self) -> lazyckpt.Checkpointer:
         return lazyckpt.Checkpointer(self.local, **checkpointer_kwargs(self.cfg, self.persist_url))
 
@@ -325,7 +338,7 @@ class Run:
         """Load step k of the line into the live state; the next save is k+1."""
         self.ckpt.wait()
         self._settle()
-        listed = [s for s in self.ckpt.steps() if s in self.line.steps]
+        listed = self._listed_everywhere()
         if not listed:
             return
         k = listed[arg % len(listed)]
@@ -445,14 +458,7 @@ class Run:
         tier, or an unchecked padding byte), never other values. Undone afterwards."""
         self.ckpt.wait()
         self._settle()
-        listed = [s for s in self.ckpt.steps() if s in self.line.steps]
-        if self.distributed:
-            # load(step=) is collective: every rank must pick the same step, and
-            # node-local listings differ after a lost node (seed 2212, program-seed 907128806).
-            import torch.distributed as dist
-            every: list = [None] * self.world
-            dist.all_gather_object(every, listed)
-            listed = sorted(set.intersection(*(set(x) for x in every)))
+        listed = self._listed_everywhere()
         if not listed:
             return
         step = listed[arg % len(listed)]

@@ -259,3 +259,22 @@ def test_two_losses_in_a_row_each_restored_before_the_next(tmp_path):
     for rank, r in enumerate(second):
         assert _same(r["state"], _state(rank, 3)), rank
         assert r["from"]["tier"] == ("replica" if rank // NODE == 1 else "local"), r["from"]
+
+
+def _ask_different_steps(rank, world, base):
+    with lazyckpt.Checkpointer(_node_dir(base, rank), keep_last=3, replicas=1, node_size=NODE,
+                               commit_timeout_s=60) as ckpt:
+        try:
+            ckpt.load(step=2 if rank == 0 else 3)
+        except lazyckpt.CheckpointError as exc:
+            return str(exc)
+        return None
+
+
+def test_ranks_asking_for_different_steps_all_get_a_clear_error(tmp_path):
+    """load() with replicas is collective: ranks that ask for different steps
+    get one clear error each instead of a collective that never completes."""
+    base = str(tmp_path)
+    run_ranks(4, _train, base, 3, timeout=300)
+    for message in run_ranks(4, _ask_different_steps, base, timeout=300):
+        assert message is not None and "asked for different steps" in message and "rank 0 step 2" in message

@@ -503,9 +503,14 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     mine = {"rank": topo.rank, "node": topo.node, "local": live_local,
             "held": [(n, lr, s, _held_event(root, n, lr, s)) for n, lr, s in held],
             "events": [list(e) for e in events],
-            "persistent": persistent_steps, "token": uuid.uuid4().hex[:8]}
+            "persistent": persistent_steps, "token": uuid.uuid4().hex[:8], "asked": step}
     infos: List[Any] = [None] * topo.world_size
     dist.all_gather_object(infos, mine, group=group)
+    asked = {info["asked"] for info in infos}
+    if len(asked) > 1:
+        # Every rank raises the same error (none is left waiting in an exchange).
+        raise CheckpointError(f"load() with replicas is collective and the ranks asked for different steps: "
+                              + ", ".join(f"rank {i['rank']} step {i['asked']}" for i in infos), step=step)
     local = collections.defaultdict(set)
     persisted = collections.defaultdict(set)
     holders: Dict[Tuple[int, int, int], List[int]] = collections.defaultdict(list)
