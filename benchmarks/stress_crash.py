@@ -120,6 +120,14 @@ def append_reference(log_path: str, step: int, digests: Dict[str, str]) -> None:
         os.close(fd)
 
 
+def _references_of(directory: str, step: int) -> List[int]:
+    try:
+        with open(os.path.join(directory, f"step_{step:010d}", "manifest.json")) as f:
+            return list(json.load(f).get("references", []))
+    except (OSError, ValueError):
+        return []
+
+
 def read_references(log_path: str) -> Tuple[Dict[int, Dict[str, str]], List[str]]:
     """Last reference per step, plus determinism violations (a step written twice
     with different digests). A torn last line (killed mid-write) is ignored."""
@@ -277,6 +285,8 @@ def verify_directory(directory: str, log_path: str, size: int, ckpt_kwargs: Dict
         problems.append(f"leftovers not cleaned when a Checkpointer opened the directory: {after}")
     steps = ckpt.steps()
     report["steps"] = steps
+    # Incremental runs: which committed steps refer to earlier ones (the checks are not vacuous).
+    report["referring_steps"] = [s for s in steps if _references_of(directory, s)]
     listed = [int(n[5:]) for n in committed_dirs(directory)]
     if steps != listed:
         problems.append(f"steps() = {steps} but committed directories are {listed}")
@@ -494,6 +504,8 @@ def run(trials: int, directory: str, size: int, seed: int, max_delay: float,
         "phases": dict(phases.most_common()),
         "killed_by": dict(collections.Counter(r["killed_by"].split(":")[0] for r in results)),
         "final_steps": final["report"]["steps"] if final else None,
+        "referring_steps_seen": sum(len(r["report"].get("referring_steps", [])) for r in results)
+        + (len(final["report"].get("referring_steps", [])) if final else 0),
         "leftovers_cleaned_total": sum(len(r["report"]["leftovers_before_open"]) for r in results)
         + (len(final["report"]["leftovers_before_open"]) if final else 0),
         "max_restored_step": max([r["report"]["restored_step"] or 0 for r in results] + [0]),

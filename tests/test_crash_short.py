@@ -70,7 +70,9 @@ def test_sigkill_with_incremental_checkpoints_loses_nothing(tmp_path):
     assert summary["trials"] == 6 and summary["successes"] == 6 and summary["failures"] == []
     steps = summary["final_steps"]
     manifests = [json.loads((tmp_path / "run" / f"step_{s:010d}" / "manifest.json").read_text()) for s in steps]
-    assert any(m.get("references") for m in manifests), "no step referred to an earlier one"
+    # Not vacuous: committed steps referred to earlier ones, as seen by the checks after
+    # each kill (the final steps alone may all be full saves: a restart's first save is).
+    assert summary["referring_steps_seen"] > 0, "no committed step referred to an earlier one"
     for m in manifests:
         assert set(m.get("references", [])) <= set(steps)
 
