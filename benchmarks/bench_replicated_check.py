@@ -30,13 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from _dist import run_ranks  # noqa: E402
 
 
-def _state(rank, mib, step):
-    import torch
-    n = int(mib * (1 << 20) // 4)
-    g = torch.Generator().manual_seed(step)
-    w = torch.randn(n, generator=g)
-    return {"model": {"w": w}, "optim": {"exp_avg": w * 0.1, "exp_avg_sq": w * w},
-            "rng": torch.full((1264,), float(rank * 1000 + step)), "step": step}
+from bench_auto_replicated import _state  # noqa: E402  (the same DDP-like state)
 
 
 def _run(rank, world, directory, mode, mib, saves):
