@@ -1,0 +1,192 @@
+"""The package's own imports, read from the source without running it.
+
+A move of a module must not leave an ``ImportError`` waiting on a path the
+suite rarely runs (replica restore, S3, DTensor assembly): every import of a
+``lazyckpt`` module, relative or absolute, at the top of a module or inside a
+function, must name a module that exists and names that module defines. The
+modules must also form no cycle, counting the imports made inside functions
+(a cycle held together by a function-level import is still a cycle), and a
+function-level import of a lazyckpt module must say why on its line
+(``# lazy: ...``).
+"""
+
+import ast
+import os
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+import pytest
+
+import lazyckpt
+
+ROOT = os.path.dirname(os.path.abspath(lazyckpt.__file__))
+
+
+def _modules() -> Dict[str, str]:
+    mods = {}
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(top, name), ROOT)[:-3].split(os.sep)
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            mods[".".join(["lazyckpt"] + rel)] = os.path.join(top, name)
+    return mods
+
+
+MODULES = _modules()
+_TREES: Dict[str, ast.Module] = {}
+
+
+def _tree(mod: str) -> ast.Module:
+    if mod not in _TREES:
+        with open(MODULES[mod], encoding="utf-8") as f:
+            _TREES[mod] = ast.parse(f.read(), MODULES[mod])
+    return _TREES[mod]
+
+
+def _is_package(mod: str) -> bool:
+    return MODULES[mod].endswith("__init__.py")
+
+
+def _defined_names(mod: str) -> Set[str]:
+    """Names bound at module level (also under if/try/with at module level)."""
+    names: Set[str] = set()
+
+    def visit(body: List[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for a in node.names:
+                    names.add(a.asname or a.name.split(".")[0])
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            names.add(n.id)
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                for field in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, field, []) or [])
+                for h in getattr(node, "handlers", []) or []:
+                    visit(h.body)
+    visit(_tree(mod).body)
+    return names
+
+
+def _in_functions(tree: ast.Module) -> Set[int]:
+    inside: Set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for sub in ast.walk(node):
+                if sub is not node:
+                    inside.add(id(sub))
+    return inside
+
+
+def _absolute(mod: str, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = mod.split(".") if _is_package(mod) else mod.split(".")[:-1]
+    if node.level > 1:
+        base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(mod: str) -> Iterator[Tuple[ast.stmt, str, Optional[str], bool]]:
+    """(node, target module, imported name or None, inside a function)."""
+    tree = _tree(mod)
+    inside = _in_functions(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _absolute(mod, node)
+            if target != "lazyckpt" and not target.startswith("lazyckpt."):
+                continue
+            for a in node.names:
+                yield node, target, a.name, id(node) in inside
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "lazyckpt" or a.name.startswith("lazyckpt."):
+                    yield node, a.name, None, id(node) in inside
+
+
+def _edges(mod: str) -> Set[str]:
+    """Modules this module's imports load, by name (not the parent packages)."""
+    out = set()
+    for _, target, name, _ in _imports(mod):
+        if name is not None and f"{target}.{name}" in MODULES:
+            out.add(f"{target}.{name}")
+        elif target in MODULES:
+            out.add(target)
+    out.discard(mod)
+    return out
+
+
+def test_every_lazyckpt_import_resolves():
+    problems = []
+    for mod in sorted(MODULES):
+        for node, target, name, _ in _imports(mod):
+            where = f"{os.path.relpath(MODULES[mod], ROOT)}:{node.lineno}"
+            if target not in MODULES:
+                problems.append(f"{where}: no module {target}")
+            elif name not in (None, "*") and f"{target}.{name}" not in MODULES \
+                    and name not in _defined_names(target):
+                problems.append(f"{where}: {target} defines no {name}")
+    assert not problems, "\n".join(problems)
+
+
+def _cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
+    state: Dict[str, int] = {}
+    stack: List[str] = []
+
+    def visit(m: str) -> Optional[List[str]]:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state:
+                found = visit(n)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+@pytest.mark.xfail(strict=True, reason="today's cycle layout/loader/manifest/reader/tiers/tools (issue 23 step 4)")
+def test_no_import_cycle():
+    # The root package's __init__ re-exports the public surface; no module imports it
+    # except the command line and the integrations' lazy paths, which are not part of a cycle
+    # unless __init__ reaches back to them.
+    graph = {m: _edges(m) for m in MODULES}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.xfail(strict=True, reason="49 function-level imports hold the cycle together (issue 23 step 4)")
+def test_function_level_imports_say_why():
+    problems = []
+    for mod in sorted(MODULES):
+        with open(MODULES[mod], encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        for node, target, _, inside in _imports(mod):
+            if inside and "# lazy:" not in lines[node.lineno - 1]:
+                problems.append(f"{os.path.relpath(MODULES[mod], ROOT)}:{node.lineno}: "
+                                f"import of {target} inside a function, with no '# lazy: <why>'")
+    assert not problems, "\n".join(sorted(set(problems)))
+
+
+def test_the_checker_sees_what_it_checks():
+    """The walk finds the package and its in-function imports (a vacuous pass would hide moves)."""
+    assert "lazyckpt.api" in MODULES and "lazyckpt.integrations.dcp" in MODULES
+    assert any(inside for m in MODULES for *_, inside in _imports(m))
