@@ -18,7 +18,7 @@ CHUNK = 32 << 20
 
 def drop_caches() -> bool:
     """Drop the page cache so loads read from disk; False where not permitted."""
-    from lazyckpt._bench import drop_caches_global   # one implementation, shared with `lazyckpt bench`
+    from lazyckpt.cli.bench import drop_caches_global   # one implementation, shared with `lazyckpt bench`
     return drop_caches_global()
 
 
@@ -33,13 +33,13 @@ def remove(path: str) -> None:
 
 def raw_write(path: str, nbytes: int, threads: int = 4) -> float:
     """Seconds to write ``nbytes`` with O_DIRECT from an aligned buffer, fsynced: the ceiling."""
-    from lazyckpt._bench import raw_write as measure     # one implementation, shared with `lazyckpt bench`
+    from lazyckpt.cli.bench import raw_write as measure     # one implementation, shared with `lazyckpt bench`
     return measure(path, nbytes, threads)[0]
 
 
 def raw_read(path: str, nbytes: int, threads: int = 2) -> float:
     """Seconds to read ``nbytes`` with O_DIRECT into fresh aligned memory: the ceiling."""
-    from lazyckpt._bench import raw_read as measure
+    from lazyckpt.cli.bench import raw_read as measure
     return measure(path, nbytes, threads)
 
 

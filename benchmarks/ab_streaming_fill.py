@@ -17,7 +17,7 @@ import time
 import torch
 
 import lazyckpt
-import lazyckpt.loader as loader
+import lazyckpt.loading.loader as loader
 
 
 def drop(path: str) -> None:

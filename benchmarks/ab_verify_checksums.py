@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import lazyckpt  # noqa: E402
-from lazyckpt._bench import drop_caches_global  # noqa: E402
+from lazyckpt.cli.bench import drop_caches_global  # noqa: E402
 
 from _common import machine_line  # noqa: E402
 

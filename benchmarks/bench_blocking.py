@@ -8,7 +8,7 @@ state_dict() per save, as a training loop does -- ``--saves`` times, waiting
 for each save to commit before the next (so the queue never blocks). Prints
 per size: the first save's blocking time, the median and p90 of the others
 (``handle.blocking_s`` and the wall time of the call) with the plan cache
-(lazyckpt/plan.py) and without it (a full walk per save), interleaved in the
+(lazyckpt/state/plancache.py) and without it (a full walk per save), interleaved in the
 same run, their ratio, and the time of ``flatten()`` alone on the same state.
 
     python benchmarks/bench_blocking.py                       # 100, 1000, 5000 tensors
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import lazyckpt  # noqa: E402
-from lazyckpt.providers import flatten  # noqa: E402
+from lazyckpt.state.providers import flatten  # noqa: E402
 
 from _common import emit_json, machine_line  # noqa: E402
 
@@ -168,7 +168,7 @@ def main() -> None:
             print(f"{r['tensors']:>8} {m:>7} {x['first_ms']:>7.2f} {x['blocking_median_ms']:>9.2f} / "
                   f"{x['blocking_p90_ms']:<8.2f} {x['wall_median_ms']:>7.2f} / {x['wall_p90_ms']:<7.2f} "
                   f"{ratio:>10.2f}x {extra}")
-    print("cached: save() with the plan of the previous save (lazyckpt/plan.py); walk: the plan cache off "
+    print("cached: save() with the plan of the previous save (lazyckpt/state/plancache.py); walk: the plan cache off "
           "(a full flatten() per save); first: the first save's blocking time (no plan yet)")
     emit_json({"bench": "blocking", "rows": rows}, args.json)
 

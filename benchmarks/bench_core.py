@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import lazyckpt  # noqa: E402
 from _common import (drop_caches, fsync_file, machine_line, median_spread, print_table,  # noqa: E402
                      remove, state_bytes, time_call)
-from lazyckpt import _bench as ceiling  # noqa: E402  (the raw methods, shared with `lazyckpt bench`)
+from lazyckpt.cli import bench as ceiling  # noqa: E402  (the raw methods, shared with `lazyckpt bench`)
 
 
 def make_state(gib: float) -> dict:

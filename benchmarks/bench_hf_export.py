@@ -199,7 +199,7 @@ def main() -> None:
 
     from _dist import run_ranks
 
-    from lazyckpt.hf import parse_shard_size       # transformers' reading: 5GB = 5 * 10**9
+    from lazyckpt.interop.hf import parse_shard_size       # transformers' reading: 5GB = 5 * 10**9
     args.max_shard_bytes = parse_shard_size(args.max_shard_size)
     cfg = {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
            "intermediate": args.intermediate or args.hidden * 11 // 4}

@@ -111,7 +111,7 @@ def child(args) -> None:
     import torch
     sys.path.insert(0, HERE)
     import lazyckpt
-    import lazyckpt.writer  # noqa: F401
+    import lazyckpt.saving.writer  # noqa: F401
     from _common import fsync_file
     method, layout = CASES[args.child]
     if method == "dcp.async_save":

@@ -22,8 +22,8 @@ import json
 import statistics
 import time
 
-from lazyckpt import format as fmt
-from lazyckpt import manifest as manifests
+from lazyckpt.formats import datafile as fmt
+from lazyckpt.formats import manifest as manifests
 from lazyckpt.distributed import parse_values
 
 #: (name, parameters, AdamW: x3 tensors): a Llama-7B-like and a 70B-like model.

@@ -122,7 +122,7 @@ def train(rank, world, base, cfg, replicas, persist_to):
         kwargs = {"replicas": replicas, "node_size": cfg["node_size"]}
     else:
         # The same node-local directories, each node committing its own steps, without replicas.
-        from lazyckpt.replicas import Topology, node_group
+        from lazyckpt.tiers.replicas import Topology, node_group
         kwargs = {"process_group": node_group(Topology(rank, world, cfg["node_size"]))}
     with lazyckpt.Checkpointer(_node_dir(base, rank, cfg["node_size"]), keep_last=2, persist_to=persist_to,
                                **kwargs) as ckpt:

@@ -35,7 +35,7 @@ from bench_auto_replicated import _state  # noqa: E402  (the same DDP-like state
 
 def _run(rank, world, directory, mode, mib, saves):
     import lazyckpt
-    from lazyckpt.commit import StepCommit
+    from lazyckpt.saving.commit import StepCommit
     if mode == "nocheck":       # the A/B's baseline: no per-rank hashing, nothing reported
         StepCommit._hash_named_replicated = lambda self, part, resources: None
     out = {"capture": [], "durable": []}

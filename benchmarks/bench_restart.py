@@ -69,7 +69,7 @@ def child(args) -> None:
 
     import lazyckpt
     from bench_training import build
-    from lazyckpt import iomode
+    from lazyckpt.storage import iomode
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401  (imported by build(): not timed)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

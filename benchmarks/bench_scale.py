@@ -254,7 +254,7 @@ def manifest_like_commit(world: int, done: Dict[int, Dict[str, Any]], index: Dic
     the installed lazyckpt: versions with ``manifest_checksum`` add ``save_id`` and
     ``checksum``."""
     from lazyckpt import checkpointer as ck
-    from lazyckpt import format as fmt
+    from lazyckpt.formats import datafile as fmt
     manifest = {"format_version": fmt.FORMAT_VERSION, "step": 1000, "world_size": world,
                 "files": [{"rank": r, "name": ck.rank_filename(r), "bytes": done[r]["bytes"]}
                           for r in range(world)],
@@ -335,7 +335,7 @@ def _child(rank: int, world: int, port: int, out_dir: str, cfg: Dict[str, Any]) 
 def _rank_main(rank: int, world: int, cfg: Dict[str, Any], t_import: float) -> Dict[str, Any]:
     import torch.distributed as dist
     import lazyckpt
-    from lazyckpt.commit import StepCommit
+    from lazyckpt.saving.commit import StepCommit
     state, replicated = make_state(cfg["state"], rank, world, cfg["mib"], cfg["tensors"])
     ckpt = lazyckpt.Checkpointer(cfg["dir"], keep_last=2, replicated=replicated, **cfg["knobs"])
     probe = None
@@ -636,9 +636,9 @@ def step_bytes(step_dir: str) -> Dict[str, int]:
     """A committed step's bytes that are not tensor data: the manifest, and in
     every rank's file the header, footer, trailer and the padding that aligns
     entries (file size minus its entries' bytes)."""
-    from lazyckpt import format as fmt
+    from lazyckpt.formats import datafile as fmt
     from lazyckpt.knobs import Options
-    from lazyckpt.reader import CheckpointFile
+    from lazyckpt.loading.reader import CheckpointFile
     manifest = os.path.getsize(os.path.join(step_dir, "manifest.json"))
     overhead, footers = 0, []
     for name in sorted(os.listdir(step_dir)):

@@ -103,8 +103,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lazyckpt  # noqa: E402
 from _common import emit_json, fsync_file, machine_line, print_table, remove, state_bytes  # noqa: E402
-from lazyckpt._bench import fsync_path  # noqa: E402
-from lazyckpt.layout import tree_bytes  # noqa: E402
+from lazyckpt.cli.bench import fsync_path  # noqa: E402
+from lazyckpt.storage.layout import tree_bytes  # noqa: E402
 
 MODES = ["none", "torch_save", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_proc",
          "torch_checkpointing", "lazyckpt", "lazyckpt_incr", "none#2"]
@@ -373,7 +373,7 @@ class TorchCheckpointing(Saver):
     def __init__(self, directory, args):
         super().__init__(directory, args)
         import threading
-        from lazyckpt._bench import tc_manager, tc_staging_note, tc_storage
+        from lazyckpt.cli.bench import tc_manager, tc_staging_note, tc_storage
         self._threading = threading
         storage, self.extra["storage"] = tc_storage(directory)
         self.manager = tc_manager(True, storage)

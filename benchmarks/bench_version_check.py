@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lazyckpt  # noqa: E402
-from lazyckpt import providers  # noqa: E402
-from lazyckpt.incremental import IncrementalIndex  # noqa: E402
+from lazyckpt.state import providers  # noqa: E402
+from lazyckpt.saving.incremental import IncrementalIndex  # noqa: E402
 from _common import emit_json, machine_line  # noqa: E402
 
 
@@ -105,8 +105,8 @@ def main() -> None:
     index = IncrementalIndex("version-counters")
 
     def commit(plan, step_no, flat):
-        entries = [lazyckpt.format.Entry("data", 4096, s.length or 0, [0] *
-                                         lazyckpt.format.block_count(4096, s.length or 0, 1 << 25))
+        entries = [lazyckpt.formats.datafile.Entry("data", 4096, s.length or 0, [0] *
+                                         lazyckpt.formats.datafile.block_count(4096, s.length or 0, 1 << 25))
                    for s in flat.sources]
         index.commit(plan, step_no, 0, "x", entries, 1 << 25)
     flat = providers.flatten(state())

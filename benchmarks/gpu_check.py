@@ -187,7 +187,7 @@ def check_cancel(directory: str) -> bool:
 
 
 def report_pinning() -> bool:
-    from lazyckpt.hostcache import PinnedBuffer
+    from lazyckpt.saving.hostcache import PinnedBuffer
     buf = PinnedBuffer(64 << 20)
     how = "cudaHostRegister" if buf._registered else "torch pinned allocator" if buf.pinned else "NOT pinned"
     aligned = buf.tensor.data_ptr() % 4096 == 0

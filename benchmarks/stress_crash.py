@@ -58,7 +58,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402  (imported once here, inherited by every forked child)
 
 import lazyckpt  # noqa: E402
-import lazyckpt.layout  # noqa: E402
+import lazyckpt.storage.layout  # noqa: E402
 
 KEEP_LAST = 2
 #: Short leases, so that a killed child's leftovers are provably dead soon.
@@ -264,7 +264,7 @@ def verify_directory(directory: str, log_path: str, size: int, ckpt_kwargs: Dict
     if before:
         # With the leftovers still there: they are never listed, and the
         # functional loader (which cleans nothing) picks the latest committed step.
-        listed_before = lazyckpt.layout.CheckpointDir(directory).steps()
+        listed_before = lazyckpt.storage.layout.CheckpointDir(directory).steps()
         expected = [int(n[5:]) for n in committed_dirs(directory)]
         if listed_before != expected:
             problems.append(f"with leftovers {before}, steps() = {listed_before}, committed = {expected}")

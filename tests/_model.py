@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 import lazyckpt
-from lazyckpt import tools
+from lazyckpt.loading import verify as tools
 from lazyckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.knobs import INCREMENTAL_MODES, resolve
 

@@ -56,7 +56,7 @@ def knobs(request):
 def _functional_api_threads() -> set:
     """Threads of the process-wide pools behind lazyckpt.save/load, which are
     kept on purpose: those of any Resources object held by lazyckpt.api."""
-    from lazyckpt.engine import Resources
+    from lazyckpt.saving.engine import Resources
     found = []
     for value in vars(lazyckpt.api).values():
         if isinstance(value, Resources):
@@ -96,7 +96,7 @@ def spy_open(monkeypatch):
     def recording_open(path, flags, *args, **kwargs):
         calls.append((os.fspath(path), flags))
         return real_open(path, flags, *args, **kwargs)
-    monkeypatch.setattr(lazyckpt.fileio.os, "open", recording_open)
+    monkeypatch.setattr(lazyckpt.storage.fileio.os, "open", recording_open)
     return calls
 
 

@@ -38,7 +38,7 @@ import torch
 import xxhash
 
 import lazyckpt
-import lazyckpt.reader
+import lazyckpt.loading.reader
 
 TRAILER = struct.Struct("<QQQ8s")
 FOOTER_MAGIC = b"LZCKFOOT"
@@ -316,7 +316,7 @@ class OverBudget(BaseException):
 
 
 class _BufferWatch:
-    """Stands in for the ``mmap`` module inside lazyckpt.fileio (where every
+    """Stands in for the ``mmap`` module inside lazyckpt.storage.fileio (where every
     read buffer is allocated): records every anonymous buffer, refuses those
     over budget."""
 
@@ -343,12 +343,12 @@ def run_guarded(fn, size: int, time_limit: float = TIME_LIMIT_S, heap_budget: in
     """Call ``fn()`` under the guards; return (outcome, detail, exception or None).
     ``size`` is the input's size: read buffers may total 2 x size + 1 MiB."""
     watch = _BufferWatch(BUFFER_FACTOR * size + BUFFER_SLACK)
-    real_mmap = lazyckpt.fileio.mmap
+    real_mmap = lazyckpt.storage.fileio.mmap
     started_tracing = not tracemalloc.is_tracing()
     if started_tracing:
         tracemalloc.start()
     old_handler = signal.signal(signal.SIGALRM, _on_alarm)
-    lazyckpt.fileio.mmap = watch.module
+    lazyckpt.storage.fileio.mmap = watch.module
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
     outcome, detail, error = "ok", "", None
@@ -368,7 +368,7 @@ def run_guarded(fn, size: int, time_limit: float = TIME_LIMIT_S, heap_budget: in
     except BaseException as exc:        # noqa: BLE001 - what the fuzzer looks for
         outcome, detail, error = "other", f"{type(exc).__name__}: {exc}"[:300], exc
     finally:
-        lazyckpt.fileio.mmap = real_mmap
+        lazyckpt.storage.fileio.mmap = real_mmap
         signal.signal(signal.SIGALRM, old_handler)
         peak = tracemalloc.get_traced_memory()[1] - base
         if started_tracing:

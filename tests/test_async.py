@@ -12,7 +12,7 @@ import torch
 
 import lazyckpt
 from lzc_tools import clone_state
-from lazyckpt import fileio
+from lazyckpt.storage import fileio
 
 
 def _lazy_threads():

@@ -1,4 +1,4 @@
-"""The benchmark harness (lazyckpt/_bench.py): torch-checkpointing as a peer,
+"""The benchmark harness (lazyckpt/cli/bench.py): torch-checkpointing as a peer,
 the raw methods and the choice of the best one as the ceiling."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from lazyckpt import _bench
+from lazyckpt.cli import bench as _bench
 from lazyckpt.knobs import Options
 
 from _frameworks import require

@@ -125,7 +125,7 @@ def test_bad_arguments(ckpt_dir):
 def _fail_commit_step(monkeypatch, which):
     """Inject an I/O error into one step of the commit protocol (FORMAT.md 11.3)."""
     import errno
-    import lazyckpt.commit as cp
+    import lazyckpt.saving.commit as cp
     enospc = OSError(errno.ENOSPC, "No space left on device")
     if which == "manifest":
         real = cp.write_file_atomic
@@ -249,7 +249,7 @@ def test_steps_ignores_everything_but_committed_steps(ckpt_dir):
 
 
 def test_leftovers_are_cleaned_only_once_provably_dead(ckpt_dir):
-    from lazyckpt import layout
+    from lazyckpt.storage import layout
     with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
     names = {".tmp-step_0000000002-0123abcd4567": False,        # old, unlocked: dead
@@ -283,7 +283,7 @@ CHILD = textwrap.dedent("""
     import sys, threading
     import torch
     import lazyckpt
-    from lazyckpt import fileio
+    from lazyckpt.storage import fileio
 
     sys.path.insert(0, sys.argv[2])
     from test_checkpointer import SMALL, state_for

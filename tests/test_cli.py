@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt.reader import CheckpointFile
+from lazyckpt.loading.reader import CheckpointFile
 
 EXPECTED_BENCH_ROWS = {"raw", "raw_buffered", "raw_mmap", "torch", "safetensors", "dcp1", "dcp2", "dcp_async",
                        "torchsnapshot", "torchsnapshot_async", "torch_checkpointing", "torch_checkpointing_async",
@@ -136,7 +136,7 @@ def test_inspect_text_and_json(made, tmp_path):
              "device": "cpu", "e": 0}
     manifest["shards"] = {json.dumps(["model", "w"]): {"global_shape": [8, 8], "dtype": "float32", "pieces": [
         {"rank": 0, "offsets": [0, 0], "tensor": local}, {"rank": 1, "offsets": [4, 0], "tensor": local}]}}
-    from lazyckpt.manifest import checksum as manifest_checksum
+    from lazyckpt.formats.manifest import checksum as manifest_checksum
     manifest["checksum"] = manifest_checksum(manifest)     # a consistent edit, not damage
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)

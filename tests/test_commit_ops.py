@@ -154,7 +154,7 @@ def test_manifest_bytes_do_not_grow_with_ranks(tmp_path):
     of state share one size: the manifest is the same size at 4 and 4,096 ranks."""
     import json
 
-    from lazyckpt import manifest
+    from lazyckpt.formats import manifest
     run_ranks(4, _ops_per_save, str(tmp_path), 1, timeout=300)
     step = tmp_path / "step_0000000001"
     doc = json.loads((step / "manifest.json").read_text())

@@ -139,7 +139,7 @@ def test_abandoned_steps_are_kept_aside_when_retention_is_off(tmp_path):
         ckpt.wait()
         ckpt.save(_value(15), step=15).wait()
         assert ckpt.steps() == [10, 15] and ckpt.latest_step() == 15
-    from lazyckpt import tools
+    from lazyckpt.loading import verify as tools
     listing = tools.list_directory(d)
     assert [s["step"] for s in listing["steps"]] == [10, 15]
     abandoned = sorted(lo["name"] for lo in listing["leftovers"] if lo["kind"] == "abandoned")
@@ -195,7 +195,7 @@ def test_an_evaluation_process_never_destroys_a_multi_rank_save_in_flight(tmp_pa
         # What an evaluation job does meanwhile (another process, no process group).
         with lazyckpt.Checkpointer(str(d)) as evaluator:
             assert evaluator.load(step=1)["w"][0].item() == 1.0
-        from lazyckpt import tools
+        from lazyckpt.loading import verify as tools
         tools.list_directory(str(d))
         assert any(n.startswith(".tmp-step_0000000002") for n in os.listdir(d))
     finally:
@@ -209,7 +209,7 @@ def test_an_evaluation_process_never_destroys_a_multi_rank_save_in_flight(tmp_pa
 
 def _lease_holder(directory: str, ready: str) -> None:
     """A process that holds a save's lease and then dies or lingers (used below)."""
-    from lazyckpt import layout
+    from lazyckpt.storage import layout
     tmp = os.path.join(directory, ".tmp-step_0000000007-x")
     os.makedirs(tmp)
     lease = layout.Lease(os.path.join(tmp, "rank_00000.lzc"), heartbeat_s=0.05)
@@ -300,7 +300,7 @@ def test_a_save_refused_on_one_rank_fails_that_step_only(tmp_path):
     assert r0["step3"] == r1["step3"] == "committed", results
     assert r0["elapsed"] < 20 and r1["elapsed"] < 20, results      # no commit timeout waited
     assert r0["steps"] == r1["steps"] == [1, 3]
-    from lazyckpt import tools
+    from lazyckpt.loading import verify as tools
     assert tools.verify(str(tmp_path / "step_0000000003")).ok
     assert lazyckpt.load(str(tmp_path / "step_0000000003"))["w"][0].item() == 3.0
 
@@ -340,7 +340,7 @@ def test_checkpointer_load_into_is_strict_too(tmp_path):
 
 
 def test_retention_does_not_delete_a_step_while_another_process_reads_it(tmp_path):
-    from lazyckpt import layout
+    from lazyckpt.storage import layout
     with lazyckpt.Checkpointer(tmp_path, keep_last=1) as ckpt:
         ckpt.save(_value(1), step=1).wait()
         with layout.StepDir(ckpt.step_path(1)).reading():     # what load() holds while it reads
@@ -351,7 +351,8 @@ def test_retention_does_not_delete_a_step_while_another_process_reads_it(tmp_pat
 
 
 def test_a_step_deleted_under_a_reader_is_reported_as_deleted(tmp_path, monkeypatch):
-    from lazyckpt import layout, reader
+    from lazyckpt.storage import layout
+    from lazyckpt.loading import reader
     with lazyckpt.Checkpointer(tmp_path) as ckpt:
         ckpt.save(_value(1), step=1).wait()
     step = tmp_path / "step_0000000001"
@@ -373,7 +374,8 @@ def test_a_step_deleted_under_a_reader_is_reported_as_deleted(tmp_path, monkeypa
 
 
 def test_io_errors_during_a_load_are_library_errors_with_the_path(tmp_path, monkeypatch):
-    from lazyckpt import fileio, reader
+    from lazyckpt.storage import fileio
+    from lazyckpt.loading import reader
     path = str(tmp_path / "f.lzc")
     lazyckpt.save({"a": torch.ones(1000)}, path)
 

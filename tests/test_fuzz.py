@@ -81,7 +81,7 @@ def test_the_harness_catches_other_exceptions_hangs_and_allocations(bases, scrat
     monkeypatch.undo()
 
     def big_buffer(*a, **k):
-        from lazyckpt.fileio import anonymous_buffer
+        from lazyckpt.storage.fileio import anonymous_buffer
         anonymous_buffer(64 << 20)
     monkeypatch.setattr(lazyckpt, "load", big_buffer)
     assert fz.check(path, len(data))[0] == "memory"

@@ -78,7 +78,7 @@ def test_cancel_mid_capture_then_reuse_is_clean(tmp_path):
 
 
 def test_host_memory_is_pinned(tmp_path):
-    from lazyckpt.hostcache import HostCache, StagingArenas
+    from lazyckpt.saving.hostcache import HostCache, StagingArenas
     cache = HostCache(4 << 20, 1 << 20)
     arenas = StagingArenas(8 << 20)
     arena = arenas.acquire(4 << 20, 10)

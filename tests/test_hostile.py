@@ -95,7 +95,7 @@ def _rewrite_manifest(step_dir, mutate=None, raw=None, reseal=True):
         mutate(doc)
         if reseal:
             doc.pop("checksum", None)
-            doc["checksum"] = lazyckpt.manifest.checksum(doc)
+            doc["checksum"] = lazyckpt.formats.manifest.checksum(doc)
         raw = json.dumps(doc, indent=1).encode()
     path.write_bytes(raw)
 
@@ -103,9 +103,9 @@ def _rewrite_manifest(step_dir, mutate=None, raw=None, reseal=True):
 def _explicit(step_dir):
     """Turn the placement-derived index into the explicit one (every piece
     listed, as manifests before issue 12 and non-world process groups have it)."""
-    from lazyckpt.loader import dtensor_nodes
-    from lazyckpt.placement import pieces
-    from lazyckpt.reader import CheckpointFile
+    from lazyckpt.loading.loader import dtensor_nodes
+    from lazyckpt.formats.placement import pieces
+    from lazyckpt.loading.reader import CheckpointFile
 
     def convert(m):
         shards = {}
@@ -307,8 +307,8 @@ def test_manifest_that_is_not_a_manifest(two_rank, tmp_path, raw):
 
 def test_manifest_over_the_size_limit_is_refused(two_rank, tmp_path, monkeypatch):
     # The real limit is 1 GiB; a smaller one keeps the test light, same code path.
-    import lazyckpt.manifest
-    monkeypatch.setattr(lazyckpt.manifest, "MAX_MANIFEST_BYTES", 1 << 20)
+    import lazyckpt.formats.manifest
+    monkeypatch.setattr(lazyckpt.formats.manifest, "MAX_MANIFEST_BYTES", 1 << 20)
     step = _copy(two_rank["ddp2"], tmp_path)
     doc = json.loads((step / "manifest.json").read_text())
     doc["padding"] = "x" * (2 << 20)

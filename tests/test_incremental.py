@@ -14,7 +14,7 @@ import torch
 
 import lazyckpt
 from _dist import run_ranks
-from lazyckpt import tools
+from lazyckpt.loading import verify as tools
 from lzc_tools import assert_same, clone_state, flip_byte
 
 pytestmark = pytest.mark.timeout(300)
@@ -174,7 +174,7 @@ def test_retention_never_leaves_a_dangling_reference(tmp_path):
             for s in ckpt.steps():
                 assert tools.verify(str(tmp_path / f"step_{s:010d}")).ok, s
         assert ckpt.steps() == [0, 4]                  # 0 owns the frozen bytes 4 refers to
-    layout = lazyckpt.layout.CheckpointDir(str(tmp_path))
+    layout = lazyckpt.storage.layout.CheckpointDir(str(tmp_path))
     # A new Checkpointer (a restarted run) writes its first save in full: 5 owns
     # the frozen bytes from then on.
     with lazyckpt.Checkpointer(tmp_path, keep_last=None, incremental=True) as ckpt:

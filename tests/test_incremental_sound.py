@@ -19,7 +19,7 @@ import torch
 
 import lazyckpt
 from _dist import run_ranks
-from lazyckpt import tools
+from lazyckpt.loading import verify as tools
 from lzc_tools import assert_same, clone_state
 
 pytestmark = pytest.mark.timeout(300)

@@ -21,7 +21,7 @@ import torch
 
 import lazyckpt
 from lazyckpt.errors import CheckpointError, CorruptCheckpointError
-from lazyckpt.objstore import InvalidURLError
+from lazyckpt.storage.s3 import InvalidURLError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,7 +92,7 @@ def test_an_unsupported_scheme_says_how_to_name_a_local_directory(tmp_path, monk
 
 
 def test_well_formed_urls_still_parse():
-    from lazyckpt.objstore import ObjectURL
+    from lazyckpt.storage.s3 import ObjectURL
     assert str(ObjectURL.parse("s3://bucket-x/a/b/")) == "s3://bucket-x/a/b"
     assert str(ObjectURL.parse("s3://bucket-x")) == "s3://bucket-x"
     assert str(ObjectURL.parse("s3://bucket-x/")) == "s3://bucket-x"
@@ -141,7 +141,7 @@ def test_a_step_directory_restored_under_another_name_does_not_load_as_that_step
         assert torch.equal(ck.load()["w"], _state(2)["w"])      # the real step 2 is unaffected
     with pytest.raises(CorruptCheckpointError, match="step 2"):
         lazyckpt.load(d / "step_0000000001")
-    from lazyckpt import tools
+    from lazyckpt.loading import verify as tools
     with pytest.raises(CorruptCheckpointError, match="step 2"):
         tools.resolve(str(d / "step_0000000001"))
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
@@ -263,7 +263,7 @@ def test_several_ranks_the_coordinator_holds_the_lease(tmp_path):
 
 
 def test_the_step_a_location_names():
-    from lazyckpt.manifest import step_named_by
+    from lazyckpt.formats.manifest import step_named_by
     assert step_named_by("/r/step_0000000002/manifest.json") == 2
     assert step_named_by("/r/step_0000000002") == 2
     assert step_named_by("s3://b/r/step_0000000002/0123abcd/manifest.json") == 2
@@ -276,7 +276,7 @@ def test_without_file_locks_the_heartbeat_alone_decides(tmp_path, monkeypatch):
     holder is one whose heartbeat is younger than lease_expiry_s."""
     import errno
     import json
-    from lazyckpt import layout
+    from lazyckpt.storage import layout
 
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "no locks")

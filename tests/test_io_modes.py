@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lazyckpt
-import lazyckpt.fileio
+import lazyckpt.storage.fileio
 from lzc_tools import TRAILER, assert_same, assert_same_aliasing, parse
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -175,7 +175,7 @@ def test_open_refusing_o_direct_falls_back(tmp_path, monkeypatch):
         if flags & O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument", path)
         return real_open(path, flags, *args, **kwargs)
-    monkeypatch.setattr(lazyckpt.fileio.os, "open", refusing_open)
+    monkeypatch.setattr(lazyckpt.storage.fileio.os, "open", refusing_open)
     state = odd_state()
     size = lazyckpt.save(state, tmp_path / "f.lzc", o_direct=True, chunk_bytes=8192, host_cache_bytes=32768)
     _check_file(tmp_path / "f.lzc", size)
@@ -193,7 +193,7 @@ def test_write_refusing_o_direct_falls_back(tmp_path, monkeypatch, writer_thread
             refused.append(offset)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, offset)
-    monkeypatch.setattr(lazyckpt.fileio.os, "pwrite", refusing_pwrite)
+    monkeypatch.setattr(lazyckpt.storage.fileio.os, "pwrite", refusing_pwrite)
     state = odd_state()
     path = tmp_path / "w.lzc"
     size = lazyckpt.save(state, path, o_direct=True, writer_threads=writer_threads, chunk_bytes=8192,
@@ -233,7 +233,7 @@ def test_concurrent_writers_all_fall_back_when_direct_writes_are_refused(tmp_pat
             buffered_done.wait(5)           # fail only after the first writer has fallen back
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(lazyckpt.fileio.os, "pwrite", choreographed_pwrite)
+    monkeypatch.setattr(lazyckpt.storage.fileio.os, "pwrite", choreographed_pwrite)
     state = odd_state()
     path = tmp_path / "c.lzc"
     size = lazyckpt.save(state, path, o_direct=True, writer_threads=4, chunk_bytes=8192, host_cache_bytes=65536)
@@ -255,7 +255,7 @@ def test_read_refusing_o_direct_falls_back(tmp_path, monkeypatch):
         if _is_direct(fd):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_preadv(fd, buffers, offset, *args)
-    monkeypatch.setattr(lazyckpt.fileio.os, "preadv", refusing_preadv)
+    monkeypatch.setattr(lazyckpt.storage.fileio.os, "preadv", refusing_preadv)
     assert_same(state, lazyckpt.load(path, o_direct=True))
 
 
@@ -283,7 +283,7 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
         if len(calls) > 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, data, offset)
-    monkeypatch.setattr(lazyckpt.fileio.os, "pwrite", failing_pwrite)
+    monkeypatch.setattr(lazyckpt.storage.fileio.os, "pwrite", failing_pwrite)
     with pytest.raises(lazyckpt.CheckpointWriteError, match="No space left"):
         lazyckpt.save({"w": torch.randn(50_000)}, path, chunk_bytes=8192, host_cache_bytes=32768)
     monkeypatch.undo()

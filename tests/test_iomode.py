@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt import iomode
+from lazyckpt.storage import iomode
 from test_io_modes import _data_opens
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -64,12 +64,12 @@ def test_a_recorded_verdict_is_used_by_the_next_process_without_probing(tmp_path
     fresh.write_text(json.dumps({f"{device}:write": record}))
     code = (
         "import os, sys, torch, lazyckpt\n"
-        "from lazyckpt import iomode\n"
+        "from lazyckpt.storage import iomode\n"
         "def no(*a): raise AssertionError('probed although a fresh verdict exists')\n"
         "iomode._probe = no\n"
         "opened = []\n"
         "real = os.open\n"
-        "lazyckpt.fileio.os.open = lambda p, f, *a: (opened.append((str(p), f)), real(p, f, *a))[1]\n"
+        "lazyckpt.storage.fileio.os.open = lambda p, f, *a: (opened.append((str(p), f)), real(p, f, *a))[1]\n"
         "lazyckpt.save({'w': torch.ones(1000)}, sys.argv[1])\n"
         "bulk = [f for p, f in opened if '.lzc.tmp-' in p and f & os.O_ACCMODE != os.O_RDWR]\n"
         "assert bulk and not any(f & os.O_DIRECT for f in bulk), bulk\n"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lazyckpt
-import lazyckpt.fileio
+import lazyckpt.storage.fileio
 from lzc_tools import assert_same, entry_by_name, parse
 
 
@@ -99,8 +99,8 @@ def test_partial_load_reads_only_the_selected_bytes(saved, monkeypatch):
         reads.append((offset, len(data)))
         return data
 
-    monkeypatch.setattr(lazyckpt.fileio.os, "preadv", recording_preadv)
-    monkeypatch.setattr(lazyckpt.fileio.os, "pread", recording_pread)
+    monkeypatch.setattr(lazyckpt.storage.fileio.os, "preadv", recording_preadv)
+    monkeypatch.setattr(lazyckpt.storage.fileio.os, "pread", recording_pread)
     out = lazyckpt.load(path, keys=[("model", "0.weight")])
     assert out["model"]["0.weight"].shape == (16, 8)
     assert reads, "no data read at all?"

@@ -153,7 +153,7 @@ def test_fsdp2_sharded_save_and_resharding_load(tmp_path, saved_world, loaded_wo
     assert weight["global_shape"] == [33, 16]
     assert weight["layout"] == {"mesh": {"shape": [saved_world], "start": 0, "strides": [1]},
                                 "placements": [["S", 0]]}
-    from lazyckpt.placement import pieces
+    from lazyckpt.formats.placement import pieces
     assert sorted(p["rank"] for p in pieces([33, 16], weight["layout"])) == list(range(saved_world))
     # A replicated DTensor is written once (by the rank at mesh coordinate 0).
     assert [p["rank"] for p in pieces([6], manifest["layouts"]['["rep"]']["layout"])] == [0]
@@ -170,7 +170,7 @@ def test_fsdp2_sharded_save_and_resharding_load(tmp_path, saved_world, loaded_wo
 
 
 def _die_mid_save(rank, world, directory):
-    from lazyckpt import fileio
+    from lazyckpt.storage import fileio
     with lazyckpt.Checkpointer(directory, commit_timeout_s=10, host_cache_bytes=1 << 20) as ckpt:
         state = {"w": torch.randn(200_000) + rank}
         ckpt.save(state, step=1).wait()

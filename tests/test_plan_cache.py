@@ -1,4 +1,4 @@
-"""Plans (lazyckpt/plan.py): a save of a state with the structure of the
+"""Plans (lazyckpt/state/plancache.py): a save of a state with the structure of the
 previous one walks it along the previous skeleton; the result must be what a
 full flatten() of the same state gives, and every difference that matters
 must make it a full walk."""
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt.engine import storage_pointers
-from lazyckpt.plan import PendingFlat, PlanCache
-from lazyckpt.providers import flatten
+from lazyckpt.saving.engine import storage_pointers
+from lazyckpt.state.plancache import PendingFlat, PlanCache
+from lazyckpt.state.providers import flatten
 
 
 def _training():

@@ -14,7 +14,7 @@ import torch
 import lazyckpt
 from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError,
                              CorruptCheckpointError)
-from lazyckpt.objstore import StorageConfigError
+from lazyckpt.storage.s3 import StorageConfigError
 
 MiB = 1 << 20
 
@@ -425,7 +425,7 @@ def test_a_rank_dying_mid_drain_leaves_no_persistent_step_and_the_local_commit(s
     assert results[1] == ("died", 3)
     status, message = results[0]
     assert status == "ok" and message.startswith("failed:") and "timed out" in message, message
-    assert lazyckpt.tiers.ObjectCheckpointDir(url, lazyckpt.knobs.resolve(
+    assert lazyckpt.storage.s3layout.ObjectCheckpointDir(url, lazyckpt.knobs.resolve(
         storage_options=_options(s3_server))).steps() == []
     assert sorted(os.listdir(os.path.join(local, "step_0000000005"))) == \
         ["manifest.json", "rank_00000.lzc", "rank_00001.lzc"]
@@ -437,7 +437,7 @@ def test_a_live_save_is_never_a_leftover(s3env, s3_bucket):
     """A save whose first object is older than the lease expiry but whose
     heartbeat is young (a long upload elsewhere in it) is kept; once its
     heartbeat stops, it is a leftover, its open uploads aborted too."""
-    from lazyckpt.tiers import LEASE_PREFIX, ObjectCheckpointDir, ObjectLease
+    from lazyckpt.storage.s3layout import LEASE_PREFIX, ObjectCheckpointDir, ObjectLease
     opts = lazyckpt.knobs.resolve()
     d = ObjectCheckpointDir(f"s3://{s3_bucket}/run", opts)
     client = s3env.client()

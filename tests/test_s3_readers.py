@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import lazyckpt
-import lazyckpt.tiers
-import lazyckpt.tools
+import lazyckpt.storage.s3layout
+import lazyckpt.loading.verify
 from lazyckpt.errors import CheckpointWriteError
 from lazyckpt.knobs import resolve as resolve_options
 
@@ -118,7 +118,7 @@ def test_a_step_deleted_under_a_reader_anyway_is_not_found_not_corrupt(s3_server
     url = f"s3://{s3_bucket}/run"
     with lazyckpt.Checkpointer(url, storage_options=_options(s3_server)) as ck:
         ck.save(_state(1), 1).wait()
-        prefix = lazyckpt.tiers.store_key(ck.layout.save_url(1, ck.layout.committed()[1]))
+        prefix = lazyckpt.storage.s3layout.store_key(ck.layout.save_url(1, ck.layout.committed()[1]))
     hold = proxy.hold_matching(_data_get)
     proc, results = _start_reader(url, _options(s3_server, endpoint=proxy.endpoint), 1, 1)
     try:
@@ -146,14 +146,14 @@ def test_prune_keeps_a_step_being_read(s3_server, s3_bucket, proxy, monkeypatch)
     proc, results = _start_reader(url, _options(s3_server, endpoint=proxy.endpoint), 1, 1)
     try:
         assert hold.arrived.wait(120)
-        report = lazyckpt.tools.prune(url, keep=1, force=True)
+        report = lazyckpt.loading.verify.prune(url, keep=1, force=True)
         (action,) = [a for a in report["actions"] if a["what"] == "step"]
         assert action["step"] == 1 and not action["done"] and "being read" in action["error"]
     finally:
         hold.release()
         out = _result(proc, results)
     assert out == ("ok", True)
-    report = lazyckpt.tools.prune(url, keep=1)
+    report = lazyckpt.loading.verify.prune(url, keep=1)
     assert [a["step"] for a in report["actions"] if a["what"] == "step" and a["done"]] == [1]
 
 
@@ -170,7 +170,7 @@ def test_a_reader_that_arrives_while_retention_deletes_the_manifest_gets_it_back
             ck.save(_state(s), s).wait()
     with _s3proxy.S3FaultProxy(s3_server.endpoint) as deleter_proxy:
         options = resolve_options(storage_options=_options(s3_server, endpoint=deleter_proxy.endpoint))
-        directory = lazyckpt.tiers.ObjectCheckpointDir(url, options)
+        directory = lazyckpt.storage.s3layout.ObjectCheckpointDir(url, options)
         hold_delete = deleter_proxy.hold_matching(lambda m, p, h: m == "POST" and "delete" in p)
         outcome = {}
         deleter = threading.Thread(target=lambda: outcome.update(deleted=directory.apply_retention(1)))
@@ -208,20 +208,20 @@ class _ClockBehind(datetime):
 
 def _skew_local_clock(monkeypatch, clock):
     """Skew the clock the cleaner's code could read (the server stays real)."""
-    monkeypatch.setattr(lazyckpt.tiers, "datetime", clock, raising=False)
+    monkeypatch.setattr(lazyckpt.storage.s3layout, "datetime", clock, raising=False)
     real = time.time
     offset = (clock.now(timezone.utc) - datetime.now(timezone.utc)).total_seconds()
-    monkeypatch.setattr(lazyckpt.tiers.time, "time", lambda: real() + offset)
+    monkeypatch.setattr(lazyckpt.storage.s3layout.time, "time", lambda: real() + offset)
 
 
 def test_a_cleaner_whose_clock_runs_ahead_keeps_live_saves(s3_server, s3_bucket, monkeypatch):
     """A save in progress (its heartbeat seconds old by the server's clock)
     must survive clean_leftovers on a host whose clock is an hour ahead."""
     options = resolve_options(storage_options=_options(s3_server), lease_expiry_s=60)
-    directory = lazyckpt.tiers.ObjectCheckpointDir(f"s3://{s3_bucket}/run", options)
+    directory = lazyckpt.storage.s3layout.ObjectCheckpointDir(f"s3://{s3_bucket}/run", options)
     prefix = directory._key("step_0000000001", uuid.uuid4().hex)
     directory.store.put(f"{prefix}/rank_00000.lzc", b"x" * 100)
-    lease = lazyckpt.tiers.ObjectLease(directory.store, f"{prefix}/{lazyckpt.tiers.LEASE_PREFIX}00000", 5)
+    lease = lazyckpt.storage.s3layout.ObjectLease(directory.store, f"{prefix}/{lazyckpt.storage.s3layout.LEASE_PREFIX}00000", 5)
     try:
         _skew_local_clock(monkeypatch, _ClockAhead)
         assert directory.leftovers() == []
@@ -237,7 +237,7 @@ def test_a_cleaner_whose_clock_runs_behind_still_removes_dead_saves(s3_server, s
     expiry, by the server's clock) is removed even if this host's clock
     says it is an hour younger. Polls the server (1 s timestamps), no sleep."""
     options = resolve_options(storage_options=_options(s3_server), lease_expiry_s=1)
-    directory = lazyckpt.tiers.ObjectCheckpointDir(f"s3://{s3_bucket}/run", options)
+    directory = lazyckpt.storage.s3layout.ObjectCheckpointDir(f"s3://{s3_bucket}/run", options)
     prefix = directory._key("step_0000000001", uuid.uuid4().hex)
     directory.store.put(f"{prefix}/rank_00000.lzc", b"x" * 100)
     _skew_local_clock(monkeypatch, _ClockBehind)

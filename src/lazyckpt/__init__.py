@@ -11,17 +11,17 @@ Public surface::
     lazyckpt.import_hf(hf_dir, out_file)                  # <- one, loadable into= any sharding
 """
 
+from lazyckpt.formats.datafile import FORMAT_VERSION, SUPPORTED_VERSIONS
+from lazyckpt.interop.hf import export_hf, import_hf
+from lazyckpt.loading.restore import RestoreHandle
+from lazyckpt.saving.engine import SaveHandle
+from lazyckpt.state.providers import register_provider
 from .api import load, load_async, save
 from .checkpointer import Checkpointer
-from .engine import SaveHandle
 from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError, CheckpointWriteError,
                      CorruptCheckpointError, MissingKeyError, StateMismatchError,
                      UnsafeObjectError, UnsupportedVersionError)
-from .format import FORMAT_VERSION, SUPPORTED_VERSIONS
-from .hf import export_hf, import_hf
 from .knobs import Options
-from .providers import register_provider
-from .restore import RestoreHandle
 
 __version__ = "0.1.0"
 

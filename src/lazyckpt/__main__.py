@@ -1,5 +1,5 @@
 """``python -m lazyckpt``: the command line (see :mod:`lazyckpt.cli`)."""
 
-from .cli import entry_point
+from lazyckpt.cli import entry_point
 
 entry_point()

@@ -6,18 +6,18 @@ import os
 import threading
 from typing import Any, Dict, Iterable, Optional
 
-from . import tiers
-from .commit import FileCommit, ObjectCommit
-from .engine import FilePart, run_now
+from lazyckpt.formats.manifest import check_metadata
+from lazyckpt.loading.loader import KeySpec, MapLocation, load_file, load_step_dir
+from lazyckpt.loading.restore import RestoreHandle
+from lazyckpt.saving.commit import FileCommit, ObjectCommit
+from lazyckpt.saving.engine import FilePart, run_now
+from lazyckpt.state.providers import flatten
+from lazyckpt.storage import s3layout as tiers
+from lazyckpt.storage.layout import CheckpointDir, MANIFEST
+from lazyckpt.storage.s3 import is_url, store_for
 from .errors import CheckpointNotFoundError
 from .knobs import Options, resolve
-from .layout import CheckpointDir, MANIFEST
-from .loader import KeySpec, MapLocation, load_file, load_step_dir
-from .manifest import check_metadata
-from .objstore import is_url, store_for
-from .providers import flatten
 from .resources import Resources
-from .restore import RestoreHandle
 
 #: Host cache of the synchronous functional save (the Checkpointer's default is larger:
 #: there a cache that holds the whole state lets the capture finish at memory speed).

@@ -1,9 +1,9 @@
 """Checkpointer: a directory of committed checkpoints, saved asynchronously.
 
-A thin public class over the save engine (:mod:`lazyckpt.engine`: queue,
+A thin public class over the save engine (:mod:`lazyckpt.saving.engine`: queue,
 capture thread, barrier, errors), the step-directory commit
-(:class:`lazyckpt.commit.StepCommit`, two-phase across ranks) and the
-directory layout (:mod:`lazyckpt.layout`: names, listing, ``latest``,
+(:class:`lazyckpt.saving.commit.StepCommit`, two-phase across ranks) and the
+directory layout (:mod:`lazyckpt.storage.layout`: names, listing, ``latest``,
 retention, leftovers, leases). See docs/FORMAT.md §11 for the layout.
 """
 
@@ -17,25 +17,25 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from .capture import record_events
-from .commit import ObjectStepCommit, StepCommit
+from lazyckpt.formats.manifest import check_metadata
+from lazyckpt.loading.loader import KeySpec, MapLocation, load_step, load_step_dir
+from lazyckpt.loading.restore import RestoreHandle
+from lazyckpt.saving.autorep import AutoReplication
+from lazyckpt.saving.capture import record_events
+from lazyckpt.saving.commit import ObjectStepCommit, StepCommit
+from lazyckpt.saving.engine import FilePart, SaveEngine, SaveHandle
+from lazyckpt.saving.incremental import IncrementalIndex
+from lazyckpt.state.plancache import PlanCache
+from lazyckpt.storage.layout import CheckpointDir, WriterLease
+from lazyckpt.storage.s3 import is_url
+from lazyckpt.storage.s3layout import ObjectCheckpointDir, ObjectWriterLease, PersistentTier
+from lazyckpt.tiers.replicas import ReplicaTier, node_group
+from lazyckpt.tiers.replicas import restore as restore_replicas
+from lazyckpt.tiers.replicas import topology as replica_topology
 from .distributed import rank_info, refuse
-from .engine import FilePart, SaveEngine, SaveHandle
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
-from .incremental import IncrementalIndex
-from .knobs import Options, resolve
-from .layout import CheckpointDir, WriterLease
-from .loader import KeySpec, MapLocation, load_step, load_step_dir
-from .objstore import is_url
-from .manifest import check_metadata
-from .plan import PlanCache
-from .restore import RestoreHandle
-from .autorep import AutoReplication
-from .replicas import ReplicaTier, node_group
-from .replicas import restore as restore_replicas
-from .replicas import topology as replica_topology
 from .history import Event, History, line
-from .tiers import ObjectCheckpointDir, ObjectWriterLease, PersistentTier
+from .knobs import Options, resolve
 
 log = logging.getLogger("lazyckpt")
 
@@ -277,7 +277,7 @@ class Checkpointer:
             return
         if not self._dist.distributed:
             # Damaged at rest since it was committed: never replace a good copy there with it.
-            from .tools import verify
+            from lazyckpt.loading.verify import verify
             report = verify(self.layout.step_path(step), self.options)
             if not report.ok:
                 log.warning("lazyckpt: step %d is not on the persistent tier %s and its local copy is damaged "

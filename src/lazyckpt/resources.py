@@ -7,7 +7,7 @@ import concurrent.futures as cf
 import threading
 from typing import Any, Iterable, Optional
 
-from .hostcache import HostCache
+from lazyckpt.saving.hostcache import HostCache
 from .knobs import Options
 
 

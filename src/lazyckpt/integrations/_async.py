@@ -3,8 +3,8 @@ frameworks hand over one file path per checkpoint (Lightning, the Hugging
 Face Trainer).
 
 ``AsyncFileWriter`` is a thin face of the one save engine
-(:mod:`lazyckpt.engine`): ``save(state, path)`` walks the state on the
-caller's thread and queues a :class:`~lazyckpt.commit.FileCommit` job (a
+(:mod:`lazyckpt.saving.engine`): ``save(state, path)`` walks the state on the
+caller's thread and queues a :class:`~lazyckpt.saving.commit.FileCommit` job (a
 leased hidden temporary next to ``path``, fsync, rename, directory fsync).
 While a capture is pending a global optimizer step pre-hook and a forward
 guard for modules whose persistent buffers are being captured (BatchNorm)
@@ -18,15 +18,15 @@ import logging
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from ..capture import record_events
-from ..commit import FileCommit
-from ..engine import FilePart, SaveEngine, SaveHandle
-from ..errors import CheckpointNotFoundError
-from ..format import MAGIC
-from ..knobs import Options, resolve
-from ..layout import clean_sibling_temps
-from ..loader import _find_pickle, load_file
-from ..providers import flatten
+from lazyckpt.errors import CheckpointNotFoundError
+from lazyckpt.formats.datafile import MAGIC
+from lazyckpt.knobs import Options, resolve
+from lazyckpt.loading.loader import _find_pickle, load_file
+from lazyckpt.saving.capture import record_events
+from lazyckpt.saving.commit import FileCommit
+from lazyckpt.saving.engine import FilePart, SaveEngine, SaveHandle
+from lazyckpt.state.providers import flatten
+from lazyckpt.storage.layout import clean_sibling_temps
 
 log = logging.getLogger("lazyckpt")
 

@@ -50,15 +50,15 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import api
-from ..capture import record_events
-from ..commit import FileCommit
-from ..engine import CopyPart, FilePart, NoCommit, SaveEngine, run_now
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..fileio import fsync_dir, write_file_atomic
-from ..hostcache import StagingArenas
-from ..knobs import resolve
-from ..providers import flatten
+from lazyckpt import api
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.knobs import resolve
+from lazyckpt.saving.capture import record_events
+from lazyckpt.saving.commit import FileCommit
+from lazyckpt.saving.engine import CopyPart, FilePart, NoCommit, SaveEngine, run_now
+from lazyckpt.saving.hostcache import StagingArenas
+from lazyckpt.state.providers import flatten
+from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
 
 METADATA = ".metadata"
 #: stage() waits at most this long for a staging buffer (an earlier save's write to end).

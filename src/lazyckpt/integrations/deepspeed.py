@@ -24,7 +24,7 @@ call after ``deepspeed.initialize``::
 
 Files keep DeepSpeed's names (``mp_rank_00_model_states.pt`` ...) but hold
 lazyckpt's format. Every save of a tag runs on lazyckpt's one save engine
-(:mod:`lazyckpt.engine`): one job per tag, its files written in order through
+(:mod:`lazyckpt.saving.engine`): one job per tag, its files written in order through
 the bounded host cache, each renamed into place once durable; the tag is
 committed across ranks through the store (keyed by the call, so a failure on
 one rank fails that tag only) and ``latest`` is written after that.
@@ -48,15 +48,15 @@ from typing import Any, Optional
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from ..capture import record_events
-from ..distributed import RankInfo, agree, rank_info, refuse
-from ..engine import CommitStrategy, FilePart, Job, SaveEngine
-from ..errors import CheckpointError
-from ..fileio import fsync_dir, remove_quietly, write_file_atomic
-from ..knobs import resolve
-from ..layout import sibling_temp
-from ..loader import _find_pickle, load_file
-from ..providers import flatten, register_provider
+from lazyckpt.distributed import RankInfo, agree, rank_info, refuse
+from lazyckpt.errors import CheckpointError
+from lazyckpt.knobs import resolve
+from lazyckpt.loading.loader import _find_pickle, load_file
+from lazyckpt.saving.capture import record_events
+from lazyckpt.saving.engine import CommitStrategy, FilePart, Job, SaveEngine
+from lazyckpt.state.providers import flatten, register_provider
+from lazyckpt.storage.fileio import fsync_dir, remove_quietly, write_file_atomic
+from lazyckpt.storage.layout import sibling_temp
 from ._async import is_lazyckpt_file
 
 log = logging.getLogger("lazyckpt.deepspeed")

@@ -87,10 +87,10 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from ..errors import MissingKeyError
-from ..fileio import fsync_dir, write_file_atomic
-from ..knobs import resolve
-from ..layout import clean_sibling_temps, sibling_temp
+from lazyckpt.errors import MissingKeyError
+from lazyckpt.knobs import resolve
+from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
+from lazyckpt.storage.layout import clean_sibling_temps, sibling_temp
 from ._async import AsyncFileWriter
 
 log = logging.getLogger("lazyckpt")

@@ -90,7 +90,7 @@ import os
 import threading
 from typing import Any, Dict, Optional
 
-from ..knobs import resolve
+from lazyckpt.knobs import resolve
 
 log = logging.getLogger("lazyckpt")
 

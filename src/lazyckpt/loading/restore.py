@@ -34,7 +34,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .errors import CheckpointError
+from lazyckpt.errors import CheckpointError
 
 
 class RestoreHandle:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
+from lazyckpt.errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
 
 # --------------------------------------------------------------------------- sources
 
@@ -563,7 +563,7 @@ class DTensorProvider(Provider):
         node = {"$": "dtensor", "dtype": dtype_name(value.dtype), "global_shape": list(value.shape),
                 "offsets": [int(o) for o in offsets], "local_shape": [int(n) for n in local_shape],
                 "local": None}
-        from .placement import describe
+        from lazyckpt.formats.placement import describe
         layout = describe(value)
         if layout is not None:      # loaders derive every rank's piece from it (lazyckpt/placement.py)
             node["layout"] = layout

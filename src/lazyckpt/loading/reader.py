@@ -17,12 +17,12 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import format as fmt
-from .errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
-from .fileio import InputFile, NotARegularFile, anonymous_buffer, open_regular
-from .iomode import use_o_direct
-from .objstore import ObjectInput, is_url, store_for
-from .knobs import Options
+from lazyckpt.errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
+from lazyckpt.formats import datafile as fmt
+from lazyckpt.knobs import Options
+from lazyckpt.storage.fileio import InputFile, NotARegularFile, anonymous_buffer, open_regular
+from lazyckpt.storage.iomode import use_o_direct
+from lazyckpt.storage.s3 import ObjectInput, is_url, store_for
 
 
 class CheckpointFile:
@@ -309,7 +309,7 @@ class RefResolver:
         self._lock = threading.Lock()       # a load may resolve from several threads
 
     def resolve(self, referrer: CheckpointFile, index: int) -> Tuple[CheckpointFile, int]:
-        from .layout import rank_filename, step_dirname
+        from lazyckpt.storage.layout import rank_filename, step_dirname
         e = referrer.entries[index]
         ref = e.ref
         here = f"{referrer.path} (step {referrer.step})"
@@ -330,7 +330,7 @@ class RefResolver:
 
     def _open(self, key: tuple, path: str, referrer: CheckpointFile, here: str, e: fmt.Entry) -> CheckpointFile:
         """The referred-to file, opened once per load and held with a read lock."""
-        from .layout import StepDir
+        from lazyckpt.storage.layout import StepDir
         other = self._files.get(key)
         if other is not None:
             return other

@@ -25,15 +25,16 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import numpy as np
 import torch
 
-from . import manifest
-from .distributed import RankInfo, agree, refuse
-from .engine import CommitStrategy, FilePart, Job
-from .errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.distributed import RankInfo, agree, refuse
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.formats import manifest
+from lazyckpt.history import Event
+from lazyckpt.storage.fileio import fsync_dir, remove_quietly, write_file_atomic
+from lazyckpt.storage.layout import (MANIFEST, CheckpointDir, StepDir, new_token, rank_filename, remove_tree,
+                                     sibling_temp)
 from .autorep import AutoReplication
-from .history import Event
+from .engine import CommitStrategy, FilePart, Job
 from .incremental import IncrementalIndex, Plan
-from .fileio import fsync_dir, remove_quietly, write_file_atomic
-from .layout import MANIFEST, CheckpointDir, StepDir, new_token, rank_filename, remove_tree, sibling_temp
 
 log = logging.getLogger("lazyckpt")
 
@@ -345,9 +346,9 @@ class StepCommit(CommitStrategy):
         """The placement-derived index: each distinct layout digest's DTensors,
         read from the footer of the first rank that reported it (O(groups x
         tensors), not O(ranks x tensors))."""
-        from .knobs import resolve
-        from .loader import dtensor_nodes
-        from .reader import CheckpointFile
+        from lazyckpt.knobs import resolve
+        from lazyckpt.loading.loader import dtensor_nodes
+        from lazyckpt.loading.reader import CheckpointFile
         first: Dict[str, int] = {}
         for r in sorted(done):
             digest = done[r].get("layouts")
@@ -466,7 +467,7 @@ class ObjectStepCommit(StepCommit):
         self.tmp = layout.save_url(step, self.save_id)
 
     def begin(self, job: Job) -> None:
-        from .tiers import LEASE_PREFIX, ObjectLease
+        from lazyckpt.storage.s3layout import LEASE_PREFIX, ObjectLease
         store, key = self._store()
         # The heartbeat keeps clean_leftovers (any process) off this save's prefix.
         job.leases.append(ObjectLease(store, f"{key}/{LEASE_PREFIX}{self.dist.rank:05d}", self.heartbeat_s))
@@ -475,7 +476,7 @@ class ObjectStepCommit(StepCommit):
         return f"{self.tmp}/{rank_filename(self.dist.rank)}"
 
     def _store(self):
-        from .objstore import store_for
+        from lazyckpt.storage.s3 import store_for
         return store_for(self.tmp, self.layout.options.storage_options)
 
     def _put_side(self, name: str, data: bytes) -> None:

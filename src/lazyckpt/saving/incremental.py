@@ -63,9 +63,9 @@ import numpy as np
 import torch
 import xxhash
 
-from . import format as fmt
+from lazyckpt.formats import datafile as fmt
+from lazyckpt.state.providers import Source
 from .capture import DeviceCopier, as_numpy, hash_through_host
-from .providers import Source
 
 
 @dataclass

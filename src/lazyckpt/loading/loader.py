@@ -13,13 +13,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from . import manifest as manifests
-from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError,
-                     MissingKeyError, StateMismatchError, UnsafeObjectError)
-from .fileio import NotARegularFile, read_small_file
-from .knobs import Options
-from .layout import MANIFEST, STEP_DIR, StepDir
-from .providers import LoadContext, referenced_entries
+from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError,
+                             CorruptCheckpointError, MissingKeyError, StateMismatchError, UnsafeObjectError)
+from lazyckpt.formats import manifest as manifests
+from lazyckpt.knobs import Options
+from lazyckpt.state.providers import LoadContext, referenced_entries
+from lazyckpt.storage.fileio import NotARegularFile, read_small_file
+from lazyckpt.storage.layout import MANIFEST, STEP_DIR, StepDir
 from .reader import CheckpointFile, RefResolver, resolver_for
 
 log = logging.getLogger("lazyckpt")
@@ -165,7 +165,7 @@ def load_step(url: str, manifest: Dict[str, Any], options: Options, pool: cf.Thr
     read, so that retention and prune elsewhere keep it; where it is deleted
     anyway (an expired lease, another tool) the error says so, as on a local
     directory, instead of reporting the vanished objects as damage."""
-    from .tiers import reading_object_step
+    from lazyckpt.storage.s3layout import reading_object_step
     with reading_object_step(url, options) as held:
         if manifest is None:
             manifest = held.manifest()
@@ -606,7 +606,7 @@ class StepFiles:
         """A shard index entry computed from the tensor's layout: pieces with
         their geometry; the tensor node of each is looked up in its rank's
         footer only if the piece is needed (see _cover)."""
-        from . import placement
+        from lazyckpt.formats import placement
         info = self.layouts[key]
         shape = info.get("global_shape") if isinstance(info, dict) else None
         if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
@@ -629,7 +629,7 @@ class StepFiles:
 
     def _assemble(self, info: Dict[str, Any], node: Dict[str, Any], target: Any, ctx: LoadContext,
                   pool: cf.ThreadPoolExecutor) -> Any:
-        from .providers import dtype_from_name
+        from lazyckpt.state.providers import dtype_from_name
         dtype = dtype_from_name(info["dtype"], ctx)
         global_shape = info["global_shape"]
         if not (isinstance(global_shape, list) and all(type(n) is int and n >= 0 for n in global_shape)):
@@ -662,7 +662,7 @@ class StepFiles:
         that they lie inside the tensor, have sound geometry, and cover the region
         exactly once (no hole would be left as uninitialized memory, no overlap
         could hide one)."""
-        from .providers import dtype_from_name, tensor_bytes_needed
+        from lazyckpt.state.providers import dtype_from_name, tensor_bytes_needed
         boxes, chosen = [], []
         derived = info.get("derived")   # pieces from a layout: their tensor nodes are looked up when needed
         for piece in info["pieces"]:
@@ -727,7 +727,7 @@ class StepFiles:
 def dtensor_nodes(tree: Any) -> Dict[str, Dict[str, Any]]:
     """Every DTensor node of a tree by its key path as the loader names it
     (``json.dumps`` of the str() of each key), without decoding any value."""
-    from .providers import LoadContext as _Ctx
+    from lazyckpt.state.providers import LoadContext as _Ctx
     ctx = _Ctx(entry_value=None, storage=None, allow_pickle=False, path="")
     out: Dict[str, Dict[str, Any]] = {}
     stack = [(tree, [])]
@@ -754,7 +754,7 @@ def _copy_region(f: CheckpointFile, t: Dict[str, Any], offsets: list, out: torch
     """Copy the part of saved tensor node ``t`` (placed at ``offsets`` in the
     global tensor) that overlaps ``out`` (the region starting at ``origin``),
     reading only the rows needed when ``t`` is row-major."""
-    from .providers import dtype_from_name
+    from lazyckpt.state.providers import dtype_from_name
     shape = t["shape"]
     lo = [max(o, r) for o, r in zip(offsets, origin)]
     hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, shape, origin, out.shape)]
@@ -786,7 +786,7 @@ def _plain_into_dtensor(tree: Any, into: Any) -> Dict[int, Any]:
     targets = _dtensor_targets(into)
     if not targets:
         return {}
-    from .tools import walk
+    from .verify import walk
     return {id(leaf.node): targets[key] for leaf in walk(tree)
             if leaf.type == "tensor" and (key := json.dumps(list(leaf.path))) in targets}
 
@@ -796,7 +796,7 @@ def plain_tensor_entry(f: CheckpointFile, step: Optional["StepFiles"], node: Dic
     """(the file holding a plain tensor node's bytes, the entry's index): ``f``,
     or another rank's file for a replicated entry, after checking that the
     entry is there and can hold the tensor."""
-    from .providers import tensor_bytes_needed
+    from lazyckpt.state.providers import tensor_bytes_needed
     e = node.get("e")
     if type(e) is not int or not 0 <= e < len(f.entries):
         raise ctx.corrupt(f"reference to unknown entry {e!r}")
@@ -818,7 +818,7 @@ def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
     def load(node: Dict[str, Any], ctx: LoadContext) -> Any:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        from .providers import dtype_from_name
+        from lazyckpt.state.providers import dtype_from_name
         dtype = dtype_from_name(node.get("dtype"), ctx)
         shape = node.get("shape")
         if list(target.shape) != shape or target.dtype != dtype:
@@ -836,7 +836,7 @@ def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
 
 
 def _grafted_node(tree: Any, node_id: int) -> bool:
-    from .tools import walk
+    from .verify import walk
     return any(id(leaf.node) == node_id and type(leaf.node.get("e")) is int and leaf.node["e"] >= GRAFT_BASE
                for leaf in walk(tree))
 
@@ -846,7 +846,7 @@ def _direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tupl
     same path as :func:`fill_into` follows, the same dtype and shape, not a
     DTensor): entry -> [(node, target)]. Anything else is left to the full
     decode and ``fill_into``, which also raise the mismatches."""
-    from .providers import dtype_from_name
+    from lazyckpt.state.providers import dtype_from_name
     out: Dict[int, List[tuple]] = {}
     stack = [(into, tree)]
     while stack:
@@ -881,7 +881,7 @@ def _direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tupl
 
 def _dtensor_targets(into: Any) -> Dict[str, Any]:
     """DTensors in ``into`` by key path (as the loader names them)."""
-    from .providers import _dtensor_type
+    from lazyckpt.state.providers import _dtensor_type
     targets: Dict[str, Any] = {}
     DTensor = _dtensor_type()
     if DTensor is None or into is None:
@@ -928,6 +928,6 @@ def fill_into(dst: Any, src: Any, path: str, trail: str = "") -> Any:
 
 
 def _is_dtensor(value: Any) -> bool:
-    from .providers import _dtensor_type
+    from lazyckpt.state.providers import _dtensor_type
     cls = _dtensor_type()
     return cls is not None and isinstance(value, cls)

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 
 import xxhash
 
-from .errors import CorruptCheckpointError, UnsupportedVersionError
+from lazyckpt.errors import CorruptCheckpointError, UnsupportedVersionError
 
 MAGIC = b"LAZYCKPT"
 FOOTER_MAGIC = b"LZCKFOOT"

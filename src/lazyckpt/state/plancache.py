@@ -97,7 +97,7 @@ class PlanCache:
     ``gather(state, ...)`` is what ``save()`` calls: a :class:`PendingFlat`
     (resolved on the capture thread) when the plan serves, else the full
     walk's :class:`Flattened`. ``flatten(state, ...)`` does both on this
-    thread and returns what :func:`lazyckpt.providers.flatten` returns.
+    thread and returns what :func:`lazyckpt.state.providers.flatten` returns.
     ``hits``/``misses`` count how often the plan served a save, and ``last``
     says what the last call did: "hit", "miss" (a full walk, a new plan) or
     "uncacheable" (a full walk; the state cannot be planned). A difference

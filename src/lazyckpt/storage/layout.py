@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from .errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
 
 log = logging.getLogger("lazyckpt")
@@ -475,7 +475,7 @@ class CheckpointDir:
     def references(self, step: int) -> Optional[List[int]]:
         """The earlier steps whose files hold bytes of ``step`` (its manifest);
         None if the manifest cannot be read (then it may need any of them)."""
-        from . import manifest as manifests            # manifest.py uses this module's names
+        from lazyckpt.formats import manifest as manifests            # manifest.py uses this module's names
         raw = read_small_file(os.path.join(self.step_path(step), MANIFEST), manifests.MAX_MANIFEST_BYTES)
         if raw is None:
             return []                                  # gone meanwhile: needs nothing

@@ -27,14 +27,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import format as fmt
+from lazyckpt.formats import datafile as fmt
+from lazyckpt.knobs import Options
+from lazyckpt.state.providers import Source
+from lazyckpt.storage.fileio import OutputFile
+from lazyckpt.storage.iomode import use_o_direct
+from lazyckpt.storage.s3 import ObjectOutput, is_url
 from .capture import DeviceCopier, wait_copies
-from .fileio import OutputFile
-from .iomode import use_o_direct
-from .objstore import ObjectOutput, is_url
 from .hostcache import HostCache
-from .knobs import Options
-from .providers import Source
 
 
 def open_output(path: str, options: Options, block_bytes: int):

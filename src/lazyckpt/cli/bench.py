@@ -92,8 +92,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 import lazyckpt
-from .fileio import anonymous_buffer, open_for_read
-from .knobs import Options
+from lazyckpt.knobs import Options
+from lazyckpt.storage.fileio import anonymous_buffer, open_for_read
 
 GB = 1e9
 CHUNK = 32 << 20

@@ -8,10 +8,10 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
-from . import format as fmt
-from .distributed import shard_index
-from .errors import CheckpointError, CorruptCheckpointError
-from .layout import rank_filename
+from lazyckpt.distributed import shard_index
+from lazyckpt.errors import CheckpointError, CorruptCheckpointError
+from lazyckpt.storage.layout import rank_filename
+from . import datafile as fmt
 
 #: A reader refuses larger manifests (hostile-file guard); writers refuse to commit them.
 MAX_MANIFEST_BYTES = 1 << 30
@@ -112,7 +112,7 @@ def layouts_digest(tree: Any, world_size: int) -> Optional[str]:
     (then the rank lists its pieces explicitly). Mesh ranks are global
     ranks: derivation also needs the checkpointer's group to be the world."""
     import hashlib
-    from .loader import dtensor_nodes
+    from lazyckpt.loading.loader import dtensor_nodes
     nodes = dtensor_nodes(tree)
     if not nodes or any(not isinstance(n.get("layout"), dict) for n in nodes.values()):
         return None

@@ -46,8 +46,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import xxhash
 
+from lazyckpt.state.providers import Source, _without_devices, referenced_entries
 from .capture import DeviceCopier, as_numpy, hash_through_host
-from .providers import Source, _without_devices, referenced_entries
 
 log = logging.getLogger("lazyckpt")
 

@@ -51,13 +51,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import api
-from .layout import MANIFEST, STEP_DIR, sibling_temp
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError
-from .fileio import fsync_dir, remove_quietly
-from .knobs import resolve as resolve_options
-from .reader import CheckpointFile
-from .tools import resolve as resolve_target, walk
+from lazyckpt import api
+from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                             UnsafeObjectError)
+from lazyckpt.knobs import resolve as resolve_options
+from lazyckpt.loading.reader import CheckpointFile
+from lazyckpt.loading.verify import resolve as resolve_target, walk
+from lazyckpt.storage.fileio import fsync_dir, remove_quietly
+from lazyckpt.storage.layout import MANIFEST, STEP_DIR, sibling_temp
 
 FORMATS = ("lazyckpt", "torch", "safetensors", "dcp")
 EXTENSIONS = {".lzc": "lazyckpt", ".pt": "torch", ".pth": "torch", ".bin": "torch", ".ckpt": "torch",
@@ -484,7 +485,7 @@ def load_dcp(path: str, allow_pickle: bool) -> Dict[str, Any]:
     reader_cls: Any = FileSystemReader
     if any(n.endswith(".lzc") for n in os.listdir(path)):
         try:   # written by lazyckpt's DCP storage writer
-            from .integrations.dcp import LazyStorageReader
+            from lazyckpt.integrations.dcp import LazyStorageReader
             reader_cls = LazyStorageReader
         except ImportError:
             pass

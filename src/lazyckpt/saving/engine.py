@@ -20,7 +20,7 @@ commit for a DCP staging copy). One :class:`SaveEngine` has
   stored, logged, and raised once -- by ``handle.wait()`` or by the next
   ``save()``/``wait()``/``wait_for_snapshot()`` -- as a ``CheckpointWriteError``
   naming the checkpoint and the cause;
-* the capture barrier (:mod:`lazyckpt.barrier`): optimizer pre-step hooks and
+* the capture barrier (:mod:`lazyckpt.saving.barrier`): optimizer pre-step hooks and
   a forward guard for persistent buffers that a training-mode forward mutates;
 * an interpreter-exit policy: pending saves are drained before the
   interpreter's thread pools shut down (``exit_policy="drain"``), or cancelled
@@ -42,14 +42,14 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 import torch
 
+from lazyckpt.errors import CheckpointError, CheckpointWriteError
+from lazyckpt.knobs import Options
+from lazyckpt.resources import Resources
+from lazyckpt.state.plancache import PendingFlat
+from lazyckpt.state.providers import Flattened
+from lazyckpt.storage.layout import Lease
 from .barrier import CaptureBarrier
 from .capture import DeviceCopier, device_guard
-from .errors import CheckpointError, CheckpointWriteError
-from .knobs import Options
-from .layout import Lease
-from .plan import PendingFlat
-from .providers import Flattened
-from .resources import Resources
 from .writer import Aborted, FileWriteJob, WriteStats
 
 log = logging.getLogger("lazyckpt")

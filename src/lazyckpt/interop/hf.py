@@ -39,17 +39,17 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from . import api
+from lazyckpt import api
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
+from lazyckpt.knobs import Options, resolve as resolve_options
+from lazyckpt.loading.loader import StepFiles, plain_tensor_entry
+from lazyckpt.loading.reader import CheckpointFile, RefResolver, resolver_for
+from lazyckpt.loading.verify import Leaf, Target, resolve as resolve_target, walk
+from lazyckpt.state.providers import LoadContext
+from lazyckpt.storage.fileio import fsync_dir
+from lazyckpt.storage.layout import StepDir, new_token, remove_tree
 from .convert import (SafetensorsSource, TensorSpec, _itemsize, _ST_CODES,
                       read_safetensors_header, write_safetensors)
-from .errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
-from .fileio import fsync_dir
-from .knobs import Options, resolve as resolve_options
-from .layout import StepDir, new_token, remove_tree
-from .loader import StepFiles, plain_tensor_entry
-from .providers import LoadContext
-from .reader import CheckpointFile, RefResolver, resolver_for
-from .tools import Leaf, Target, resolve as resolve_target, walk
 
 #: Where training states usually keep the model (autodetected in this order).
 MODEL_KEYS = ("model", "module", "state_dict")

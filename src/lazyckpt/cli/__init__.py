@@ -27,9 +27,9 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import __version__
-from .errors import CheckpointError, UnsafeObjectError
-from .knobs import parse_size
+from lazyckpt import __version__
+from lazyckpt.errors import CheckpointError, UnsafeObjectError
+from lazyckpt.knobs import parse_size
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 
@@ -93,7 +93,7 @@ def _progress_enabled(args: argparse.Namespace) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .tools import format_time, human_bytes, list_directory
+    from lazyckpt.loading.verify import format_time, human_bytes, list_directory
     listing = list_directory(args.dir)
     if args.json:
         _print_json(listing)
@@ -138,7 +138,7 @@ def _shape(v: Any) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .tools import describe, format_time, human_bytes
+    from lazyckpt.loading.verify import describe, format_time, human_bytes
     doc = describe(args.path)
     if args.json:
         _print_json(doc)
@@ -232,7 +232,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .tools import human_bytes, verify
+    from lazyckpt.loading.verify import human_bytes, verify
     bar = Progress(_progress_enabled(args), "verifying")
     try:
         report = verify(args.path, progress=bar.update, on_total=bar.total)
@@ -257,8 +257,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert
-    from .tools import human_bytes
+    from lazyckpt.interop.convert import convert
+    from lazyckpt.loading.verify import human_bytes
     bar = Progress(_progress_enabled(args), "converting")
     try:
         result = convert(args.src, args.dst, args.src_format, args.dst_format, allow_pickle=args.allow_pickle,
@@ -283,8 +283,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .hf import export_hf
-    from .tools import human_bytes
+    from lazyckpt.interop.hf import export_hf
+    from lazyckpt.loading.verify import human_bytes
     bar = Progress(_progress_enabled(args), "exporting")
     try:
         result = export_hf(args.src, args.out_dir, key=args.key, prefix=args.prefix, strip=args.strip,
@@ -304,8 +304,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from .hf import import_hf
-    from .tools import human_bytes
+    from lazyckpt.interop.hf import import_hf
+    from lazyckpt.loading.verify import human_bytes
     result = import_hf(args.hf_dir, args.out, key=args.key, overwrite=args.force)
     print(f"{result.src} ({len(result.files)} file(s)) -> {result.out}: {result.tensors} tensors, "
           f"{human_bytes(result.tensor_bytes)}, file {human_bytes(result.file_bytes)}, {result.seconds:.2f} s")
@@ -316,7 +316,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .tools import human_bytes, prune
+    from lazyckpt.loading.verify import human_bytes, prune
     if args.keep < 1:
         raise UsageError(f"--keep must be at least 1 (got {args.keep}); deleting every checkpoint is not offered")
     result = prune(args.dir, args.keep, dry_run=args.dry_run, force=args.force)
@@ -346,7 +346,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import _bench as bench   # private: the peers' harness, loaded only here
+    from . import bench   # private: the peers' harness, loaded only here
     try:
         size = parse_size(args.size) if args.size else (4 << 20 if args.quick else 256 << 20)
         dtypes = bench.parse_dtypes(args.dtypes)

@@ -28,13 +28,14 @@ import time
 import uuid
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from . import manifest as manifests
-from .errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
+from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointWriteError,
+                             CorruptCheckpointError)
+from lazyckpt.formats import manifest as manifests
+from lazyckpt.history import Event, event_key, line, parse_event_key, prunable
+from lazyckpt.knobs import Options
 from .fileio import anonymous_buffer, open_for_read, pread_into
-from .history import Event, event_key, line, parse_event_key, prunable
-from .knobs import Options
 from .layout import LATEST, MANIFEST, StepDir, deleted_while_reading, rank_filename, step_dirname
-from .objstore import ObjectOutput, ObjectURL, store_for
+from .s3 import ObjectOutput, ObjectURL, store_for
 
 log = logging.getLogger("lazyckpt")
 
@@ -590,7 +591,7 @@ def load_url(url: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Opti
              **kwargs: Any) -> Any:
     """Load an object (one checkpoint file), a committed save prefix (with its
     manifest), or the latest step of an object-store checkpoint directory."""
-    from .loader import load_file, load_step
+    from lazyckpt.loading.loader import load_file, load_step
     store, key = store_for(url, options.storage_options)
     if key and store.size(key) is not None:
         return load_file(url, options, pool, **kwargs)
@@ -832,7 +833,7 @@ class PersistentTier:
                     raw = f.read()
                 self.dir.commit(item.step, item.save_id, raw)
             if d.distributed:
-                from .distributed import agree
+                from lazyckpt.distributed import agree
                 agree(d, key, report, item.step, commit)
                 if not report["ok"]:
                     raise CheckpointError(f"step {item.step}: {report['error']}")

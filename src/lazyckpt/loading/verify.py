@@ -12,15 +12,15 @@ line is built on, usable from Python too.
 * :func:`prune` -- delete older committed steps (rename, fsync, then delete,
   as the library does), abandoned steps and the leftovers of dead saves.
 
-Every one of them also takes an ``s3://`` URL (see :mod:`lazyckpt.tiers` for
+Every one of them also takes an ``s3://`` URL (see :mod:`lazyckpt.storage.s3layout` for
 the layout on an object store): a checkpoint object, a committed save prefix
 (``.../step_XXXXXXXXXX/<save_id>``, or ``.../step_XXXXXXXXXX``), or a
 Checkpointer directory prefix.
 
 Everything here reads the on-disk format (docs/FORMAT.md) through the
-library's own parsers (:class:`~lazyckpt.reader.CheckpointFile`,
-:func:`lazyckpt.manifest.parse`) and the directory rules of
-:mod:`lazyckpt.layout`. Only :func:`prune` deletes anything.
+library's own parsers (:class:`~lazyckpt.loading.reader.CheckpointFile`,
+:func:`lazyckpt.formats.manifest.parse`) and the directory rules of
+:mod:`lazyckpt.storage.layout`. Only :func:`prune` deletes anything.
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from . import format as fmt
-from . import manifest as manifests
-from .incremental import owned_bytes, referenced_steps
-from .errors import CheckpointError, CheckpointNotFoundError
-from .fileio import anonymous_buffer, open_for_read, pread_into, read_small_file
-from .iomode import use_o_direct
-from .knobs import Options, resolve as resolve_options
-from .layout import LATEST, MANIFEST, CheckpointDir, remove_tree, step_dirname, tree_bytes
-from .objstore import ObjectURL, is_url, store_for
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.formats import datafile as fmt
+from lazyckpt.formats import manifest as manifests
+from lazyckpt.knobs import Options, resolve as resolve_options
+from lazyckpt.saving.incremental import owned_bytes, referenced_steps
+from lazyckpt.storage.fileio import anonymous_buffer, open_for_read, pread_into, read_small_file
+from lazyckpt.storage.iomode import use_o_direct
+from lazyckpt.storage.layout import LATEST, MANIFEST, CheckpointDir, remove_tree, step_dirname, tree_bytes
+from lazyckpt.storage.s3 import ObjectURL, is_url, store_for
 from .reader import CheckpointFile, RefResolver, resolver_for
 
 # --------------------------------------------------------------------------- targets
@@ -119,7 +119,7 @@ _STEP_NAME = re.compile(r"^step_(\d{10})$")
 
 
 def _object_dir(url: str, options: Options) -> Any:
-    from .tiers import ObjectCheckpointDir
+    from lazyckpt.storage.s3layout import ObjectCheckpointDir
     directory = ObjectCheckpointDir(url, options)
     directory.store.check()      # wrong credentials, a missing bucket: one clear error first
     return directory
@@ -128,7 +128,7 @@ def _object_dir(url: str, options: Options) -> Any:
 def _resolve_url(path: str, options: Options) -> Target:
     """An object, a committed save prefix (``.../step_X/<save_id>`` or
     ``.../step_X``) or a Checkpointer directory prefix (-> its latest step)."""
-    from .tiers import read_manifest as read_object_manifest
+    from lazyckpt.storage.s3layout import read_manifest as read_object_manifest
     url = str(ObjectURL.parse(path))
     store, key = store_for(url, options.storage_options)
     store.check()
@@ -404,7 +404,7 @@ def describe(path: str, options: Optional[Options] = None) -> Dict[str, Any]:
 
 
 def _layout_info(key: str, info: Any, world_size: Any) -> Dict[str, Any]:
-    from .placement import check, pieces
+    from lazyckpt.formats.placement import check, pieces
     try:
         path = "/".join(json.loads(key))
     except (ValueError, TypeError):
@@ -478,7 +478,7 @@ def list_directory(directory: str, lease_expiry_s: Optional[float] = None) -> Di
 
 
 def _list_url(url: str, lease_expiry_s: Optional[float] = None) -> Dict[str, Any]:
-    from .tiers import read_manifest as read_object_manifest
+    from lazyckpt.storage.s3layout import read_manifest as read_object_manifest
     options = resolve_options()
     url = str(ObjectURL.parse(url))
     directory = _object_dir(url, options)

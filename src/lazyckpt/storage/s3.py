@@ -1,8 +1,8 @@
 """S3-compatible object storage: the client, and files on it.
 
 A checkpoint file on an object store is written and read through the same
-interfaces as a local one (:class:`lazyckpt.fileio.OutputFile`,
-:class:`lazyckpt.fileio.InputFile`), so the writer's pipeline and the
+interfaces as a local one (:class:`lazyckpt.storage.fileio.OutputFile`,
+:class:`lazyckpt.storage.fileio.InputFile`), so the writer's pipeline and the
 reader's verified block reads do not know where the bytes go:
 
 * :class:`ObjectOutput` turns the writer's ``pwrite_all(window, offset)``
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 
 MiB = 1 << 20
 #: S3 refuses parts smaller than this, except the last.

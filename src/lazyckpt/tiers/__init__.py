@@ -1,0 +1,1 @@
+"""lazyckpt.storage.s3layout."""
