@@ -35,7 +35,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 import lazyckpt
-from lazyckpt.loading import verify as tools
+from lazyckpt.cli import inspect as lzinspect
+from lazyckpt.cli import prune as lzprune
+from lazyckpt.loading import resolve as lzresolve
+from lazyckpt.loading import verify as lzverify
 from lazyckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.knobs import INCREMENTAL_MODES, resolve
 
@@ -527,7 +530,7 @@ class Run:
         try:
             self._barrier()
             if self.rank == 0 or self.cfg.replicas:        # a shared directory, or each node's own
-                tools.prune(self.local, keep)
+                lzprune.prune(self.local, keep)
         finally:
             stop.set()
             t.join()
@@ -596,7 +599,7 @@ class Run:
                 self.fail(f"load(step={s}) from the {self.ckpt.loaded_from['tier']} tier"
                           + self._which(s, values))
         if (self.rank == 0 or self.cfg.replicas) and self.ckpt.steps():
-            report = tools.verify(self.local)
+            report = lzverify.verify(self.local)
             if not report.ok:
                 self.fail(f"lazyckpt verify {self.local}: {[p.message for p in report.problems][:3]}")
 

@@ -139,8 +139,11 @@ def test_abandoned_steps_are_kept_aside_when_retention_is_off(tmp_path):
         ckpt.wait()
         ckpt.save(_value(15), step=15).wait()
         assert ckpt.steps() == [10, 15] and ckpt.latest_step() == 15
-    from lazyckpt.loading import verify as tools
-    listing = tools.list_directory(d)
+    from lazyckpt.cli import inspect as lzinspect
+    from lazyckpt.cli import prune as lzprune
+    from lazyckpt.loading import resolve as lzresolve
+    from lazyckpt.loading import verify as lzverify
+    listing = lzinspect.list_directory(d)
     assert [s["step"] for s in listing["steps"]] == [10, 15]
     abandoned = sorted(lo["name"] for lo in listing["leftovers"] if lo["kind"] == "abandoned")
     assert len(abandoned) == 2 and "step_0000000020" in abandoned[0] and "step_0000000030" in abandoned[1]
@@ -148,7 +151,7 @@ def test_abandoned_steps_are_kept_aside_when_retention_is_off(tmp_path):
     lazyckpt.Checkpointer(d).close()
     assert len([n for n in os.listdir(d) if n.startswith(".abandoned-")]) == 2
     # ... `lazyckpt prune` does.
-    report = tools.prune(d, keep=10)
+    report = lzprune.prune(d, keep=10)
     assert not [n for n in os.listdir(d) if n.startswith(".abandoned-")]
     assert report["kept"] == [10, 15]
 
@@ -195,8 +198,11 @@ def test_an_evaluation_process_never_destroys_a_multi_rank_save_in_flight(tmp_pa
         # What an evaluation job does meanwhile (another process, no process group).
         with lazyckpt.Checkpointer(str(d)) as evaluator:
             assert evaluator.load(step=1)["w"][0].item() == 1.0
-        from lazyckpt.loading import verify as tools
-        tools.list_directory(str(d))
+        from lazyckpt.cli import inspect as lzinspect
+        from lazyckpt.cli import prune as lzprune
+        from lazyckpt.loading import resolve as lzresolve
+        from lazyckpt.loading import verify as lzverify
+        lzinspect.list_directory(str(d))
         assert any(n.startswith(".tmp-step_0000000002") for n in os.listdir(d))
     finally:
         open(go, "w").close()
@@ -300,8 +306,11 @@ def test_a_save_refused_on_one_rank_fails_that_step_only(tmp_path):
     assert r0["step3"] == r1["step3"] == "committed", results
     assert r0["elapsed"] < 20 and r1["elapsed"] < 20, results      # no commit timeout waited
     assert r0["steps"] == r1["steps"] == [1, 3]
-    from lazyckpt.loading import verify as tools
-    assert tools.verify(str(tmp_path / "step_0000000003")).ok
+    from lazyckpt.cli import inspect as lzinspect
+    from lazyckpt.cli import prune as lzprune
+    from lazyckpt.loading import resolve as lzresolve
+    from lazyckpt.loading import verify as lzverify
+    assert lzverify.verify(str(tmp_path / "step_0000000003")).ok
     assert lazyckpt.load(str(tmp_path / "step_0000000003"))["w"][0].item() == 3.0
 
 

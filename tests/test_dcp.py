@@ -145,3 +145,27 @@ def test_fsdp2_two_ranks_and_reshard_on_load(tmp_path, use_async):
     for world in ((2, 3) if not use_async else (1,)):
         for got in run_ranks(world, _fsdp_load, str(tmp_path)):
             assert all(torch.equal(ref[k], got[k]) for k in ref), f"2 -> {world} ranks"
+
+
+def test_metadata_written_before_the_move_still_loads(tmp_path):
+    """Until issue 23, LazyStorageInfo was defined in lazyckpt.integrations.dcp and
+    .metadata pickled it under that path: such files load, with lazyckpt's reader,
+    with the command line's converter and with plain pickle (DCP's own readers)."""
+    model, _ = _plain_model()
+    dcp.save({"model": model.state_dict()}, storage_writer=LazyStorageWriter(tmp_path), no_dist=True)
+    meta = tmp_path / ".metadata"
+    raw = pickle.dumps(pickle.loads(meta.read_bytes()), protocol=2)    # GLOBAL opcodes: paths as text lines
+    new_path = b"clazyckpt.interop.dcp\nLazyStorageInfo\n"
+    assert new_path in raw
+    meta.write_bytes(raw.replace(new_path, b"clazyckpt.integrations.dcp\nLazyStorageInfo\n"))
+    assert b"lazyckpt.interop.dcp" not in meta.read_bytes()
+    pickle.loads(meta.read_bytes())
+
+    fresh = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    target = {"model": fresh.state_dict()}
+    dcp.load(target, storage_reader=LazyStorageReader(tmp_path), no_dist=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(target["model"][k], v)
+    from lazyckpt.interop.convert import load_dcp
+    state = load_dcp(str(tmp_path), allow_pickle=False)
+    assert torch.equal(state["model"]["0.weight"], model.state_dict()["0.weight"])

@@ -249,7 +249,7 @@ def test_an_export_interrupted_by_damage_leaves_nothing_half_visible(tmp_path):
 
 
 def lazyckpt_entries(path):
-    from lazyckpt.loading.verify import describe
+    from lazyckpt.cli.inspect import describe
     return [e for e in describe(str(path))["files"][0]["entries"] if e["kind"] == "data"]
 
 

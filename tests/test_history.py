@@ -207,7 +207,7 @@ def test_a_damaged_resumed_step_never_falls_back_to_the_abandoned_runs_step(s3_s
 
 def test_two_manifests_of_one_step_are_told_apart_by_seq_not_by_the_clock(s3_server, s3_bucket):
     from lazyckpt.history import event_key
-    from lazyckpt.storage.layout import MANIFEST, step_dirname
+    from lazyckpt.formats.names import MANIFEST, step_dirname
     url, opts = f"s3://{s3_bucket}/objs", _options(s3_server)
     with lazyckpt.Checkpointer(url, storage_options=opts) as ck:
         ck.save(_state(1), 1).wait()

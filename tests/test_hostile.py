@@ -103,7 +103,7 @@ def _rewrite_manifest(step_dir, mutate=None, raw=None, reseal=True):
 def _explicit(step_dir):
     """Turn the placement-derived index into the explicit one (every piece
     listed, as manifests before issue 12 and non-world process groups have it)."""
-    from lazyckpt.loading.loader import dtensor_nodes
+    from lazyckpt.state.walk import dtensor_nodes
     from lazyckpt.formats.placement import pieces
     from lazyckpt.loading.reader import CheckpointFile
 

@@ -14,8 +14,6 @@ import ast
 import os
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
-import pytest
-
 import lazyckpt
 
 ROOT = os.path.dirname(os.path.abspath(lazyckpt.__file__))
@@ -163,7 +161,6 @@ def _cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="today's cycle layout/loader/manifest/reader/tiers/tools (issue 23 step 4)")
 def test_no_import_cycle():
     # The root package's __init__ re-exports the public surface; no module imports it
     # except the command line and the integrations' lazy paths, which are not part of a cycle
@@ -173,7 +170,6 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-@pytest.mark.xfail(strict=True, reason="49 function-level imports hold the cycle together (issue 23 step 4)")
 def test_function_level_imports_say_why():
     problems = []
     for mod in sorted(MODULES):

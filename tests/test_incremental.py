@@ -14,7 +14,10 @@ import torch
 
 import lazyckpt
 from _dist import run_ranks
-from lazyckpt.loading import verify as tools
+from lazyckpt.cli import inspect as lzinspect
+from lazyckpt.cli import prune as lzprune
+from lazyckpt.loading import resolve as lzresolve
+from lazyckpt.loading import verify as lzverify
 from lzc_tools import assert_same, clone_state, flip_byte
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,7 +51,7 @@ def _manifest(directory, step):
 
 
 def _entries(path):
-    return tools.describe(str(path))["files"][0]["entries"]
+    return lzinspect.describe(str(path))["files"][0]["entries"]
 
 
 def test_unchanged_storages_are_referred_to_not_written(tmp_path):
@@ -162,7 +165,7 @@ def test_full_every_bounds_the_reach_of_references(tmp_path):
         assert ckpt.steps() == [3, 5, 6]
         ckpt.save(_state(model, opt, 7), step=7).wait()       # refers to 6: 3 can go now
         assert ckpt.steps() == [6, 7]
-        assert tools.verify(str(tmp_path)).ok
+        assert lzverify.verify(str(tmp_path)).ok
 
 
 def test_retention_never_leaves_a_dangling_reference(tmp_path):
@@ -172,7 +175,7 @@ def test_retention_never_leaves_a_dangling_reference(tmp_path):
             _train(model, opt, step)
             ckpt.save(_state(model, opt, step), step=step).wait()
             for s in ckpt.steps():
-                assert tools.verify(str(tmp_path / f"step_{s:010d}")).ok, s
+                assert lzverify.verify(str(tmp_path / f"step_{s:010d}")).ok, s
         assert ckpt.steps() == [0, 4]                  # 0 owns the frozen bytes 4 refers to
     layout = lazyckpt.storage.layout.CheckpointDir(str(tmp_path))
     # A new Checkpointer (a restarted run) writes its first save in full: 5 owns
@@ -183,9 +186,9 @@ def test_retention_never_leaves_a_dangling_reference(tmp_path):
     # Deleting newest first: a crash between two deletes never strands a reference.
     doomed, referred = layout.retention_plan(1)
     assert doomed == [7, 6, 4, 0] and referred == [5]
-    report = tools.prune(str(tmp_path), keep=1)
+    report = lzprune.prune(str(tmp_path), keep=1)
     assert report["kept"] == [5, 8] and report["kept_for_references"] == [5]
-    assert tools.verify(str(tmp_path)).ok
+    assert lzverify.verify(str(tmp_path)).ok
 
 
 def test_a_missing_or_damaged_referred_to_file_names_both_steps(tmp_path):
@@ -199,10 +202,10 @@ def test_a_missing_or_damaged_referred_to_file_names_both_steps(tmp_path):
     flip_byte(owner, offset + 100)
     with pytest.raises(lazyckpt.CorruptCheckpointError, match="checksum"):
         lazyckpt.load(str(tmp_path), keys=["model"])
-    report = tools.verify(str(tmp_path / "step_0000000001"))
+    report = lzverify.verify(str(tmp_path / "step_0000000001"))
     assert not report.ok and any("referred to by step 1" in p.message for p in report.problems)
     flip_byte(owner, offset + 100)                     # repaired
-    assert tools.verify(str(tmp_path / "step_0000000001")).ok
+    assert lzverify.verify(str(tmp_path / "step_0000000001")).ok
     os.rename(owner, owner.with_suffix(".gone"))
     with pytest.raises(lazyckpt.CorruptCheckpointError) as info:
         lazyckpt.load(str(tmp_path))
@@ -248,9 +251,9 @@ def test_cli_shows_references_and_prunes_around_them(tmp_path):
         for step in range(3):
             _train(model, opt, step)
             ckpt.save(_state(model, opt, step), step=step).wait()
-    listing = tools.list_directory(str(tmp_path))
+    listing = lzinspect.list_directory(str(tmp_path))
     assert [r.get("references") for r in listing["steps"]] == [[], [0], [0]]
-    doc = tools.describe(str(tmp_path))
+    doc = lzinspect.describe(str(tmp_path))
     f = doc["files"][0]
     assert doc["references"] == [0] and f["references"] == [0]
     assert f["referenced_bytes"] >= 1024 * 256 * 4 and f["owned_bytes"] < f["referenced_bytes"]

@@ -19,14 +19,17 @@ import torch
 
 import lazyckpt
 from _dist import run_ranks
-from lazyckpt.loading import verify as tools
+from lazyckpt.cli import inspect as lzinspect
+from lazyckpt.cli import prune as lzprune
+from lazyckpt.loading import resolve as lzresolve
+from lazyckpt.loading import verify as lzverify
 from lzc_tools import assert_same, clone_state
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _entries(path):
-    return tools.describe(str(path))["files"][0]["entries"]
+    return lzinspect.describe(str(path))["files"][0]["entries"]
 
 
 def _each_step_loads_its_own_state(directory, train, state_of, steps=3, **knobs):
@@ -190,7 +193,7 @@ def _resaved_step_2_by_another_writer_then_saved_3(tmp_path, resave):
         kinds = {e["name"]: (e["kind"], e.get("ref", {}).get("step")) for e in _entries(directory / "step_0000000003")}
         assert kinds == {"frozen": ("ref", 1), "slow": ("data", None), "fast": ("data", None)}
         assert_same(a.load(step=3), _a_state(3))
-    assert tools.verify(str(directory)).ok
+    assert lzverify.verify(str(directory)).ok
 
 
 def _other_values():

@@ -146,14 +146,14 @@ def test_prune_keeps_a_step_being_read(s3_server, s3_bucket, proxy, monkeypatch)
     proc, results = _start_reader(url, _options(s3_server, endpoint=proxy.endpoint), 1, 1)
     try:
         assert hold.arrived.wait(120)
-        report = lazyckpt.loading.verify.prune(url, keep=1, force=True)
+        report = lazyckpt.cli.prune.prune(url, keep=1, force=True)
         (action,) = [a for a in report["actions"] if a["what"] == "step"]
         assert action["step"] == 1 and not action["done"] and "being read" in action["error"]
     finally:
         hold.release()
         out = _result(proc, results)
     assert out == ("ok", True)
-    report = lazyckpt.loading.verify.prune(url, keep=1)
+    report = lazyckpt.cli.prune.prune(url, keep=1)
     assert [a["step"] for a in report["actions"] if a["what"] == "step" and a["done"]] == [1]
 
 

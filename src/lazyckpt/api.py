@@ -7,13 +7,13 @@ import threading
 from typing import Any, Dict, Iterable, Optional
 
 from lazyckpt.formats.manifest import check_metadata
-from lazyckpt.loading.loader import KeySpec, MapLocation, load_file, load_step_dir
+from lazyckpt.formats.names import MANIFEST
+from lazyckpt.loading.loader import KeySpec, MapLocation, load_file, load_step_dir, load_url
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.saving.commit import FileCommit, ObjectCommit
 from lazyckpt.saving.engine import FilePart, run_now
 from lazyckpt.state.providers import flatten
-from lazyckpt.storage import s3layout as tiers
-from lazyckpt.storage.layout import CheckpointDir, MANIFEST
+from lazyckpt.storage.layout import CheckpointDir
 from lazyckpt.storage.s3 import is_url, store_for
 from .errors import CheckpointNotFoundError
 from .knobs import Options, resolve
@@ -87,7 +87,7 @@ def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[Ke
     kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
     pool = _resources(opts).readers
     if is_url(path):
-        return tiers.load_url(path, opts, pool, **kwargs)
+        return load_url(path, opts, pool, **kwargs)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, MANIFEST)):
             return load_step_dir(path, opts, pool, **kwargs)

@@ -20,6 +20,7 @@ import torch
 from lazyckpt.formats.manifest import check_metadata
 from lazyckpt.loading.loader import KeySpec, MapLocation, load_step, load_step_dir
 from lazyckpt.loading.restore import RestoreHandle
+from lazyckpt.loading.verify import verify
 from lazyckpt.saving.autorep import AutoReplication
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import ObjectStepCommit, StepCommit
@@ -28,10 +29,10 @@ from lazyckpt.saving.incremental import IncrementalIndex
 from lazyckpt.state.plancache import PlanCache
 from lazyckpt.storage.layout import CheckpointDir, WriterLease
 from lazyckpt.storage.s3 import is_url
-from lazyckpt.storage.s3layout import ObjectCheckpointDir, ObjectWriterLease, PersistentTier
-from lazyckpt.tiers.replicas import ReplicaTier, node_group
-from lazyckpt.tiers.replicas import restore as restore_replicas
-from lazyckpt.tiers.replicas import topology as replica_topology
+from lazyckpt.storage.s3layout import ObjectCheckpointDir, ObjectWriterLease
+from lazyckpt.tiers.persistent import PersistentTier
+from lazyckpt.tiers.replicas import (ReplicaTier, node_group, restore as restore_replicas,
+                                     topology as replica_topology)
 from .distributed import rank_info, refuse
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .history import Event, History, line
@@ -277,7 +278,6 @@ class Checkpointer:
             return
         if not self._dist.distributed:
             # Damaged at rest since it was committed: never replace a good copy there with it.
-            from lazyckpt.loading.verify import verify
             report = verify(self.layout.step_path(step), self.options)
             if not report.ok:
                 log.warning("lazyckpt: step %d is not on the persistent tier %s and its local copy is damaged "

@@ -34,6 +34,7 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
+from lazyckpt.formats.names import MANIFEST
 from lazyckpt.storage.fileio import read_small_file, write_file_atomic
 
 log = logging.getLogger("lazyckpt")
@@ -213,7 +214,6 @@ class History:
     def local_saves(self) -> Dict[int, Event]:
         """step -> its event, for every step present locally (from its manifest,
         else from the record; save_id None where neither tells)."""
-        from lazyckpt.storage.layout import MANIFEST
         out: Dict[int, Event] = {}
         recorded: Dict[int, Event] = {}
         if self.record is not None:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 from typing import Any, Optional, Union
+from lazyckpt.storage.s3 import normalize_options
 
 MiB = 1 << 20
 #: "content" (True) compares the bytes; "version-counters" trusts torch's version
@@ -107,7 +108,6 @@ class Options:
             raise ValueError(f"full_every must be an int >= 0, got {self.full_every!r}")
         if not self.lease_expiry_s > 0:
             raise ValueError(f"lease_expiry_s must be > 0, got {self.lease_expiry_s}")
-        from lazyckpt.storage.s3 import normalize_options
         object.__setattr__(self, "storage_options", normalize_options(self.storage_options))
         if not self.persist_bandwidth >= 0:
             raise ValueError(f"persist_bandwidth must be >= 0 (bytes/s, 0: no cap), got {self.persist_bandwidth}")

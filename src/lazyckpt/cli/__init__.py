@@ -29,7 +29,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from lazyckpt import __version__
 from lazyckpt.errors import CheckpointError, UnsafeObjectError
+from lazyckpt.interop.convert import convert
+from lazyckpt.interop.hf import export_hf, import_hf
 from lazyckpt.knobs import parse_size
+from lazyckpt.loading.verify import verify
+from .inspect import describe, format_time, human_bytes, list_directory
+from .prune import prune
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 
@@ -93,7 +98,6 @@ def _progress_enabled(args: argparse.Namespace) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from lazyckpt.loading.verify import format_time, human_bytes, list_directory
     listing = list_directory(args.dir)
     if args.json:
         _print_json(listing)
@@ -138,7 +142,6 @@ def _shape(v: Any) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from lazyckpt.loading.verify import describe, format_time, human_bytes
     doc = describe(args.path)
     if args.json:
         _print_json(doc)
@@ -232,7 +235,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from lazyckpt.loading.verify import human_bytes, verify
     bar = Progress(_progress_enabled(args), "verifying")
     try:
         report = verify(args.path, progress=bar.update, on_total=bar.total)
@@ -257,8 +259,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from lazyckpt.interop.convert import convert
-    from lazyckpt.loading.verify import human_bytes
     bar = Progress(_progress_enabled(args), "converting")
     try:
         result = convert(args.src, args.dst, args.src_format, args.dst_format, allow_pickle=args.allow_pickle,
@@ -283,8 +283,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from lazyckpt.interop.hf import export_hf
-    from lazyckpt.loading.verify import human_bytes
     bar = Progress(_progress_enabled(args), "exporting")
     try:
         result = export_hf(args.src, args.out_dir, key=args.key, prefix=args.prefix, strip=args.strip,
@@ -304,8 +302,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from lazyckpt.interop.hf import import_hf
-    from lazyckpt.loading.verify import human_bytes
     result = import_hf(args.hf_dir, args.out, key=args.key, overwrite=args.force)
     print(f"{result.src} ({len(result.files)} file(s)) -> {result.out}: {result.tensors} tensors, "
           f"{human_bytes(result.tensor_bytes)}, file {human_bytes(result.file_bytes)}, {result.seconds:.2f} s")
@@ -316,7 +312,6 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from lazyckpt.loading.verify import human_bytes, prune
     if args.keep < 1:
         raise UsageError(f"--keep must be at least 1 (got {args.keep}); deleting every checkpoint is not offered")
     result = prune(args.dir, args.keep, dry_run=args.dry_run, force=args.force)
@@ -346,7 +341,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench   # private: the peers' harness, loaded only here
+    from . import bench   # lazy: the peers' harness (1,300 lines, optional peers) loads only for `lazyckpt bench`
     try:
         size = parse_size(args.size) if args.size else (4 << 20 if args.quick else 256 << 20)
         dtypes = bench.parse_dtypes(args.dtypes)

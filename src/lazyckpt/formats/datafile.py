@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import xxhash
 
@@ -282,3 +282,23 @@ def decode_footer(raw: bytes, footer_offset: int, path: str) -> Footer:
     if "tree" not in doc:
         raise bad("no tree")
     return Footer(doc["format_version"], block_bytes, entries, doc["tree"], metadata)
+
+
+def read_ends(size: int, read: Callable[[int, int], bytes], path: str,
+              max_footer_bytes: int) -> Tuple[int, Footer]:
+    """A data file's header, trailer and footer, through ``read(offset, n)``
+    (the caller's I/O: a local file, an object): (header version, footer),
+    every check made (sizes, magic, footer checksum, versions agree). The one
+    footer reader: the loader and the commit's layout index both use it."""
+    if size < HEADER_BYTES + TRAILER_BYTES:
+        raise CorruptCheckpointError(f"{path}: truncated file ({size} bytes)", path=path)
+    version = check_header(read(0, HEADER_BYTES), path)
+    trailer = parse_trailer(read(size - TRAILER_BYTES, TRAILER_BYTES), size, path, max_footer_bytes)
+    raw = read(trailer.footer_offset, trailer.footer_length)
+    if len(raw) != trailer.footer_length or checksum(raw) != trailer.footer_checksum:
+        raise CorruptCheckpointError(f"{path}: footer checksum mismatch (file damaged)", path=path)
+    footer = decode_footer(raw, trailer.footer_offset, path)
+    if footer.version != version:
+        raise CorruptCheckpointError(f"{path}: header says format version {version}, footer "
+                                     f"says {footer.version}", path=path)
+    return version, footer

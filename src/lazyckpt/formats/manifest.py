@@ -10,8 +10,9 @@ from typing import Any, Dict, List, Optional
 
 from lazyckpt.distributed import shard_index
 from lazyckpt.errors import CheckpointError, CorruptCheckpointError
-from lazyckpt.storage.layout import rank_filename
+from lazyckpt.state.walk import dtensor_nodes
 from . import datafile as fmt
+from .names import STEP_DIR, rank_filename
 
 #: A reader refuses larger manifests (hostile-file guard); writers refuse to commit them.
 MAX_MANIFEST_BYTES = 1 << 30
@@ -112,7 +113,6 @@ def layouts_digest(tree: Any, world_size: int) -> Optional[str]:
     (then the rank lists its pieces explicitly). Mesh ranks are global
     ranks: derivation also needs the checkpointer's group to be the world."""
     import hashlib
-    from lazyckpt.loading.loader import dtensor_nodes
     nodes = dtensor_nodes(tree)
     if not nodes or any(not isinstance(n.get("layout"), dict) for n in nodes.values()):
         return None
@@ -220,7 +220,6 @@ def parse(raw: bytes, path: str) -> Dict[str, Any]:
     return manifest
 
 
-_STEP_COMPONENT = re.compile(r"^step_(\d{10})$")
 
 
 def step_named_by(path: str) -> Optional[int]:
@@ -231,9 +230,9 @@ def step_named_by(path: str) -> Optional[int]:
     parts = str(path).replace("\\", "/").rstrip("/").split("/")
     if parts and parts[-1] == "manifest.json":
         parts.pop()
-    if str(path).startswith("s3://") and len(parts) >= 2 and not _STEP_COMPONENT.match(parts[-1]):
+    if str(path).startswith("s3://") and len(parts) >= 2 and not STEP_DIR.match(parts[-1]):
         parts.pop()                     # the save id under the step's prefix
-    m = _STEP_COMPONENT.match(parts[-1]) if parts else None
+    m = STEP_DIR.match(parts[-1]) if parts else None
     return int(m.group(1)) if m else None
 
 

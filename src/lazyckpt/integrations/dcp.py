@@ -45,13 +45,11 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan,
-                                                  SavePlanner, WriteItemType)
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from lazyckpt import api
-from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.interop.dcp import METADATA, SUFFIX, LazyStorageInfo, LazyStorageReader
 from lazyckpt.knobs import resolve
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import FileCommit
@@ -60,17 +58,13 @@ from lazyckpt.saving.hostcache import StagingArenas
 from lazyckpt.state.providers import flatten
 from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
 
-METADATA = ".metadata"
+# The reader lives in the core (lazyckpt.interop.dcp: `lazyckpt convert` reads these directories);
+# both are importable here. LazyStorageInfo stays importable here: .metadata files written
+# before issue 23 pickle it under this module's path.
+__all__ = ["LazyStorageWriter", "LazyStorageReader", "LazyStorageInfo"]
+
 #: stage() waits at most this long for a staging buffer (an earlier save's write to end).
 _STAGING_WAIT_S = 600.0
-SUFFIX = ".lzc"
-
-
-@dataclasses.dataclass(frozen=True)
-class LazyStorageInfo:
-    """Where one DCP item lives: a lazyckpt file of the checkpoint and its key."""
-    relative_path: str
-    key: str
 
 
 def _item_key(index: MetadataIndex) -> str:
@@ -341,115 +335,3 @@ def _quarter_ram() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
     except (ValueError, OSError, AttributeError):
         return 4 << 30
-
-
-# --------------------------------------------------------------------------- reader
-
-
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": None,       # every class there is plain data
-    "lazyckpt.integrations.dcp": {"LazyStorageInfo"},
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice", "complex"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},              # looks up a torch.layout by name
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata with an allow-list: plain data classes only."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _ALLOWED.get(module, set())
-        if module in _ALLOWED and (allowed is None or name in allowed):
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        raise CorruptCheckpointError(f"DCP metadata refers to {module}.{name}, which is not plain "
-                                     f"checkpoint metadata; refusing to unpickle it")
-
-
-class LazyStorageReader(StorageReader):
-    """A DCP ``StorageReader`` for checkpoints written by :class:`LazyStorageWriter`."""
-
-    def __init__(self, path: Union[str, os.PathLike], **knobs: Any):
-        super().__init__()
-        self.path = os.fspath(path)
-        self.knobs = knobs
-        self.storage_data: Dict[MetadataIndex, LazyStorageInfo] = {}
-        self.load_id = uuid.uuid4().hex
-
-    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
-        self.load_id = uuid.uuid4().hex
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
-        name = METADATA if rank is None else f"__{rank}{METADATA}"
-        path = os.path.join(self.path, name)
-        if rank is not None and not os.path.exists(path):
-            path = os.path.join(self.path, METADATA)
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.path}: no committed DCP checkpoint (no {METADATA})",
-                                          path=self.path) from None
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{path}: unreadable DCP metadata: {exc}", path=path) from None
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpointError(f"{path}: not DCP metadata", path=path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data or {}
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        by_file: Dict[str, list] = {}
-        for item in plan.items:
-            info = self.storage_data.get(item.storage_index)
-            if not isinstance(info, LazyStorageInfo) or "/" in info.relative_path \
-                    or info.relative_path.startswith("."):
-                raise CorruptCheckpointError(f"{self.path}: no valid storage entry for {item.storage_index}",
-                                             path=self.path)
-            by_file.setdefault(info.relative_path, []).append((item, info.key))
-        for name, items in by_file.items():
-            # Reads only the entries this rank's plan needs, checksums verified.
-            state = api.load(os.path.join(self.path, name), keys=sorted({k for _, k in items}),
-                             **self.knobs)
-            for item, key in items:
-                value = state[key]
-                if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(value))
-                    continue
-                src = value
-                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    src = src.narrow(dim, offset, length)
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != src.size():
-                    raise CorruptCheckpointError(f"{name}: {key} has size {tuple(src.size())}, the plan "
-                                                 f"expects {tuple(target.size())}", path=self.path)
-                target.copy_(src)
-                planner.commit_tensor(item, target)
-        future: Future = Future()
-        future.set_result(None)
-        return future
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))

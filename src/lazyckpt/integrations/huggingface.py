@@ -87,6 +87,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from lazyckpt import api
 from lazyckpt.errors import MissingKeyError
 from lazyckpt.knobs import resolve
 from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
@@ -108,8 +109,8 @@ def load_checkpoint_state(checkpoint_dir: str, keys: Optional[list] = None, map_
                           allow_pickle: bool = False, **knobs: Any) -> Dict[str, Any]:
     """The state saved in ``checkpoint_dir`` (or only its ``keys``: ``"model"``,
     ``"optimizer"``, ``"scheduler"``, ``"scaler"``, ``"rng"``, ``"trainer_state"``)."""
-    import lazyckpt
-    return lazyckpt.load(os.path.join(checkpoint_dir, CHECKPOINT_FILE), map_location=map_location,
+
+    return api.load(os.path.join(checkpoint_dir, CHECKPOINT_FILE), map_location=map_location,
                          keys=keys, allow_pickle=allow_pickle, **knobs)
 
 

@@ -54,11 +54,13 @@ import torch
 from lazyckpt import api
 from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                              UnsafeObjectError)
+from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import resolve as resolve_options
 from lazyckpt.loading.reader import CheckpointFile
-from lazyckpt.loading.verify import resolve as resolve_target, walk
+from lazyckpt.loading.resolve import resolve as resolve_target
+from lazyckpt.state.walk import walk
 from lazyckpt.storage.fileio import fsync_dir, remove_quietly
-from lazyckpt.storage.layout import MANIFEST, STEP_DIR, sibling_temp
+from lazyckpt.storage.layout import sibling_temp
 
 FORMATS = ("lazyckpt", "torch", "safetensors", "dcp")
 EXTENSIONS = {".lzc": "lazyckpt", ".pt": "torch", ".pth": "torch", ".bin": "torch", ".ckpt": "torch",
@@ -459,10 +461,13 @@ class DcpSource(Source):
 def load_dcp(path: str, allow_pickle: bool) -> Dict[str, Any]:
     """Read a whole DCP checkpoint directory in this process (no process group)."""
     import warnings
+    # lazy: torch.distributed.checkpoint costs a second to import and is absent from torch builds
+    # without distributed support; only a DCP source needs it (and lazyckpt.interop.dcp imports it).
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import default_planner
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from .dcp import SUFFIX, LazyStorageReader, MetadataUnpickler  # lazy: as above
 
     raised: List[CheckpointError] = []        # DCP turns errors into strings: keep ours
 
@@ -483,12 +488,8 @@ def load_dcp(path: str, allow_pickle: bool) -> Dict[str, Any]:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     reader_cls: Any = FileSystemReader
-    if any(n.endswith(".lzc") for n in os.listdir(path)):
-        try:   # written by lazyckpt's DCP storage writer
-            from lazyckpt.integrations.dcp import LazyStorageReader
-            reader_cls = LazyStorageReader
-        except ImportError:
-            pass
+    if any(n.endswith(SUFFIX) for n in os.listdir(path)):     # written by lazyckpt's DCP storage writer
+        reader_cls = LazyStorageReader
     if reader_cls is FileSystemReader and not allow_pickle:
         class SafeReader(FileSystemReader):
             def read_metadata(self, *args: Any, **kwargs: Any):
@@ -498,7 +499,7 @@ def load_dcp(path: str, allow_pickle: bool) -> Dict[str, Any]:
                     os.path.join(self.path, ".metadata")
                 with open(mpath, "rb") as f:
                     try:
-                        metadata = _MetadataUnpickler(f, path).load()
+                        metadata = MetadataUnpickler(f, path).load()
                     except CheckpointError as exc:
                         raised.append(exc)
                         raise
@@ -570,38 +571,6 @@ def _exception_chain(exc: BaseException) -> List[BaseException]:
             if nxt is not None:
                 stack.append(nxt)
     return out
-
-
-_DCP_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": None,       # plain metadata dataclasses
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix", "SerializationFormat"},
-    "torch.distributed.checkpoint._extension": None,
-    "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice", "complex"},
-    "torch": {"Size"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "PurePosixPath", "Path"},        # storage_meta.checkpoint_id
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` with an allow-list: plain data classes only."""
-
-    def __init__(self, f: Any, path: str):
-        super().__init__(f)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _DCP_ALLOWED.get(module, set())
-        if module in _DCP_ALLOWED and (allowed is None or name in allowed):
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        raise UnsafeObjectError(f"{self.path}: DCP metadata refers to {module}.{name}, which is not plain "
-                                f"checkpoint metadata; pass --allow-pickle if you trust this checkpoint",
-                                path=self.path)
 
 
 SOURCES = {"lazyckpt": LazySource, "safetensors": SafetensorsSource, "torch": TorchSource, "dcp": DcpSource}

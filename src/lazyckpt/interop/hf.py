@@ -44,8 +44,9 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, StateMisma
 from lazyckpt.knobs import Options, resolve as resolve_options
 from lazyckpt.loading.loader import StepFiles, plain_tensor_entry
 from lazyckpt.loading.reader import CheckpointFile, RefResolver, resolver_for
-from lazyckpt.loading.verify import Leaf, Target, resolve as resolve_target, walk
+from lazyckpt.loading.resolve import Target, resolve as resolve_target
 from lazyckpt.state.providers import LoadContext
+from lazyckpt.state.walk import Leaf, walk
 from lazyckpt.storage.fileio import fsync_dir
 from lazyckpt.storage.layout import StepDir, new_token, remove_tree
 from .convert import (SafetensorsSource, TensorSpec, _itemsize, _ST_CODES,

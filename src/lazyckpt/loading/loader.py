@@ -15,11 +15,16 @@ import torch
 
 from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError,
                              CorruptCheckpointError, MissingKeyError, StateMismatchError, UnsafeObjectError)
-from lazyckpt.formats import manifest as manifests
+from lazyckpt.formats import manifest as manifests, placement
+from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
-from lazyckpt.state.providers import LoadContext, referenced_entries
+from lazyckpt.state.providers import (LoadContext, _dtensor_type, dtype_from_name, referenced_entries,
+                                      tensor_bytes_needed)
+from lazyckpt.state.walk import dtensor_nodes, walk
 from lazyckpt.storage.fileio import NotARegularFile, read_small_file
-from lazyckpt.storage.layout import MANIFEST, STEP_DIR, StepDir
+from lazyckpt.storage.layout import StepDir
+from lazyckpt.storage.s3 import store_for
+from lazyckpt.storage.s3layout import ObjectCheckpointDir, reading_object_step
 from .reader import CheckpointFile, RefResolver, resolver_for
 
 log = logging.getLogger("lazyckpt")
@@ -165,7 +170,6 @@ def load_step(url: str, manifest: Dict[str, Any], options: Options, pool: cf.Thr
     read, so that retention and prune elsewhere keep it; where it is deleted
     anyway (an expired lease, another tool) the error says so, as on a local
     directory, instead of reporting the vanished objects as damage."""
-    from lazyckpt.storage.s3layout import reading_object_step
     with reading_object_step(url, options) as held:
         if manifest is None:
             manifest = held.manifest()
@@ -606,7 +610,6 @@ class StepFiles:
         """A shard index entry computed from the tensor's layout: pieces with
         their geometry; the tensor node of each is looked up in its rank's
         footer only if the piece is needed (see _cover)."""
-        from lazyckpt.formats import placement
         info = self.layouts[key]
         shape = info.get("global_shape") if isinstance(info, dict) else None
         if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
@@ -629,7 +632,6 @@ class StepFiles:
 
     def _assemble(self, info: Dict[str, Any], node: Dict[str, Any], target: Any, ctx: LoadContext,
                   pool: cf.ThreadPoolExecutor) -> Any:
-        from lazyckpt.state.providers import dtype_from_name
         dtype = dtype_from_name(info["dtype"], ctx)
         global_shape = info["global_shape"]
         if not (isinstance(global_shape, list) and all(type(n) is int and n >= 0 for n in global_shape)):
@@ -662,7 +664,6 @@ class StepFiles:
         that they lie inside the tensor, have sound geometry, and cover the region
         exactly once (no hole would be left as uninitialized memory, no overlap
         could hide one)."""
-        from lazyckpt.state.providers import dtype_from_name, tensor_bytes_needed
         boxes, chosen = [], []
         derived = info.get("derived")   # pieces from a layout: their tensor nodes are looked up when needed
         for piece in info["pieces"]:
@@ -724,37 +725,11 @@ class StepFiles:
             _copy_region(self.file(piece["rank"]), piece["tensor"], piece["offsets"], out, origin, ctx, pool)
 
 
-def dtensor_nodes(tree: Any) -> Dict[str, Dict[str, Any]]:
-    """Every DTensor node of a tree by its key path as the loader names it
-    (``json.dumps`` of the str() of each key), without decoding any value."""
-    from lazyckpt.state.providers import LoadContext as _Ctx
-    ctx = _Ctx(entry_value=None, storage=None, allow_pickle=False, path="")
-    out: Dict[str, Dict[str, Any]] = {}
-    stack = [(tree, [])]
-    while stack:
-        node, trail = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        tag = node.get("$")
-        if tag == "dtensor":
-            out[json.dumps(trail)] = node
-        elif tag == "dict" and isinstance(node.get("k"), list) and isinstance(node.get("v"), list):
-            for k, v in zip(node["k"], node["v"]):
-                try:
-                    stack.append((v, trail + [str(ctx.decode(k))]))
-                except CheckpointError:
-                    continue
-        elif tag == "seq" and isinstance(node.get("v"), list):
-            stack.extend((v, trail + [str(i)]) for i, v in enumerate(node["v"]))
-    return out
-
-
 def _copy_region(f: CheckpointFile, t: Dict[str, Any], offsets: list, out: torch.Tensor, origin: list,
                  ctx: LoadContext, pool: cf.ThreadPoolExecutor) -> None:
     """Copy the part of saved tensor node ``t`` (placed at ``offsets`` in the
     global tensor) that overlaps ``out`` (the region starting at ``origin``),
     reading only the rows needed when ``t`` is row-major."""
-    from lazyckpt.state.providers import dtype_from_name
     shape = t["shape"]
     lo = [max(o, r) for o, r in zip(offsets, origin)]
     hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, shape, origin, out.shape)]
@@ -786,7 +761,6 @@ def _plain_into_dtensor(tree: Any, into: Any) -> Dict[int, Any]:
     targets = _dtensor_targets(into)
     if not targets:
         return {}
-    from .verify import walk
     return {id(leaf.node): targets[key] for leaf in walk(tree)
             if leaf.type == "tensor" and (key := json.dumps(list(leaf.path))) in targets}
 
@@ -796,7 +770,6 @@ def plain_tensor_entry(f: CheckpointFile, step: Optional["StepFiles"], node: Dic
     """(the file holding a plain tensor node's bytes, the entry's index): ``f``,
     or another rank's file for a replicated entry, after checking that the
     entry is there and can hold the tensor."""
-    from lazyckpt.state.providers import tensor_bytes_needed
     e = node.get("e")
     if type(e) is not int or not 0 <= e < len(f.entries):
         raise ctx.corrupt(f"reference to unknown entry {e!r}")
@@ -818,7 +791,6 @@ def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
     def load(node: Dict[str, Any], ctx: LoadContext) -> Any:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        from lazyckpt.state.providers import dtype_from_name
         dtype = dtype_from_name(node.get("dtype"), ctx)
         shape = node.get("shape")
         if list(target.shape) != shape or target.dtype != dtype:
@@ -836,7 +808,6 @@ def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
 
 
 def _grafted_node(tree: Any, node_id: int) -> bool:
-    from .verify import walk
     return any(id(leaf.node) == node_id and type(leaf.node.get("e")) is int and leaf.node["e"] >= GRAFT_BASE
                for leaf in walk(tree))
 
@@ -846,7 +817,6 @@ def _direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tupl
     same path as :func:`fill_into` follows, the same dtype and shape, not a
     DTensor): entry -> [(node, target)]. Anything else is left to the full
     decode and ``fill_into``, which also raise the mismatches."""
-    from lazyckpt.state.providers import dtype_from_name
     out: Dict[int, List[tuple]] = {}
     stack = [(into, tree)]
     while stack:
@@ -881,7 +851,6 @@ def _direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tupl
 
 def _dtensor_targets(into: Any) -> Dict[str, Any]:
     """DTensors in ``into`` by key path (as the loader names them)."""
-    from lazyckpt.state.providers import _dtensor_type
     targets: Dict[str, Any] = {}
     DTensor = _dtensor_type()
     if DTensor is None or into is None:
@@ -928,6 +897,22 @@ def fill_into(dst: Any, src: Any, path: str, trail: str = "") -> Any:
 
 
 def _is_dtensor(value: Any) -> bool:
-    from lazyckpt.state.providers import _dtensor_type
     cls = _dtensor_type()
     return cls is not None and isinstance(value, cls)
+
+
+def load_url(url: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
+             **kwargs: Any) -> Any:
+    """Load an object (one checkpoint file), a committed save prefix (with its
+    manifest), or the latest step of an object-store checkpoint directory."""
+    store, key = store_for(url, options.storage_options)
+    if key and store.size(key) is not None:
+        return load_file(url, options, pool, **kwargs)
+    if store.size(f"{key}/{MANIFEST}" if key else MANIFEST) is not None:
+        return load_step(url, None, options, pool, rank, **kwargs)     # its manifest: read under the lease
+    directory = ObjectCheckpointDir(url, options)
+    latest = directory.latest()
+    if latest is None:
+        raise CheckpointNotFoundError(f"{url}: no checkpoint object and no committed step here", path=url)
+    step_url = directory.step_path(latest)
+    return load_step(step_url, None, options, pool, rank, **kwargs)

@@ -19,9 +19,11 @@ import torch
 
 from lazyckpt.errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from lazyckpt.formats import datafile as fmt
+from lazyckpt.formats.names import rank_filename, step_dirname
 from lazyckpt.knobs import Options
 from lazyckpt.storage.fileio import InputFile, NotARegularFile, anonymous_buffer, open_regular
 from lazyckpt.storage.iomode import use_o_direct
+from lazyckpt.storage.layout import StepDir
 from lazyckpt.storage.s3 import ObjectInput, is_url, store_for
 
 
@@ -35,25 +37,13 @@ class CheckpointFile:
         self.options = options
         self.refs = refs
         if is_url(path):
-            raw, trailer = self._open_object()
+            self.version, self.footer = self._open_object()
         else:
-            raw, trailer = self._open_local()
-        if len(raw) != trailer.footer_length or fmt.checksum(raw) != trailer.footer_checksum:
-            raise CorruptCheckpointError(f"{path}: footer checksum mismatch (file damaged)", path=path)
-        self.footer = fmt.decode_footer(raw, trailer.footer_offset, path)
-        if self.footer.version != self.version:
-            raise CorruptCheckpointError(f"{path}: header says format version {self.version}, footer "
-                                         f"says {self.footer.version}", path=path)
+            self.version, self.footer = self._open_local()
 
     def _read_ends(self, size: int, read: Callable[[int, int], bytes]):
-        """Header, trailer and footer, through ``read(offset, n)``: (footer bytes, trailer)."""
         self.size = size
-        if size < fmt.HEADER_BYTES + fmt.TRAILER_BYTES:
-            raise CorruptCheckpointError(f"{self.path}: truncated file ({size} bytes)", path=self.path)
-        self.version = fmt.check_header(read(0, fmt.HEADER_BYTES), self.path)
-        trailer = fmt.parse_trailer(read(size - fmt.TRAILER_BYTES, fmt.TRAILER_BYTES), size, self.path,
-                                    self.options.max_footer_bytes)
-        return read(trailer.footer_offset, trailer.footer_length), trailer
+        return fmt.read_ends(size, read, self.path, self.options.max_footer_bytes)
 
     def _open_local(self):
         path = self.path
@@ -309,7 +299,6 @@ class RefResolver:
         self._lock = threading.Lock()       # a load may resolve from several threads
 
     def resolve(self, referrer: CheckpointFile, index: int) -> Tuple[CheckpointFile, int]:
-        from lazyckpt.storage.layout import rank_filename, step_dirname
         e = referrer.entries[index]
         ref = e.ref
         here = f"{referrer.path} (step {referrer.step})"
@@ -330,7 +319,6 @@ class RefResolver:
 
     def _open(self, key: tuple, path: str, referrer: CheckpointFile, here: str, e: fmt.Entry) -> CheckpointFile:
         """The referred-to file, opened once per load and held with a read lock."""
-        from lazyckpt.storage.layout import StepDir
         other = self._files.get(key)
         if other is not None:
             return other

@@ -27,11 +27,15 @@ import torch
 
 from lazyckpt.distributed import RankInfo, agree, refuse
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
-from lazyckpt.formats import manifest
+from lazyckpt.formats import datafile, manifest
+from lazyckpt.formats.names import MANIFEST, rank_filename
 from lazyckpt.history import Event
+from lazyckpt.knobs import resolve
+from lazyckpt.state.walk import dtensor_nodes
 from lazyckpt.storage.fileio import fsync_dir, remove_quietly, write_file_atomic
-from lazyckpt.storage.layout import (MANIFEST, CheckpointDir, StepDir, new_token, rank_filename, remove_tree,
-                                     sibling_temp)
+from lazyckpt.storage.layout import CheckpointDir, StepDir, new_token, remove_tree, sibling_temp
+from lazyckpt.storage.s3 import store_for
+from lazyckpt.storage.s3layout import LEASE_PREFIX, ObjectLease
 from .autorep import AutoReplication
 from .engine import CommitStrategy, FilePart, Job
 from .incremental import IncrementalIndex, Plan
@@ -346,9 +350,6 @@ class StepCommit(CommitStrategy):
         """The placement-derived index: each distinct layout digest's DTensors,
         read from the footer of the first rank that reported it (O(groups x
         tensors), not O(ranks x tensors))."""
-        from lazyckpt.knobs import resolve
-        from lazyckpt.loading.loader import dtensor_nodes
-        from lazyckpt.loading.reader import CheckpointFile
         first: Dict[str, int] = {}
         for r in sorted(done):
             digest = done[r].get("layouts")
@@ -357,8 +358,13 @@ class StepCommit(CommitStrategy):
         options = getattr(self.layout, "options", None) or resolve()
         layouts: Dict[str, Any] = {}
         for rank in first.values():
-            f = CheckpointFile(f"{self.tmp}/{rank_filename(rank)}", options)
-            for key, node in dtensor_nodes(f.footer.tree).items():
+            path = f"{self.tmp}/{rank_filename(rank)}"
+            size, read, done_reading = self._reader(path)
+            try:
+                _, footer = datafile.read_ends(size, read, path, options.max_footer_bytes)
+            finally:
+                done_reading()
+            for key, node in dtensor_nodes(footer.tree).items():
                 info = {"global_shape": node["global_shape"], "dtype": node["dtype"], "layout": node["layout"]}
                 if layouts.setdefault(key, info) != info:
                     raise CheckpointError(f"step {self.step}: DTensor {key} has another layout on rank {rank} "
@@ -367,6 +373,11 @@ class StepCommit(CommitStrategy):
 
     # Where the step is assembled: a local temporary directory (here) or an
     # object-store prefix (ObjectStepCommit).
+
+    def _reader(self, path: str):
+        """(size, read(offset, n), close) of a file this save wrote."""
+        fd = os.open(path, os.O_RDONLY)
+        return os.fstat(fd).st_size, lambda offset, n: os.pread(fd, n, offset), lambda: os.close(fd)
 
     def _put_side(self, name: str, data: bytes) -> None:
         with open(os.path.join(self.tmp, name), "wb") as f:
@@ -467,7 +478,6 @@ class ObjectStepCommit(StepCommit):
         self.tmp = layout.save_url(step, self.save_id)
 
     def begin(self, job: Job) -> None:
-        from lazyckpt.storage.s3layout import LEASE_PREFIX, ObjectLease
         store, key = self._store()
         # The heartbeat keeps clean_leftovers (any process) off this save's prefix.
         job.leases.append(ObjectLease(store, f"{key}/{LEASE_PREFIX}{self.dist.rank:05d}", self.heartbeat_s))
@@ -476,8 +486,15 @@ class ObjectStepCommit(StepCommit):
         return f"{self.tmp}/{rank_filename(self.dist.rank)}"
 
     def _store(self):
-        from lazyckpt.storage.s3 import store_for
         return store_for(self.tmp, self.layout.options.storage_options)
+
+    def _reader(self, path: str):
+        store, key = store_for(path, self.layout.options.storage_options)
+
+        def read(offset: int, n: int) -> bytes:
+            buf = bytearray(n)
+            return bytes(buf[:store.read_into(key, memoryview(buf), offset)])
+        return store.size(key) or 0, read, lambda: None
 
     def _put_side(self, name: str, data: bytes) -> None:
         store, key = self._store()

@@ -25,6 +25,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from lazyckpt.errors import CheckpointWriteError
 from lazyckpt.storage.fileio import anonymous_buffer
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,6 @@ class StagingArenas:
     def acquire(self, nbytes: int, timeout_s: float) -> Arena:
         nbytes = max(PAGE, -(-nbytes // PAGE) * PAGE)
         if nbytes > self.budget:
-            from lazyckpt.errors import CheckpointWriteError
             raise CheckpointWriteError(f"staging needs {nbytes} bytes of host memory, over the budget of "
                                        f"{self.budget} (host_cache_bytes); raise host_cache_bytes or save "
                                        f"synchronously")
@@ -216,7 +216,6 @@ class StagingArenas:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    from lazyckpt.errors import CheckpointWriteError
                     raise CheckpointWriteError(f"no staging memory became free within {timeout_s:.0f} s "
                                                f"(a previous save's write never finished)")
                 self._cond.wait(min(left, 1.0))

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from lazyckpt.errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
+from lazyckpt.formats.placement import describe
 
 # --------------------------------------------------------------------------- sources
 
@@ -563,7 +564,6 @@ class DTensorProvider(Provider):
         node = {"$": "dtensor", "dtype": dtype_name(value.dtype), "global_shape": list(value.shape),
                 "offsets": [int(o) for o in offsets], "local_shape": [int(n) for n in local_shape],
                 "local": None}
-        from lazyckpt.formats.placement import describe
         layout = describe(value)
         if layout is not None:      # loaders derive every rank's piece from it (lazyckpt/placement.py)
             node["layout"] = layout

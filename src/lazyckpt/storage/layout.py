@@ -38,33 +38,15 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.formats import manifest as manifests
+from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, step_dirname
 from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
 
 log = logging.getLogger("lazyckpt")
 
-STEP_DIR = re.compile(r"^step_(\d{10})$")
-MANIFEST = "manifest.json"
-LATEST = "latest"
-TEMP_PREFIX = ".tmp-"
-DELETING_PREFIX = ".deleting-"
-ABANDONED_PREFIX = ".abandoned-"
-#: A hidden sibling of a file or directory written by an integration (``sibling_temp``).
-SIBLING_TEMP = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<token>[0-9a-f]{12}|.+-\d+-[0-9a-f]{8})$")
-#: Temporaries of ``write_file_atomic`` (``latest``, ``manifest.json``, ``history.json``).
-SMALL_TEMP = re.compile(r"^(latest|manifest\.json|history\.json|\.writer)\.tmp-[0-9A-Za-z]+$")
-#: The writer lease of a Checkpointer directory (``WriterLease``).
-WRITER = ".writer"
 
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_EXPIRY_S = 60.0
-
-
-def step_dirname(step: int) -> str:
-    return f"step_{step:010d}"
-
-
-def rank_filename(rank: int) -> str:
-    return f"rank_{rank:05d}.lzc"
 
 
 def new_token() -> str:
@@ -475,7 +457,6 @@ class CheckpointDir:
     def references(self, step: int) -> Optional[List[int]]:
         """The earlier steps whose files hold bytes of ``step`` (its manifest);
         None if the manifest cannot be read (then it may need any of them)."""
-        from lazyckpt.formats import manifest as manifests            # manifest.py uses this module's names
         raw = read_small_file(os.path.join(self.step_path(step), MANIFEST), manifests.MAX_MANIFEST_BYTES)
         if raw is None:
             return []                                  # gone meanwhile: needs nothing

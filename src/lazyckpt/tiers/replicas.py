@@ -57,10 +57,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from lazyckpt.errors import CheckpointError, CorruptCheckpointError
-from lazyckpt.formats import datafile as fmt
-from lazyckpt.storage.fileio import fsync_dir
-from lazyckpt.storage.layout import MANIFEST, StepDir, rank_filename
+from lazyckpt.distributed import agree
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.formats import datafile as fmt, manifest as manifests
+from lazyckpt.formats.names import MANIFEST, rank_filename
+from lazyckpt.history import Event, line, manifest_event
+from lazyckpt.knobs import Options
+from lazyckpt.loading.reader import CheckpointFile
+from lazyckpt.loading.verify import verify
+from lazyckpt.storage.fileio import fsync_dir, read_small_file
+from lazyckpt.storage.layout import StepDir
+from .persistent import RateLimit
 
 log = logging.getLogger("lazyckpt")
 
@@ -282,9 +289,6 @@ def exchange(group: Any, sends: List[_Sender], recvs: List[_Receiver], into: Any
 
 def check_replica(path: str, manifest_raw: bytes, local_rank: int) -> None:
     """A replica must be the file its manifest committed: size, footer, save and rank."""
-    from lazyckpt.formats import manifest as manifests
-    from lazyckpt.knobs import Options
-    from lazyckpt.loading.reader import CheckpointFile
     doc = manifests.parse(manifest_raw, path)
     listed = next((f for f in doc["files"] if f["rank"] == local_rank), None)
     if listed is None:
@@ -311,12 +315,11 @@ class ReplicaTier:
     def __init__(self, directory: str, topo: Topology, replicas: int, world: Any, bandwidth: float,
                  timeout_s: float):
         import torch.distributed as dist
-        from lazyckpt.storage.s3layout import _RateLimit
         self.root = os.path.join(directory, REPLICAS_DIR)
         self.topo, self.k, self.world = topo, replicas, world
         #: A group of its own: replica traffic never interleaves with training collectives.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self._limit = _RateLimit(bandwidth)
+        self._limit = RateLimit(bandwidth)
         self._cond = threading.Condition()
         self._pending: "collections.deque[_Queued]" = collections.deque()
         self._thread: Optional[threading.Thread] = None
@@ -402,7 +405,6 @@ class ReplicaTier:
             self._replicate(item, key)
 
     def _replicate(self, item: _Queued, key: str) -> None:
-        from lazyckpt.distributed import agree
         w, topo = self.world, self.topo
         report: Dict[str, Any] = {"ok": True}
         received: List[Dict[str, Any]] = []
@@ -472,8 +474,6 @@ class ReplicaTier:
 
 def _held_event(root: str, node: int, local_rank: int, step: int) -> Optional[List[Any]]:
     """[step, save_id, seq] of a held replica (from the manifest it carries)."""
-    from lazyckpt.storage.fileio import read_small_file
-    from lazyckpt.history import manifest_event
     e = manifest_event(read_small_file(os.path.join(_replica_dir(root, node, local_rank), _step_name(step),
                                                     MANIFEST), 1 << 30))
     return list(e) if e is not None else None
@@ -491,7 +491,6 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     resumed from an older step, then a crash before the new step was
     replicated) is never restored nor re-committed above the resumed step."""
     import torch.distributed as dist
-    from lazyckpt.history import Event, line
     root = os.path.join(directory, REPLICAS_DIR)
     events = history.local_events() if history is not None else []
     own_line = set(line(events))
@@ -543,7 +542,6 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
                                   f"(steps every node can get: {sorted(common)})", step=step)
         target = step
     elif not common:
-        from lazyckpt.errors import CheckpointNotFoundError
         raise CheckpointNotFoundError(f"{directory}: no step that every node can restore from its local tier, "
                                       f"its partners' replicas or the persistent tier", path=directory)
     else:
@@ -601,7 +599,6 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             check_replica(r["path"], r["manifest"], topo.local_rank)
             # Every block against its checksum before it becomes a committed local step
             # again: a replica damaged at rest on its holder is refused here, not loaded.
-            from lazyckpt.loading.verify import verify
             report = verify(r["path"])
             if not report.ok:
                 raise CorruptCheckpointError(f"{r['path']}: {report.problems[0].message}", path=r["path"])
@@ -631,7 +628,6 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             os.fsync(f.fileno())
         fsync_dir(tmp)
         if history is not None:
-            from lazyckpt.history import manifest_event
             event = manifest_event(manifest_raw)
             if event is not None and event.seq is not None:
                 history.recorded(event)         # the restored save is the node's latest commit again

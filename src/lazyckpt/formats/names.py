@@ -1,0 +1,28 @@
+"""The names of a checkpoint's files and directories, on any store: what a
+step directory, a rank's data file, the manifest, ``latest`` and the
+leftovers of interrupted work are called (docs/FORMAT.md). Pure: no I/O."""
+
+from __future__ import annotations
+
+import re
+
+STEP_DIR = re.compile(r"^step_(\d{10})$")
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TEMP_PREFIX = ".tmp-"
+DELETING_PREFIX = ".deleting-"
+ABANDONED_PREFIX = ".abandoned-"
+#: A hidden sibling of a file or directory written by an integration (``sibling_temp``).
+SIBLING_TEMP = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<token>[0-9a-f]{12}|.+-\d+-[0-9a-f]{8})$")
+#: Temporaries of ``write_file_atomic`` (``latest``, ``manifest.json``, ``history.json``).
+SMALL_TEMP = re.compile(r"^(latest|manifest\.json|history\.json|\.writer)\.tmp-[0-9A-Za-z]+$")
+#: The writer lease of a Checkpointer directory (``WriterLease``).
+WRITER = ".writer"
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:010d}"
+
+
+def rank_filename(rank: int) -> str:
+    return f"rank_{rank:05d}.lzc"
