@@ -10,6 +10,7 @@ from . import tiers
 from .commit import FileCommit, ObjectCommit
 from .engine import FilePart, run_now
 from .errors import CheckpointNotFoundError
+from .file_formats import check_file_format, plan_layout
 from .knobs import Options, resolve
 from .layout import CheckpointDir, MANIFEST
 from .loader import KeySpec, MapLocation, load_file, load_step_dir
@@ -38,8 +39,12 @@ def _resources(options: Options) -> Resources:
 
 
 def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
-         options: Optional[Options] = None, **knobs: Any) -> int:
+         options: Optional[Options] = None, file_format: str = "lazyckpt", **knobs: Any) -> int:
     """Write ``state`` to the file ``path``; durable on return. Returns the file size.
+
+    ``file_format="torch"`` writes the zip ``torch.save`` writes (``torch.load``
+    reads it); ``"safetensors"`` a safetensors file of a flat dict of tensors
+    (``metadata``: its str-to-str ``__metadata__``). See lazyckpt/file_formats.py.
 
     The file is written under a temporary name and renamed into place, so
     ``path`` holds either its old content or the complete new checkpoint.
@@ -54,8 +59,12 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
         # O_DIRECT ceiling with 128 MiB against 76-84% with 256 MiB-1 GiB.
         knobs["host_cache_bytes"] = SYNC_HOST_CACHE_BYTES
     opts = resolve(options, **knobs)
-    metadata = check_metadata(metadata)
-    flat = flatten(state)
+    if check_file_format(file_format) != "lazyckpt":
+        part = plan_layout(state, file_format, metadata).part()
+        if is_url(path):
+            raise ValueError(f"file_format={file_format!r} is written to local files only, not to {path}")
+    else:
+        part = FilePart(flatten(state), check_metadata(metadata))
     if is_url(path):
         store_for(path, opts.storage_options)[0].check()     # credentials, bucket: one clear error first
         strategy = ObjectCommit(path, message="save failed")
@@ -64,7 +73,7 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
         if not os.path.isdir(directory):
             raise CheckpointNotFoundError(f"{path}: directory {directory} does not exist", path=path)
         strategy = FileCommit(path, opts.lease_heartbeat_s, message="save failed")
-    handle = run_now(strategy, [FilePart(flat, metadata)], _resources(opts), opts, name=path)
+    handle = run_now(strategy, [part], _resources(opts), opts, name=path)
     return handle.bytes
 
 

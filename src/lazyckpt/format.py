@@ -72,11 +72,22 @@ def check_header(data: bytes, path: str) -> int:
                                      f"({len(data)} bytes)", path=path)
     magic, version, header_bytes = _HEADER.unpack_from(data)
     if magic != MAGIC:
-        raise CorruptCheckpointError(f"{path}: not a lazyckpt file (bad magic {magic!r})", path=path)
+        raise CorruptCheckpointError(f"{path}: not a lazyckpt file (bad magic {magic!r}){foreign_hint(data)}",
+                                     path=path)
     check_version(version, path)
     if header_bytes != HEADER_BYTES:
         raise CorruptCheckpointError(f"{path}: bad header size {header_bytes}", path=path)
     return version
+
+
+def foreign_hint(head: bytes) -> str:
+    """What reads a file that starts with ``head`` if it is a foreign format
+    lazyckpt writes (file_format=, docs/FORMAT.md §13); "" otherwise."""
+    if head[:4] == b"PK\x03\x04":
+        return "; it is a zip, as torch.save (and file_format='torch') writes: read it with torch.load"
+    if head[8:9] == b"{":
+        return "; it looks like safetensors (file_format='safetensors'): read it with safetensors.torch.load_file"
+    return ""
 
 
 def check_version(version: Any, path: str) -> None:

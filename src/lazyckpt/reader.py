@@ -49,6 +49,9 @@ class CheckpointFile:
         """Header, trailer and footer, through ``read(offset, n)``: (footer bytes, trailer)."""
         self.size = size
         if size < fmt.HEADER_BYTES + fmt.TRAILER_BYTES:
+            hint = fmt.foreign_hint(read(0, 16)) if size >= 16 else ""
+            if hint:
+                raise CorruptCheckpointError(f"{self.path}: not a lazyckpt file{hint}", path=self.path)
             raise CorruptCheckpointError(f"{self.path}: truncated file ({size} bytes)", path=self.path)
         self.version = fmt.check_header(read(0, fmt.HEADER_BYTES), self.path)
         trailer = fmt.parse_trailer(read(size - fmt.TRAILER_BYTES, fmt.TRAILER_BYTES), size, self.path,
