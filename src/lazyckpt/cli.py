@@ -7,6 +7,8 @@
     lazyckpt export STEP OUT_DIR --hf     a committed step (any ranks) -> Hugging Face model directory
     lazyckpt import HF_DIR OUT            a Hugging Face model directory -> one lazyckpt file
     lazyckpt prune DIR --keep N           delete older committed steps and leftovers
+    lazyckpt diff A B [--top K]           tensor by tensor change between two steps (lazyckpt/study.py)
+    lazyckpt history RUN --stat norm      a statistic of tensors over every kept step (table, --png)
     lazyckpt bench [--quick]              side-by-side save/load benchmark
 
 PATH is a ``.lzc`` file, a committed step directory, or a Checkpointer
@@ -496,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "accepted and ignored: only saves older than the lease expiry are removed)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_prune)
+
+    from ._study_cli import add_commands as add_study_commands      # diff, history: lazyckpt/study.py
+    add_study_commands(sub, progress_flags)
 
     sp = sub.add_parser("bench", help="side-by-side save/load benchmark against the raw disk and peers",
                         description="Saves and loads one state with every method in the same run. See "
