@@ -9,6 +9,8 @@ Public surface::
     lazyckpt.register_provider(cls, to_state, from_state)
     lazyckpt.export_hf(step_or_run_dir, out_dir, ...)   # -> a Hugging Face model directory
     lazyckpt.import_hf(hf_dir, out_file)                  # <- one, loadable into= any sharding
+    lazyckpt.diff(a, b, keys=None, top=None) -> DiffReport  # tensor by tensor change, reading pieces
+    lazyckpt.trajectory(run, keys=None, fn="norm")        # (step, key, value) over every kept step
 """
 
 from lazyckpt.formats.datafile import FORMAT_VERSION, SUPPORTED_VERSIONS
@@ -22,11 +24,12 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadErr
                      CorruptCheckpointError, MissingKeyError, StateMismatchError,
                      UnsafeObjectError, UnsupportedVersionError)
 from .knobs import Options
+from .study import diff, trajectory
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "load_async", "RestoreHandle", "Checkpointer", "export_hf", "import_hf", "SaveHandle", "Options", "register_provider",
+    "save", "load", "load_async", "RestoreHandle", "diff", "trajectory", "Checkpointer", "export_hf", "import_hf", "SaveHandle", "Options", "register_provider",
     "CheckpointError", "CorruptCheckpointError", "CheckpointNotFoundError",
     "UnsupportedVersionError", "UnsafeObjectError", "CheckpointWriteError", "CheckpointReadError",
     "MissingKeyError", "StateMismatchError", "FORMAT_VERSION", "SUPPORTED_VERSIONS",

@@ -12,6 +12,8 @@ from lazyckpt.loading.loader import KeySpec, MapLocation, load_file, load_step_d
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.saving.commit import FileCommit, ObjectCommit
 from lazyckpt.saving.engine import FilePart, run_now
+from lazyckpt.saving.file_formats import check_file_format
+from lazyckpt.saving.foreign import plan_layout
 from lazyckpt.state.providers import flatten
 from lazyckpt.storage.layout import CheckpointDir
 from lazyckpt.storage.s3 import is_url, store_for
@@ -38,8 +40,12 @@ def _resources(options: Options) -> Resources:
 
 
 def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
-         options: Optional[Options] = None, **knobs: Any) -> int:
+         options: Optional[Options] = None, file_format: str = "lazyckpt", **knobs: Any) -> int:
     """Write ``state`` to the file ``path``; durable on return. Returns the file size.
+
+    ``file_format="torch"`` writes the zip ``torch.save`` writes (``torch.load``
+    reads it); ``"safetensors"`` a safetensors file of a flat dict of tensors
+    (``metadata``: its str-to-str ``__metadata__``). See lazyckpt/file_formats.py.
 
     The file is written under a temporary name and renamed into place, so
     ``path`` holds either its old content or the complete new checkpoint.
@@ -54,8 +60,12 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
         # O_DIRECT ceiling with 128 MiB against 76-84% with 256 MiB-1 GiB.
         knobs["host_cache_bytes"] = SYNC_HOST_CACHE_BYTES
     opts = resolve(options, **knobs)
-    metadata = check_metadata(metadata)
-    flat = flatten(state)
+    if check_file_format(file_format) != "lazyckpt":
+        part = plan_layout(state, file_format, metadata).part()
+        if is_url(path):
+            raise ValueError(f"file_format={file_format!r} is written to local files only, not to {path}")
+    else:
+        part = FilePart(flatten(state), check_metadata(metadata))
     if is_url(path):
         store_for(path, opts.storage_options)[0].check()     # credentials, bucket: one clear error first
         strategy = ObjectCommit(path, message="save failed")
@@ -64,7 +74,7 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
         if not os.path.isdir(directory):
             raise CheckpointNotFoundError(f"{path}: directory {directory} does not exist", path=path)
         strategy = FileCommit(path, opts.lease_heartbeat_s, message="save failed")
-    handle = run_now(strategy, [FilePart(flat, metadata)], _resources(opts), opts, name=path)
+    handle = run_now(strategy, [part], _resources(opts), opts, name=path)
     return handle.bytes
 
 

@@ -7,6 +7,8 @@
     lazyckpt export STEP OUT_DIR --hf     a committed step (any ranks) -> Hugging Face model directory
     lazyckpt import HF_DIR OUT            a Hugging Face model directory -> one lazyckpt file
     lazyckpt prune DIR --keep N           delete older committed steps and leftovers
+    lazyckpt diff A B [--top K]           tensor by tensor change between two steps (lazyckpt/study.py)
+    lazyckpt history RUN --stat norm      a statistic of tensors over every kept step (table, --png)
     lazyckpt bench [--quick]              side-by-side save/load benchmark
 
 PATH is a ``.lzc`` file, a committed step directory, or a Checkpointer
@@ -25,7 +27,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from lazyckpt import __version__
 from lazyckpt.errors import CheckpointError, UnsafeObjectError
@@ -34,7 +36,9 @@ from lazyckpt.interop.hf import export_hf, import_hf
 from lazyckpt.knobs import parse_size
 from lazyckpt.loading.verify import verify
 from .inspect import describe, format_time, human_bytes, list_directory
+from .output import print_json, table
 from .prune import prune
+from .study import add_commands as add_study_commands    # diff, history: lazyckpt/study.py
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 
@@ -44,20 +48,6 @@ class UsageError(Exception):
 
 
 # --------------------------------------------------------------------------- output helpers
-
-
-def _print_json(doc: Any) -> None:
-    json.dump(doc, sys.stdout, indent=1, default=str)
-    sys.stdout.write("\n")
-
-
-def _table(headers: List[str], rows: List[List[str]], right: Tuple[int, ...] = ()) -> List[str]:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-
-    def fmt_row(r: List[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-    return [fmt_row(headers)] + [fmt_row(r) for r in rows]
 
 
 class Progress:
@@ -100,7 +90,7 @@ def _progress_enabled(args: argparse.Namespace) -> bool:
 def cmd_ls(args: argparse.Namespace) -> int:
     listing = list_directory(args.dir)
     if args.json:
-        _print_json(listing)
+        print_json(listing)
         return EXIT_OK
     steps = listing["steps"]
     print(f"{listing['directory']}: {len(steps)} committed step{'s' if len(steps) != 1 else ''}"
@@ -120,7 +110,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          str(r.get("world_size")), str(r.get("files")),
                          ",".join(map(str, refs[:6])) + (",..." if len(refs) > 6 else "") if refs else "-",
                          json.dumps(meta, separators=(",", ":"))[:60] if meta else ""])
-        for line in _table(["step", "size", "committed", "world", "files", "refers to", "metadata"], rows,
+        for line in table(["step", "size", "committed", "world", "files", "refers to", "metadata"], rows,
                            right=(0, 1, 3, 4)):
             print("  " + line)
     if listing["latest_file"] is not None and listing["latest_file"] != listing["latest"]:
@@ -129,7 +119,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"incomplete / leftovers ({len(listing['leftovers'])}, not checkpoints; "
               f"`lazyckpt prune` removes those of dead processes):")
         rows = [[lo["name"], human_bytes(lo["bytes"]), lo["description"]] for lo in listing["leftovers"]]
-        for line in _table(["name", "size", "state"], rows, right=(1,)):
+        for line in table(["name", "size", "state"], rows, right=(1,)):
             print("  " + line)
     return EXIT_OK
 
@@ -144,7 +134,7 @@ def _shape(v: Any) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     doc = describe(args.path)
     if args.json:
-        _print_json(doc)
+        print_json(doc)
         return EXIT_OK
     where = {"file": "checkpoint file", "step": "committed step directory",
              "directory": "Checkpointer directory"}[doc["kind"]]
@@ -205,7 +195,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             rows = rows[:args.max_rows]
         else:
             hidden = 0
-        for line in _table(["path", "type", "dtype", "shape", "size", "entry"], rows, right=(4,)):
+        for line in table(["path", "type", "dtype", "shape", "size", "entry"], rows, right=(4,)):
             print("  " + line)
         if hidden:
             print(f"  ... {hidden} more (--max-rows 0 shows all, --json gives everything)")
@@ -216,7 +206,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                          f"{e['ref']['length']} bytes)" if e.get("ref") else "")]
                      for e in f["entries"]]
             print()
-            for line in _table(["entry", "kind", "offset", "length", "blocks", "name"], erows,
+            for line in table(["entry", "kind", "offset", "length", "blocks", "name"], erows,
                                right=(0, 2, 3, 4)):
                 print("  " + line)
     if doc.get("shards"):
@@ -241,7 +231,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     if args.json:
-        _print_json(report.to_json())
+        print_json(report.to_json())
         return EXIT_OK if report.ok else EXIT_DAMAGED
     what = report.target.step_dir or report.target.path
     if report.ok:
@@ -316,7 +306,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise UsageError(f"--keep must be at least 1 (got {args.keep}); deleting every checkpoint is not offered")
     result = prune(args.dir, args.keep, dry_run=args.dry_run, force=args.force)
     if args.json:
-        _print_json(result)
+        print_json(result)
     else:
         verb = "would delete" if args.dry_run else "deleted"
         for a in result["actions"]:
@@ -491,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "accepted and ignored: only saves older than the lease expiry are removed)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_prune)
+
+    add_study_commands(sub, progress_flags)
 
     sp = sub.add_parser("bench", help="side-by-side save/load benchmark against the raw disk and peers",
                         description="Saves and loads one state with every method in the same run. See "

@@ -72,11 +72,22 @@ def check_header(data: bytes, path: str) -> int:
                                      f"({len(data)} bytes)", path=path)
     magic, version, header_bytes = _HEADER.unpack_from(data)
     if magic != MAGIC:
-        raise CorruptCheckpointError(f"{path}: not a lazyckpt file (bad magic {magic!r})", path=path)
+        raise CorruptCheckpointError(f"{path}: not a lazyckpt file (bad magic {magic!r}){foreign_hint(data)}",
+                                     path=path)
     check_version(version, path)
     if header_bytes != HEADER_BYTES:
         raise CorruptCheckpointError(f"{path}: bad header size {header_bytes}", path=path)
     return version
+
+
+def foreign_hint(head: bytes) -> str:
+    """What reads a file that starts with ``head`` if it is a foreign format
+    lazyckpt writes (file_format=, docs/FORMAT.md §13); "" otherwise."""
+    if head[:4] == b"PK\x03\x04":
+        return "; it is a zip, as torch.save (and file_format='torch') writes: read it with torch.load"
+    if head[8:9] == b"{":
+        return "; it looks like safetensors (file_format='safetensors'): read it with safetensors.torch.load_file"
+    return ""
 
 
 def check_version(version: Any, path: str) -> None:
@@ -291,6 +302,9 @@ def read_ends(size: int, read: Callable[[int, int], bytes], path: str,
     every check made (sizes, magic, footer checksum, versions agree). The one
     footer reader: the loader and the commit's layout index both use it."""
     if size < HEADER_BYTES + TRAILER_BYTES:
+        hint = foreign_hint(read(0, 16)) if size >= 16 else ""
+        if hint:
+            raise CorruptCheckpointError(f"{path}: not a lazyckpt file{hint}", path=path)
         raise CorruptCheckpointError(f"{path}: truncated file ({size} bytes)", path=path)
     version = check_header(read(0, HEADER_BYTES), path)
     trailer = parse_trailer(read(size - TRAILER_BYTES, TRAILER_BYTES), size, path, max_footer_bytes)

@@ -25,6 +25,8 @@ from lazyckpt.loading.loader import _find_pickle, load_file
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import FilePart, SaveEngine, SaveHandle
+from lazyckpt.saving.file_formats import check_file_format
+from lazyckpt.saving.foreign import plan_layout
 from lazyckpt.state.providers import flatten
 from lazyckpt.storage.layout import clean_sibling_temps
 
@@ -63,20 +65,29 @@ class AsyncFileWriter:
 
     def save(self, state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
              on_commit: Optional[Callable[[SaveHandle], None]] = None,
-             final_path: Optional[str] = None) -> SaveHandle:
+             final_path: Optional[str] = None, file_format: str = "lazyckpt") -> SaveHandle:
         """Queue ``state`` (as it is now) for ``path``; return at once.
         ``final_path`` names where the checkpoint ends up if ``on_commit`` moves
-        it (for ``pending()`` and ``wait()`` by path)."""
+        it (for ``pending()`` and ``wait()`` by path). ``file_format``: "lazyckpt",
+        "torch" (what ``torch.load`` reads) or "safetensors" (lazyckpt/file_formats.py)."""
         self._engine.raise_errors()
         path = os.path.abspath(os.fspath(path))
+        if check_file_format(file_format) != "lazyckpt":
+            layout = plan_layout(state, file_format, metadata)
+            part = layout.part(record_events(s.data for s in layout.sources))
+            return self._submit(path, part, on_commit, final_path)
         flat = flatten(state)
         self._warn_pickles(flat.tree, path)
+        part = FilePart(flat, {"user": dict(metadata or {})}, record_events(s.data for s in flat.sources))
+        return self._submit(path, part, on_commit, final_path)
+
+    def _submit(self, path: str, part: FilePart, on_commit: Optional[Callable[[SaveHandle], None]],
+                final_path: Optional[str]) -> SaveHandle:
         directory = os.path.dirname(path)
         if directory not in self._cleaned and os.path.isdir(directory):
             self._cleaned.add(directory)
             clean_sibling_temps(directory, self.options.lease_expiry_s)
         strategy = FileCommit(path, self.options.lease_heartbeat_s, on_commit=on_commit)
-        part = FilePart(flat, {"user": dict(metadata or {})}, record_events(s.data for s in flat.sources))
         job = self._engine.submit(strategy, [part], name=path)
         job.handle.path = os.path.abspath(final_path) if final_path else path
         job.handle.file = path              # type: ignore[attr-defined]

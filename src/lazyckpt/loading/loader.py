@@ -15,7 +15,8 @@ import torch
 
 from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError,
                              CorruptCheckpointError, MissingKeyError, StateMismatchError, UnsafeObjectError)
-from lazyckpt.formats import manifest as manifests, placement
+from lazyckpt.formats import manifest as manifests
+from lazyckpt.formats import placement
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
 from lazyckpt.state.providers import (LoadContext, _dtensor_type, dtype_from_name, referenced_entries,

@@ -27,7 +27,8 @@ import torch
 
 from lazyckpt.distributed import RankInfo, agree, refuse
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
-from lazyckpt.formats import datafile, manifest
+from lazyckpt.formats import datafile
+from lazyckpt.formats import manifest
 from lazyckpt.formats.names import MANIFEST, rank_filename
 from lazyckpt.history import Event
 from lazyckpt.knobs import resolve

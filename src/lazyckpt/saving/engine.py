@@ -229,8 +229,10 @@ class FilePart(Part):
     """A file of flattened state, written through the host cache."""
 
     def __init__(self, flat: Flattened, metadata: Dict[str, Any], events: Optional[Dict[Any, Any]] = None,
-                 final_path: Optional[str] = None):
+                 final_path: Optional[str] = None, layout: Any = None):
         super().__init__()
+        #: A foreign file layout (torch zip, safetensors: lazyckpt/file_formats.py), else None.
+        self.layout = layout
         #: A PendingFlat (a save gathered along a plan) is resolved first thing in run().
         self.flat: Optional[Union[Flattened, PendingFlat]] = flat
         self.metadata = metadata
@@ -265,13 +267,13 @@ class FilePart(Part):
         writer = FileWriteJob(self.path, flat.tree, flat.sources, self.metadata, options,
                               resources.cache_for(flat.sources), resources.writers, resources.serializer,
                               capture_events=self.events, on_captured=lambda: job.captured(self),
-                              align_size=getattr(job.strategy, "align_file_size", False))
+                              align_size=getattr(job.strategy, "align_file_size", False), layout=self.layout)
         job.current = writer
         try:
             self.stats = writer.run()
         finally:
             job.current = None
-            self.flat = None            # the live state is no longer needed
+            self.flat = self.layout = None      # the live state is no longer needed
         self.entries, self.version, self.block_bytes = writer.entries, writer.version, writer.block
         job.handle.bytes += self.stats.file_bytes
 

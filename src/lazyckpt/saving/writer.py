@@ -19,6 +19,7 @@ name; committing it (rename, manifests) is the caller's job.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures as cf
 import threading
 import time
@@ -78,8 +79,17 @@ class FileWriteJob:
     def __init__(self, path: str, tree: Any, sources: List[Source], metadata: Dict[str, Any],
                  options: Options, cache: HostCache, writers: cf.ThreadPoolExecutor,
                  serializer: cf.ThreadPoolExecutor, capture_events: Optional[Dict[Any, Any]] = None,
-                 on_captured: Optional[Callable[[], None]] = None, align_size: bool = False):
+                 on_captured: Optional[Callable[[], None]] = None, align_size: bool = False,
+                 layout: Any = None):
         self.path = path
+        #: A foreign file layout (lazyckpt/file_formats.py: torch zip, safetensors)
+        #: instead of lazyckpt's own; None for lazyckpt's.
+        self.layout = layout
+        #: The per-(entry, block) checksum the writer threads compute.
+        self._span_sum = fmt.checksum if layout is None else layout.span_checksum
+        #: File blocks the layout patches at the end, copied as they are written.
+        self._keep: List[int] = []
+        self._kept: Dict[int, bytes] = {}
         #: Pad the footer with JSON whitespace so the file size is a multiple of
         #: 4 KiB: the ranks of a multi-rank step then mostly share one size, and
         #: the manifest's run-length list of sizes stays O(1) in the ranks.
@@ -134,6 +144,8 @@ class FileWriteJob:
         pickles: List[Tuple[int, cf.Future]] = []
         try:
             self._file = open_output(self.path, self.options, self.block)
+            if self.layout is not None:
+                return self._run_layout()
             # The header first: its version follows from the entry kinds, known
             # now; an object store's first part is then complete early.
             self.version = fmt.FORMAT_VERSION_2 if any(s.kind == "ref" for s in self.sources) \
@@ -184,6 +196,31 @@ class FileWriteJob:
             self.snapshot_done.set()
             if self._file is not None:
                 self._file.close()
+
+    def _run_layout(self) -> WriteStats:
+        """A foreign layout: every byte but its checksums is placed before the
+        capture (tensor bytes straight from the cache, small records as bytes);
+        the 4 KiB blocks that hold checksums are copied as they are written
+        and rewritten, patched, once every span's checksum is known."""
+        layout = self.layout
+        size = layout.size
+        items = [_Item(*item) for item in layout.items()]
+        self._keep = layout.kept_blocks()
+        self._stream_region(0, fmt.align_up(size), items)
+        self.copier.synchronize()
+        self.stats.capture_s = time.perf_counter() - self._start
+        self.snapshot_done.set()
+        if self.on_captured is not None:
+            self.on_captured()
+        self._drain()
+        if self._cancel.is_set():
+            raise Aborted("cancelled")
+        for offset, data in layout.patches(self._sums, self._kept, self.block):
+            self._write_bytes(offset, data)
+        self._file.finish(size)
+        self.stats.file_bytes = size
+        self.stats.flush_s = time.perf_counter() - self._start
+        return self.stats
 
     def _result(self, future: cf.Future) -> bytes:
         while True:
@@ -258,8 +295,13 @@ class FileWriteJob:
                 return
             memory = self.cache.chunk_memory(chunk)
             self._file.pwrite_all(memory[:length], offset)
-            for index, block, a, b in spans:
-                self._sums[index][block] = fmt.checksum(memory[a:b])
+            if self._span_sum is not None:
+                for index, block, a, b in spans:
+                    self._sums[index][block] = self._span_sum(memory[a:b])
+            if self._keep:
+                lo, hi = bisect.bisect_left(self._keep, offset), bisect.bisect_left(self._keep, offset + length)
+                for kept in self._keep[lo:hi]:
+                    self._kept[kept] = bytes(memory[kept - offset:kept - offset + fmt.ALIGNMENT])
             with self._lock:
                 self.stats.bytes_written += length
         except BaseException as exc:

@@ -59,7 +59,8 @@ import torch
 
 from lazyckpt.distributed import agree
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from lazyckpt.formats import datafile as fmt, manifest as manifests
+from lazyckpt.formats import datafile as fmt
+from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import MANIFEST, rank_filename
 from lazyckpt.history import Event, line, manifest_event
 from lazyckpt.knobs import Options

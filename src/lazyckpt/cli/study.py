@@ -1,0 +1,214 @@
+"""``lazyckpt diff`` and ``lazyckpt history``: the command-line face of
+:mod:`lazyckpt.study` (registered by :func:`add_commands` from cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+from lazyckpt.study import STATS, diff, trajectory
+from .inspect import human_bytes
+from .output import print_json, table
+
+EXIT_OK = 0
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _shape(v: Any) -> str:
+    return "[" + ", ".join(map(str, v)) + "]" if isinstance(v, list) else "-"
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    report = diff(args.a, args.b, keys=args.keys, top=args.top, workers=args.workers)
+    if args.json:
+        print_json(report.to_json())
+        return EXIT_OK
+    compared, skipped = report.compared, report.skipped
+    by_ref = sum(1 for r in compared if r.by_reference)
+    print(f"A: {report.a}\nB: {report.b}")
+    print(f"{len(compared)} tensor{'s' if len(compared) != 1 else ''} shown"
+          + (f" (top {args.top} by relative change)" if args.top is not None else "")
+          + f", {by_ref} unchanged by reference (not read), {len(skipped)} skipped; read "
+          f"{human_bytes(report.bytes_read)} of {human_bytes(report.tensor_bytes)} held"
+          + (f"; {report.values_not_compared} Python values not compared" if report.values_not_compared else ""))
+    if compared:
+        rows = [[r.key, _shape(r.shape), r.dtype or "-", _num(r.max_abs_diff), _num(r.norm_diff), _num(r.rel_change),
+                 _num(r.cosine), _num(r.frac_changed), ("same bytes" if r.by_reference else "") +
+                 (r.note or "")] for r in compared]
+        for line in table(["key", "shape", "dtype", "max|a-b|", "||a-b||", "rel", "cosine", "changed", "note"],
+                           rows, right=(3, 4, 5, 6, 7)):
+            print("  " + line)
+    if skipped:
+        print(f"skipped ({len(skipped)}):")
+        for line in table(["key", "why"], [[r.key, r.skipped] for r in skipped]):
+            print("  " + line)
+    return EXIT_OK
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """On when asked, or on a terminal when tqdm is there (the bar is optional: extra 'cli')."""
+    if args.progress is not None:
+        return args.progress
+    if not sys.stderr.isatty():
+        return False
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _steps_arg(text: Optional[str]) -> Optional[List[int]]:
+    if text is None:
+        return None
+    out: List[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.partition("-")
+        try:
+            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+        except ValueError:
+            raise ValueError(f"--steps {text!r}: expected steps like 10,20 or 10-50") from None
+    return out
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    if args.png is not None:
+        _pyplot()                       # a missing matplotlib fails before any reading
+    traj = trajectory(args.run, keys=args.keys, fn=args.stat, steps=_steps_arg(args.steps),
+                      persist_to=args.persist_to, workers=args.workers, progress=_progress(args))
+    tiers = dict(traj.steps)
+    table: Dict[str, Dict[int, float]] = {}
+    for step, key, value in traj:
+        table.setdefault(key, {})[step] = value
+    steps = [s for s, _ in traj.steps]
+    if args.json:
+        print_json({"run": args.run, "stat": args.stat, "steps": [{"step": s, "tier": tiers[s]} for s in steps],
+                     "values": {k: {str(s): _json_float(v) for s, v in vals.items()} for k, vals in table.items()},
+                     "skipped": [{"step": s, "key": k, "why": w} for s, k, w in traj.skipped],
+                     "bytes_read": traj.counter.bytes_read})
+    else:
+        print(f"{args.run}: {args.stat} of {len(table)} tensor{'s' if len(table) != 1 else ''} over {len(steps)} "
+              f"step{'s' if len(steps) != 1 else ''}; read {human_bytes(traj.counter.bytes_read)}")
+        keys = list(table)
+        if len(keys) <= args.wide:
+            rows = [[str(s), tiers[s]] + [_num(table[k].get(s)) for k in keys] for s in steps]
+            lines = table(["step", "tier"] + keys, rows, right=tuple(range(2, 2 + len(keys))))
+        else:
+            rows = [[k, str(s), _num(v)] for k in keys for s, v in table[k].items()]
+            lines = table(["key", "step", args.stat], rows, right=(1, 2))
+        for line in lines:
+            print("  " + line)
+        if traj.skipped:
+            print(f"skipped ({len(traj.skipped)}):")
+            for line in table(["step", "key", "why"], [[str(s), k, w] for s, k, w in traj.skipped]):
+                print("  " + line)
+    if args.png is not None:
+        plot_history(table, args.stat, args.png, group=args.group, title=args.run)
+        print(f"wrote {args.png}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _json_float(v: Any) -> Any:
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("--png needs matplotlib: pip install 'lazyckpt[plot]'") from None
+    return plt
+
+
+#: How a group's line combines its tensors' values: the norm of the group for
+#: norms, the extreme for extremes; the mean of the values otherwise.
+_COMBINE: Dict[str, Callable[[List[float]], float]] = {
+    "norm": lambda vs: math.sqrt(sum(v * v for v in vs)),
+    "absmax": max, "max": max, "min": min,
+}
+
+
+def group_values(table: Dict[str, Dict[int, float]], stat: str, pattern: str) -> Dict[str, Dict[int, float]]:
+    """One line per group: a tensor's group is the first match of ``pattern``
+    (a regex) in its key, the key itself where it does not match."""
+    rx = re.compile(pattern)
+    members: Dict[str, List[str]] = {}
+    for key in table:
+        m = rx.search(key)
+        members.setdefault(m.group(0) if m else key, []).append(key)
+    combine = _COMBINE.get(stat, lambda vs: sum(vs) / len(vs))
+    out: Dict[str, Dict[int, float]] = {}
+    for name, keys in members.items():
+        steps = sorted({s for k in keys for s in table[k]})
+        out[name] = {s: combine([table[k][s] for k in keys if s in table[k]]) for s in steps}
+    return out
+
+
+def plot_history(table: Dict[str, Dict[int, float]], stat: str, png: str, group: Optional[str] = None,
+                 title: str = "") -> None:
+    plt = _pyplot()
+    lines = group_values(table, stat, group) if group else table
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, values in lines.items():
+        steps = sorted(values)
+        ax.plot(steps, [values[s] for s in steps], marker="o", markersize=3, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel(stat + (" (per group)" if group else ""))
+    ax.set_title(title)
+    if len(lines) <= 20:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def add_commands(sub: Any, progress_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``diff`` and ``history`` on the ``lazyckpt`` parser."""
+    sp = sub.add_parser("diff", help="compare two committed steps tensor by tensor (reads pieces, not states)",
+                        description="A and B: a .lzc file, a step directory, a Checkpointer directory (its latest "
+                        "step) or RUN@STEP; local or s3://; any world size on either side. One row per tensor: "
+                        "max|a-b|, ||a-b||, ||a-b||/||a||, cosine, fraction of elements changed; sorted by "
+                        "relative change. Tensors an incremental step holds as a reference to the other's bytes "
+                        "are reported unchanged without being read.")
+    sp.add_argument("a", metavar="A")
+    sp.add_argument("b", metavar="B")
+    sp.add_argument("--keys", action="append", metavar="GLOB",
+                    help="only tensors whose /-joined path matches (repeatable), e.g. 'model/*.weight'")
+    sp.add_argument("--top", type=int, metavar="K", help="the K tensors that changed most (skipped rows are "
+                    "always listed)")
+    sp.add_argument("--workers", type=int, default=2, help="tensors compared in parallel (default 2)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=cmd_diff)
+
+    sp = sub.add_parser("history", help="a statistic of tensors over every kept step of a run (table, --png)",
+                        description="Reads every kept step (and, with --persist-to, the persistent tier's) "
+                        "chunk by chunk; a step that refers to an earlier step's bytes (incremental) reuses its "
+                        "value without reading.")
+    sp.add_argument("run", metavar="RUN", help="a Checkpointer directory or s3:// prefix")
+    sp.add_argument("--keys", action="append", metavar="GLOB", help="tensors to follow (repeatable; default all)")
+    sp.add_argument("--stat", default="norm", choices=STATS, help="statistic (default norm; std is unbiased)")
+    sp.add_argument("--steps", metavar="LIST", help="only these steps, e.g. 100,200 or 100-500")
+    sp.add_argument("--persist-to", metavar="URL", help="the run's persistent tier (s3://...): its steps too")
+    sp.add_argument("--workers", type=int, default=4, help="tensors read in parallel (default 4)")
+    sp.add_argument("--png", metavar="FILE", help="plot one line per tensor (needs matplotlib: lazyckpt[plot])")
+    sp.add_argument("--group", metavar="REGEX", help="with --png: one line per group, a tensor's group being "
+                    r"the first match of REGEX in its key (e.g. 'layers\.\d+')")
+    sp.add_argument("--wide", type=int, default=6, metavar="N",
+                    help="one column per tensor when there are at most N (default 6), else one row per value")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    progress_flags(sp)
+    sp.set_defaults(func=cmd_history)
