@@ -14,12 +14,12 @@ from lazyckpt.saving.commit import FileCommit, ObjectCommit
 from lazyckpt.saving.engine import FilePart, run_now
 from lazyckpt.saving.file_formats import check_file_format
 from lazyckpt.saving.foreign import plan_layout
+from lazyckpt.saving.resources import Resources
 from lazyckpt.state.providers import flatten
 from lazyckpt.storage.layout import CheckpointDir
 from lazyckpt.storage.s3 import is_url, store_for
 from .errors import CheckpointNotFoundError
 from .knobs import Options, resolve
-from .resources import Resources
 
 #: Host cache of the synchronous functional save (the Checkpointer's default is larger:
 #: there a cache that holds the whole state lets the capture finish at memory speed).

@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional
 
 from lazyckpt.distributed import shard_index
 from lazyckpt.errors import CheckpointError, CorruptCheckpointError
-from lazyckpt.state.walk import dtensor_nodes
 from . import datafile as fmt
 from .names import STEP_DIR, rank_filename
 
@@ -107,25 +106,6 @@ def _expand_files(manifest: Dict[str, Any], path: str) -> None:
     manifest["files"] = files
 
 
-def layouts_digest(tree: Any, world_size: int) -> Optional[str]:
-    """A digest of a rank's DTensor layouts (key, global shape, dtype, layout),
-    or None when it has no DTensors or one cannot be derived from its layout
-    (then the rank lists its pieces explicitly). Mesh ranks are global
-    ranks: derivation also needs the checkpointer's group to be the world."""
-    import hashlib
-    nodes = dtensor_nodes(tree)
-    if not nodes or any(not isinstance(n.get("layout"), dict) for n in nodes.values()):
-        return None
-    try:
-        import torch.distributed as dist
-        if dist.get_world_size() != world_size:
-            return None
-    except (ImportError, RuntimeError, ValueError):
-        return None
-    doc = sorted((k, n["global_shape"], n["dtype"], n["layout"]) for k, n in nodes.items())
-    return hashlib.sha1(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
-
-
 def keyset_digest(tree: Any) -> str:
     """A digest of the key paths a rank's tree holds (not their values, shapes
     or entries): equal on ranks that hold the same keys, such as the FSDP
@@ -218,8 +198,6 @@ def parse(raw: bytes, path: str) -> Dict[str, Any]:
                                      f"the manifest of step {step!r}; it is not step {named} (a copy of "
                                      f"another step restored under this name?)", path=path, step=named)
     return manifest
-
-
 
 
 def step_named_by(path: str) -> Optional[int]:

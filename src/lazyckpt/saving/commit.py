@@ -32,7 +32,7 @@ from lazyckpt.formats import manifest
 from lazyckpt.formats.names import MANIFEST, rank_filename
 from lazyckpt.history import Event
 from lazyckpt.knobs import resolve
-from lazyckpt.state.walk import dtensor_nodes
+from lazyckpt.state.walk import dtensor_nodes, layouts_digest
 from lazyckpt.storage.fileio import fsync_dir, remove_quietly, write_file_atomic
 from lazyckpt.storage.layout import CheckpointDir, StepDir, new_token, remove_tree, sibling_temp
 from lazyckpt.storage.s3 import store_for
@@ -175,7 +175,7 @@ class StepCommit(CommitStrategy):
             self._keyset = manifest.keyset_digest(part.flat.tree)
             # DTensor layouts (a digest): the coordinator reads them from one footer
             # per distinct digest instead of a listed piece per tensor per rank.
-            self._layouts = manifest.layouts_digest(part.flat.tree, self.dist.world_size)
+            self._layouts = layouts_digest(part.flat.tree, self.dist.world_size)
             if self.auto is not None and self.auto.reporting:
                 self._auto_nodes = AutoReplication.key_nodes(part.flat.tree)
                 if self.auto.mode == "auto":

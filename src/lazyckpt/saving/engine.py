@@ -44,12 +44,12 @@ import torch
 
 from lazyckpt.errors import CheckpointError, CheckpointWriteError
 from lazyckpt.knobs import Options
-from lazyckpt.resources import Resources
 from lazyckpt.state.plancache import PendingFlat
 from lazyckpt.state.providers import Flattened
 from lazyckpt.storage.layout import Lease
 from .barrier import CaptureBarrier
 from .capture import DeviceCopier, device_guard
+from .resources import Resources
 from .writer import Aborted, FileWriteJob, WriteStats
 
 log = logging.getLogger("lazyckpt")

@@ -4,6 +4,7 @@ spelling the command line, the loader's DTensor keys and the manifests use."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -171,3 +172,21 @@ def dtensor_nodes(tree: Any) -> Dict[str, Dict[str, Any]]:
         elif tag == "seq" and isinstance(node.get("v"), list):
             stack.extend((v, trail + [str(i)]) for i, v in enumerate(node["v"]))
     return out
+
+
+def layouts_digest(tree: Any, world_size: int) -> Optional[str]:
+    """A digest of a rank's DTensor layouts (key, global shape, dtype, layout),
+    or None when it has no DTensors or one cannot be derived from its layout
+    (then the rank lists its pieces explicitly). Mesh ranks are global
+    ranks: derivation also needs the checkpointer's group to be the world."""
+    nodes = dtensor_nodes(tree)
+    if not nodes or any(not isinstance(n.get("layout"), dict) for n in nodes.values()):
+        return None
+    try:
+        import torch.distributed as dist
+        if dist.get_world_size() != world_size:
+            return None
+    except (ImportError, RuntimeError, ValueError):
+        return None
+    doc = sorted((k, n["global_shape"], n["dtype"], n["layout"]) for k, n in nodes.items())
+    return hashlib.sha1(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]

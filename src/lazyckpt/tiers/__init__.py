@@ -1,1 +1,2 @@
-"""lazyckpt.storage.s3layout."""
+"""Tiers beyond the local directory: the persistent drain to an object store and
+replicas on partner nodes."""

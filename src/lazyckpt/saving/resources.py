@@ -7,8 +7,8 @@ import concurrent.futures as cf
 import threading
 from typing import Any, Iterable, Optional
 
-from lazyckpt.saving.hostcache import HostCache
-from .knobs import Options
+from lazyckpt.knobs import Options
+from .hostcache import HostCache
 
 
 class Resources:
