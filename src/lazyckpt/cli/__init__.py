@@ -36,7 +36,7 @@ from lazyckpt.interop.hf import export_hf, import_hf
 from lazyckpt.knobs import parse_size
 from lazyckpt.loading.verify import verify
 from .inspect import describe, format_time, human_bytes, list_directory
-from .output import print_json, table
+from .output import print_json, text_table
 from .prune import prune
 from .study import add_commands as add_study_commands    # diff, history: lazyckpt/study.py
 
@@ -110,7 +110,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          str(r.get("world_size")), str(r.get("files")),
                          ",".join(map(str, refs[:6])) + (",..." if len(refs) > 6 else "") if refs else "-",
                          json.dumps(meta, separators=(",", ":"))[:60] if meta else ""])
-        for line in table(["step", "size", "committed", "world", "files", "refers to", "metadata"], rows,
+        for line in text_table(["step", "size", "committed", "world", "files", "refers to", "metadata"], rows,
                            right=(0, 1, 3, 4)):
             print("  " + line)
     if listing["latest_file"] is not None and listing["latest_file"] != listing["latest"]:
@@ -119,7 +119,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"incomplete / leftovers ({len(listing['leftovers'])}, not checkpoints; "
               f"`lazyckpt prune` removes those of dead processes):")
         rows = [[lo["name"], human_bytes(lo["bytes"]), lo["description"]] for lo in listing["leftovers"]]
-        for line in table(["name", "size", "state"], rows, right=(1,)):
+        for line in text_table(["name", "size", "state"], rows, right=(1,)):
             print("  " + line)
     return EXIT_OK
 
@@ -195,7 +195,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             rows = rows[:args.max_rows]
         else:
             hidden = 0
-        for line in table(["path", "type", "dtype", "shape", "size", "entry"], rows, right=(4,)):
+        for line in text_table(["path", "type", "dtype", "shape", "size", "entry"], rows, right=(4,)):
             print("  " + line)
         if hidden:
             print(f"  ... {hidden} more (--max-rows 0 shows all, --json gives everything)")
@@ -206,7 +206,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                          f"{e['ref']['length']} bytes)" if e.get("ref") else "")]
                      for e in f["entries"]]
             print()
-            for line in table(["entry", "kind", "offset", "length", "blocks", "name"], erows,
+            for line in text_table(["entry", "kind", "offset", "length", "blocks", "name"], erows,
                                right=(0, 2, 3, 4)):
                 print("  " + line)
     if doc.get("shards"):

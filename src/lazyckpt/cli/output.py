@@ -13,7 +13,7 @@ def print_json(doc: Any) -> None:
     sys.stdout.write("\n")
 
 
-def table(headers: List[str], rows: List[List[str]], right: Tuple[int, ...] = ()) -> List[str]:
+def text_table(headers: List[str], rows: List[List[str]], right: Tuple[int, ...] = ()) -> List[str]:
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def fmt_row(r: List[str]) -> str:

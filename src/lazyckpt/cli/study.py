@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from lazyckpt.study import STATS, diff, trajectory
 from .inspect import human_bytes
-from .output import print_json, table
+from .output import print_json, text_table
 
 EXIT_OK = 0
 
@@ -47,12 +47,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
         rows = [[r.key, _shape(r.shape), r.dtype or "-", _num(r.max_abs_diff), _num(r.norm_diff), _num(r.rel_change),
                  _num(r.cosine), _num(r.frac_changed), ("same bytes" if r.by_reference else "") +
                  (r.note or "")] for r in compared]
-        for line in table(["key", "shape", "dtype", "max|a-b|", "||a-b||", "rel", "cosine", "changed", "note"],
+        for line in text_table(["key", "shape", "dtype", "max|a-b|", "||a-b||", "rel", "cosine", "changed", "note"],
                            rows, right=(3, 4, 5, 6, 7)):
             print("  " + line)
     if skipped:
         print(f"skipped ({len(skipped)}):")
-        for line in table(["key", "why"], [[r.key, r.skipped] for r in skipped]):
+        for line in text_table(["key", "why"], [[r.key, r.skipped] for r in skipped]):
             print("  " + line)
     return EXIT_OK
 
@@ -104,15 +104,15 @@ def cmd_history(args: argparse.Namespace) -> int:
         keys = list(table)
         if len(keys) <= args.wide:
             rows = [[str(s), tiers[s]] + [_num(table[k].get(s)) for k in keys] for s in steps]
-            lines = table(["step", "tier"] + keys, rows, right=tuple(range(2, 2 + len(keys))))
+            lines = text_table(["step", "tier"] + keys, rows, right=tuple(range(2, 2 + len(keys))))
         else:
             rows = [[k, str(s), _num(v)] for k in keys for s, v in table[k].items()]
-            lines = table(["key", "step", args.stat], rows, right=(1, 2))
+            lines = text_table(["key", "step", args.stat], rows, right=(1, 2))
         for line in lines:
             print("  " + line)
         if traj.skipped:
             print(f"skipped ({len(traj.skipped)}):")
-            for line in table(["step", "key", "why"], [[str(s), k, w] for s, k, w in traj.skipped]):
+            for line in text_table(["step", "key", "why"], [[str(s), k, w] for s, k, w in traj.skipped]):
                 print("  " + line)
     if args.png is not None:
         plot_history(table, args.stat, args.png, group=args.group, title=args.run)
