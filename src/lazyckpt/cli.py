@@ -9,6 +9,7 @@
     lazyckpt prune DIR --keep N           delete older committed steps and leftovers
     lazyckpt diff A B [--top K]           tensor by tensor change between two steps (lazyckpt/study.py)
     lazyckpt history RUN --stat norm      a statistic of tensors over every kept step (table, --png)
+    lazyckpt advise RUN --mtbf 8h         the checkpoint interval to choose (lazyckpt/advise.py)
     lazyckpt bench [--quick]              side-by-side save/load benchmark
 
 PATH is a ``.lzc`` file, a committed step directory, or a Checkpointer
@@ -498,6 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "accepted and ignored: only saves older than the lease expiry are removed)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_prune)
+
+    from .advise import add_parser as add_advise_parser     # its own module: cost figures and formulas
+    add_advise_parser(sub)
 
     from ._study_cli import add_commands as add_study_commands      # diff, history: lazyckpt/study.py
     add_study_commands(sub, progress_flags)

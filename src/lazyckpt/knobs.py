@@ -74,6 +74,11 @@ class Options:
     #: Upload bandwidth cap of the persistent tier's background drain, bytes/s
     #: (0: none), so that draining does not starve the training's own traffic.
     persist_bandwidth: float = 0.0
+    #: The job's mean time between failures ("8h"; a number is seconds; "" or 0: none).
+    #: With it, a Checkpointer logs (INFO, logger "lazyckpt") the checkpoint interval
+    #: that minimises the expected lost time, once it has measured a few saves
+    #: (lazyckpt/advise.py; ``lazyckpt advise`` gives the same from the manifests).
+    advise_mtbf: Any = ""
 
     def __post_init__(self) -> None:
         for name in ("writer_threads", "reader_threads", "max_pending_saves"):
@@ -111,6 +116,14 @@ class Options:
         object.__setattr__(self, "storage_options", normalize_options(self.storage_options))
         if not self.persist_bandwidth >= 0:
             raise ValueError(f"persist_bandwidth must be >= 0 (bytes/s, 0: no cap), got {self.persist_bandwidth}")
+        if self.advise_mtbf not in ("", None, 0, 0.0):
+            from .advise import parse_duration
+            try:
+                object.__setattr__(self, "advise_mtbf", parse_duration(self.advise_mtbf))
+            except ValueError as exc:
+                raise ValueError(f"advise_mtbf: {exc}") from None
+        else:
+            object.__setattr__(self, "advise_mtbf", 0.0)
 
     @property
     def lease_heartbeat_s(self) -> float:
