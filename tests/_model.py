@@ -40,6 +40,7 @@ from lazyckpt.cli import prune as lzprune
 from lazyckpt.loading import resolve as lzresolve
 from lazyckpt.loading import verify as lzverify
 from lazyckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.saving.costs import problems as cost_problems
 from lazyckpt.knobs import INCREMENTAL_MODES, resolve
 
 # ----------------------------------------------------------------- configurations
@@ -602,6 +603,14 @@ class Run:
             report = lzverify.verify(self.local)
             if not report.ok:
                 self.fail(f"lazyckpt verify {self.local}: {[p.message for p in report.problems][:3]}")
+            for s in self.ckpt.steps():
+                # Every commit records what its save cost (issue 26), well-formed.
+                try:
+                    cost = tools.read_manifest(self.ckpt.step_path(s)).get("cost")
+                except CheckpointNotFoundError:
+                    continue                # retention ran since the listing
+                if cost is None or cost_problems(cost):
+                    self.fail(f"step {s}: its manifest's save costs are {cost!r}: {cost_problems(cost)}")
 
     def _listed(self) -> set:
         listed = set(self.ckpt.steps())

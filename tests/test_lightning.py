@@ -98,7 +98,7 @@ def test_fit_saves_through_plugin_and_resume_is_bit_exact(tree, tmp_path, no_lea
 
     torch.manual_seed(0)
     full, rec_full = Tiny(), {}
-    plugin = cls()
+    plugin = cls(file_format="lazyckpt")                 # raw lazyckpt.load below
     trainer = _trainer(L, plugin, dirpath, rec_full)
     trainer.fit(full, _loader())                         # 3 epochs x 4 steps; a checkpoint every 2 steps
     assert plugin._writer is None                        # teardown drained every save and closed
@@ -219,7 +219,7 @@ def test_pickle_policy_and_torch_checkpoint_fallback(tree, tmp_path):
     _, cls = tree
     path = str(tmp_path / "p.ckpt")
     state = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"args": argparse.Namespace(a=1)}}
-    plugin = cls()
+    plugin = cls(file_format="lazyckpt")
     plugin.save_checkpoint(state, path)
     plugin.teardown()
 
@@ -240,6 +240,16 @@ def test_pickle_policy_and_torch_checkpoint_fallback(tree, tmp_path):
     assert torch.equal(plugin.load_checkpoint(legacy)["state_dict"]["w"], torch.arange(3.0))
     with pytest.raises(FileNotFoundError):
         plugin.load_checkpoint(str(tmp_path / "missing.ckpt"))
+
+    # torch format: torch.load's own weights_only contract
+    import pickle
+    torch_plugin = cls(file_format="torch")
+    torch_plugin.save_checkpoint(state, path)
+    torch_plugin.teardown()
+    assert not lzl.is_lazyckpt_file(path)
+    with pytest.raises(pickle.UnpicklingError):
+        torch_plugin.load_checkpoint(path)
+    assert torch_plugin.load_checkpoint(path, weights_only=False)["hyper_parameters"]["args"].a == 1
 
 
 def test_plugin_pickles_without_its_runtime_state(tree, tmp_path):

@@ -24,6 +24,7 @@ from lazyckpt.loading.verify import verify
 from lazyckpt.saving.autorep import AutoReplication
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import ObjectStepCommit, StepCommit
+from lazyckpt.saving.costs import SaveCosts
 from lazyckpt.saving.engine import FilePart, SaveEngine, SaveHandle
 from lazyckpt.saving.incremental import IncrementalIndex
 from lazyckpt.state.plancache import PlanCache
@@ -157,6 +158,8 @@ class Checkpointer:
         self._incremental = IncrementalIndex(self.options.incremental, self.options.full_every) \
             if self.options.incremental != "off" else None
         self._engine = SaveEngine(self.options, guard_buffers=guard_buffers)
+        #: What each save cost the training, recorded in its manifest (lazyckpt/saving/costs.py).
+        self._costs = SaveCosts(self.options.advise_mtbf)
         #: The persistent tier committed steps drain to (persist_to=), or None.
         self.persistent = PersistentTier(persist_to, self.options, self._dist, persist_keep_last) \
             if persist_to is not None else None
@@ -216,9 +219,11 @@ class Checkpointer:
                               auto=self._auto, history=self.history)
             if self.persistent is not None or self._replicas is not None:
                 strategy.on_committed = self._drain
+            strategy.costs = (self._costs, t0, self._costs.last)
             part = FilePart(flat, strategy.footer_metadata(),
                             record_events(flat.live_tensors()))
             job = self._engine.submit(strategy, [part], name=f"step {step}", step=step, t0=t0)
+            self._costs.queued(step, job.handle, t0)
         except BaseException as exc:
             if self._dist.distributed:
                 refuse(self._dist, f"c{call}", exc)
@@ -324,8 +329,10 @@ class Checkpointer:
             self.layout.apply_retention(self.keep_last)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Call ``wait_for_snapshot()`` before every ``optimizer.step()`` (removed on close)."""
-        self._engine.barrier.attach(optimizer)
+        """Call ``wait_for_snapshot()`` before every ``optimizer.step()`` (removed on close).
+        The first optimizer attached also times the iterations, for the save costs
+        recorded in the manifests (lazyckpt/saving/costs.py, ``lazyckpt advise``)."""
+        self._engine.barrier.attach(optimizer, after_wait=self._costs.clock_for(self._engine))
 
     def _check_open(self) -> None:
         if self._engine.closed:

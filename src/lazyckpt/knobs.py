@@ -8,6 +8,7 @@ code path (O_DIRECT on/off, one writer thread or several).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from typing import Any, Optional, Union
@@ -75,6 +76,11 @@ class Options:
     #: Upload bandwidth cap of the persistent tier's background drain, bytes/s
     #: (0: none), so that draining does not starve the training's own traffic.
     persist_bandwidth: float = 0.0
+    #: The job's mean time between failures ("8h"; a number is seconds; "" or 0: none).
+    #: With it, a Checkpointer logs (INFO, logger "lazyckpt") the checkpoint interval
+    #: that minimises the expected lost time, once it has measured a few saves
+    #: (lazyckpt/advise.py; ``lazyckpt advise`` gives the same from the manifests).
+    advise_mtbf: Any = ""
 
     def __post_init__(self) -> None:
         for name in ("writer_threads", "reader_threads", "max_pending_saves"):
@@ -111,6 +117,13 @@ class Options:
         object.__setattr__(self, "storage_options", normalize_options(self.storage_options))
         if not self.persist_bandwidth >= 0:
             raise ValueError(f"persist_bandwidth must be >= 0 (bytes/s, 0: no cap), got {self.persist_bandwidth}")
+        if self.advise_mtbf not in ("", None, 0, 0.0):
+            try:
+                object.__setattr__(self, "advise_mtbf", parse_duration(self.advise_mtbf))
+            except ValueError as exc:
+                raise ValueError(f"advise_mtbf: {exc}") from None
+        else:
+            object.__setattr__(self, "advise_mtbf", 0.0)
 
     @property
     def lease_heartbeat_s(self) -> float:
@@ -173,3 +186,33 @@ def parse_size(text: str) -> int:
     if value < 1:
         raise ValueError(f"size must be at least 1 byte, got {text!r}")
     return int(value)
+
+
+_UNITS = {"s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "mins": 60,
+          "minute": 60, "minutes": 60, "h": 3600, "hr": 3600, "hrs": 3600, "hour": 3600, "hours": 3600,
+          "d": 86400, "day": 86400, "days": 86400, "w": 604800, "week": 604800, "weeks": 604800}
+
+
+_TERM = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*", re.IGNORECASE)
+
+
+def parse_duration(text: Any) -> float:
+    """'8h', '30min', '1h30m', '2d', '90s' -> seconds; a Python number is seconds.
+    A string needs a unit: '8' could be seconds or hours."""
+    if type(text) in (int, float):
+        seconds = float(text)
+    else:
+        s = str(text).strip()
+        pos, seconds, terms = 0, 0.0, 0
+        while pos < len(s):
+            m = _TERM.match(s, pos)
+            if not m or m.group(2).lower() not in _UNITS:
+                hint = " (a unit is required: s, min, h, d, w)" if re.fullmatch(r"\s*[\d.]+\s*", s) else ""
+                raise ValueError(f"bad duration {text!r}{hint}; examples: 8h, 30min, 1h30m, 2d")
+            seconds += float(m.group(1)) * _UNITS[m.group(2).lower()]
+            pos, terms = m.end(), terms + 1
+        if not terms:
+            raise ValueError(f"bad duration {text!r}; examples: 8h, 30min, 1h30m, 2d")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"a duration must be positive and finite, got {text!r}")
+    return seconds

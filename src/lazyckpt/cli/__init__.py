@@ -9,6 +9,7 @@
     lazyckpt prune DIR --keep N           delete older committed steps and leftovers
     lazyckpt diff A B [--top K]           tensor by tensor change between two steps (lazyckpt/study.py)
     lazyckpt history RUN --stat norm      a statistic of tensors over every kept step (table, --png)
+    lazyckpt advise RUN --mtbf 8h         the checkpoint interval to choose (lazyckpt/advise.py)
     lazyckpt bench [--quick]              side-by-side save/load benchmark
 
 PATH is a ``.lzc`` file, a committed step directory, or a Checkpointer
@@ -30,6 +31,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from lazyckpt import __version__
+from lazyckpt.advise import add_parser as add_advise_parser     # lazyckpt advise: cost figures, formulas
 from lazyckpt.errors import CheckpointError, UnsafeObjectError
 from lazyckpt.interop.convert import convert
 from lazyckpt.interop.hf import export_hf, import_hf
@@ -482,11 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_prune)
 
+    add_advise_parser(sub)
+
     add_study_commands(sub, progress_flags)
 
     sp = sub.add_parser("bench", help="side-by-side save/load benchmark against the raw disk and peers",
                         description="Saves and loads one state with every method in the same run. See "
-                        "lazyckpt/_bench.py for what each column means.")
+                        "lazyckpt/cli/bench.py for what each column means.")
     sp.add_argument("--size", help="state size, e.g. 256M, 1G (default 256M; --quick: 4M)")
     sp.add_argument("--dtypes", default="fp32", help="comma-separated mix, e.g. fp32,bf16 (default fp32)")
     sp.add_argument("--tensors", type=int, help="number of tensors (default 16; --quick: 8)")

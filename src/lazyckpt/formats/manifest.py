@@ -34,10 +34,11 @@ def check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Dict[str, Any],
-          replicated: List[Any], layouts: Optional[Dict[str, Any]] = None, seq: Optional[int] = None) -> bytes:
+          replicated: List[Any], layouts: Optional[Dict[str, Any]] = None, seq: Optional[int] = None,
+          cost: Optional[Dict[str, Any]] = None) -> bytes:
     """The manifest's bytes, given every rank's report (``bytes``, ``shards``,
     ``version``, ``references``); ``seq``: the commit's place in the line of
-    history (lazyckpt/history.py)."""
+    history (lazyckpt/history.py); ``cost``: what the save cost (lazyckpt/saving/costs.py)."""
     world = len(done)
     version = max(v.get("version", fmt.FORMAT_VERSION_1) for v in done.values())
     manifest: Dict[str, Any] = {
@@ -48,6 +49,8 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
         "created_unix": time.time(), "save_id": save_id, "metadata": metadata}
     if seq is not None:
         manifest["seq"] = seq
+    if cost is not None:
+        manifest["cost"] = cost
     index = shard_index(done)
     if index:
         manifest["shards"] = index

@@ -11,13 +11,20 @@ this module imports neither framework)::
     trainer.fit(model, ckpt_path="path/to/epoch=0-step=10.ckpt")      # resume
 
 **Storage.** Every path Lightning passes (``.../epoch=0-step=10.ckpt``) becomes
-one lazyckpt file at exactly that path, written under a hidden temporary name
-in the same directory and renamed into place once durable (fsync of the file
-and of the directory). ``ModelCheckpoint``'s naming, top-k removal, ``last``
-links and ``Trainer(ckpt_path=...)`` therefore work unchanged. A path that
-holds an ordinary ``torch.save`` checkpoint still loads (through Lightning's
-``TorchCheckpointIO``), so a run can switch to this plugin and resume from its
-old checkpoints.
+one file at exactly that path, written under a hidden temporary name in the
+same directory and renamed into place once durable (fsync of the file and of
+the directory). ``file_format="torch"`` (default): a ``torch.save`` zip written
+through the engine, which ``load_from_checkpoint``, the default
+``TorchCheckpointIO`` and ``torch.load`` read; ``"lazyckpt"``: lazyckpt's own
+format. A path that holds an ordinary ``torch.save`` checkpoint always loads.
+
+**Commit ordering** (:mod:`._lightning_order`, docs/integrations.md):
+``ModelCheckpoint``'s name checks, top-k removals, ``last`` links and logger
+notifications see a checkpoint only once it is durable; removals, links and
+notifications run on the training thread at the next safe point after the
+commit, in the order asked, and are dropped if the save failed. A save inside
+a running Trainer is asynchronous; ``trainer.save_checkpoint()`` outside a run
+is durable on return; a direct ``save_checkpoint()`` returns once captured.
 
 **Asynchronous semantics** (like Lightning's ``AsyncCheckpointIO``, without
 its full clone of the state on the training thread).
@@ -29,7 +36,8 @@ training goes on; writer threads flush it. Lightning calls
 end), and the first thing that modifies those tensors in place afterwards is
 either the next ``optimizer.step()`` or, in a training-mode module with
 persistent buffers (``BatchNorm``'s running statistics), the next forward.
-The plugin therefore installs, while a capture is pending:
+The plugin therefore installs, while a capture is pending (and also waits
+before any Lightning hook that user code overrides, see ``_lightning_order``):
 
 * a global optimizer step pre-hook (``torch.optim.optimizer.
   register_optimizer_step_pre_hook``: every optimizer, whatever wraps it,
@@ -85,9 +93,11 @@ barrier) is shared with :mod:`lazyckpt.integrations.huggingface`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
+import weakref
 from typing import Any, Dict, Optional
 
 from lazyckpt.knobs import resolve
@@ -96,6 +106,8 @@ log = logging.getLogger("lazyckpt")
 
 __all__ = ["AsyncFileWriter", "LazyCheckpointIO", "PLLazyCheckpointIO", "is_lazyckpt_file"]  # noqa: F822
 
+from lazyckpt.saving.engine import SaveHandle
+from . import _lightning_order
 from ._async import AsyncFileWriter, is_lazyckpt_file
 
 
@@ -106,6 +118,12 @@ class _LazyCheckpointIOImpl:
     """The implementation shared by both class trees (see the module docstring).
 
     Args:
+        file_format: ``"torch"`` (default where the engine supports it): each
+            ``.ckpt`` is a ``torch.save``-compatible zip written through the
+            engine, so ``load_from_checkpoint``, ``Trainer.fit(ckpt_path=...)``
+            and the default ``TorchCheckpointIO`` read it without lazyckpt.
+            ``"lazyckpt"``: lazyckpt's own format (read back by this plugin or
+            ``lazyckpt.load``).
         allow_pickle: ``None`` (default): follow ``weights_only`` of the load
             call, refusing pickles when it is ``None`` or ``True``. ``True``:
             allow unless ``weights_only=True``. ``False``: always refuse.
@@ -117,20 +135,44 @@ class _LazyCheckpointIOImpl:
 
     _torch_io_path = ""     # module of the tree's TorchCheckpointIO, set per tree
 
-    def __init__(self, allow_pickle: Optional[bool] = None, guard_buffers: bool = True,
-                 **knobs: Any) -> None:
+    def __init__(self, file_format: Optional[str] = None, allow_pickle: Optional[bool] = None,
+                 guard_buffers: bool = True, **knobs: Any) -> None:
         super().__init__()
+        if file_format not in (None, "torch", "lazyckpt"):
+            raise ValueError(f"file_format={file_format!r}: expected 'torch' (torch.load-compatible .ckpt) "
+                             f"or 'lazyckpt'")
+        self.file_format = file_format or "torch"
         self.allow_pickle = allow_pickle
         self.guard_buffers = guard_buffers
         self.knobs = dict(knobs)
         resolve(None, **self.knobs)          # reject unknown knobs now, not at the first save
         self._writer: Optional[AsyncFileWriter] = None
+        self._init_runtime()
 
-    # Runtime state (threads, locks) does not travel to ddp_spawn children.
+    def _init_runtime(self) -> None:
+        # Commit ordering (see _lightning_order): side effects that need a committed
+        # file, run on the training thread at the next safe point after the commit.
+        self._actions: "collections.deque[_Action]" = collections.deque()
+        self._removals: Dict[str, "_Action"] = {}        # path -> its pending removal
+        self._links: Dict[str, "_Action"] = {}           # link path -> its pending link
+        self._running_actions = False
+        self._trainer_call = threading.local()           # .trainer during Trainer.save_checkpoint
+        self._last_trainer: Any = None                   # weakref to the trainer seen last
+        self._views: Any = weakref.WeakSet()             # ModelCheckpoints showing a committed view
+        self._last_save: Optional[SaveHandle] = None
+        self.saves = 0                                   # saves queued (proves the plugin is in use)
+
+    # Runtime state (threads, locks, pending actions) does not travel to ddp_spawn children.
     def __getstate__(self) -> Dict[str, Any]:
-        state = dict(self.__dict__)
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_actions", "_removals", "_links", "_running_actions", "_trainer_call",
+                              "_last_trainer", "_views", "_last_save")}
         state["_writer"] = None
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
 
     @property
     def writer(self) -> AsyncFileWriter:
@@ -140,11 +182,32 @@ class _LazyCheckpointIOImpl:
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any,
                         storage_options: Optional[Any] = None) -> None:
-        """Queue ``checkpoint`` for ``path`` and return; see the module docstring."""
+        """Queue ``checkpoint`` for ``path``; see the module docstring for when it returns."""
         if storage_options is not None:
             raise TypeError(f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
                             f"{type(self).__name__}")
-        self.writer.save(checkpoint, _local_path(path))
+        local = _local_path(path)
+        self.run_due_actions()
+        self._cancel_pending_removal(local)
+        kwargs = {"file_format": self.file_format} if self.file_format == "torch" else {}
+        handle = self.writer.save(checkpoint, local, **kwargs)
+        self._last_save = handle
+        self.saves += 1
+        mode = self._save_mode()
+        if mode == "durable":
+            handle.wait()
+            self.run_due_actions(block=True)
+        elif mode == "captured":
+            self.writer.wait_for_snapshot()
+
+    def _save_mode(self) -> str:
+        """``async`` inside a running Trainer (whose hooks the barrier covers),
+        ``durable`` for ``Trainer.save_checkpoint`` outside a run (after ``fit``),
+        ``captured`` for a direct call (nothing guards the caller's next line)."""
+        trainer = getattr(self._trainer_call, "trainer", None)
+        if trainer is None:
+            return "captured"
+        return "async" if _trainer_running(trainer) else "durable"
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -154,7 +217,7 @@ class _LazyCheckpointIOImpl:
         if not os.path.exists(local):
             raise FileNotFoundError(f"Checkpoint file not found: {local}")
         if not is_lazyckpt_file(local):
-            # An ordinary torch.save checkpoint (e.g. written before switching to this plugin).
+            # A torch zip: written by this plugin with file_format="torch", or by torch.save.
             torch_io = self._torch_io()
             kwargs: Dict[str, Any] = {"weights_only": self._torch_weights_only(weights_only)}
             if map_location is not None:
@@ -164,32 +227,142 @@ class _LazyCheckpointIOImpl:
                                 allow_pickle=self._allow_pickle(weights_only))
 
     def remove_checkpoint(self, path: Any) -> None:
+        """Remove ``path`` once every save queued before this call is durable.
+
+        Inside a running Trainer the removal is deferred to the training
+        thread's next safe point after that commit (and dropped if the save
+        failed, so the previous checkpoint stays); otherwise it waits."""
         local = _local_path(path)
+        last = self._last_save
+        if not self._actions and (last is None or (last.done() and last.error is None)):
+            _remove_path(local)             # nothing pending, nothing failed: as the default does
+            return
+        trainer = getattr(self._trainer_call, "trainer", None) or _active_trainer(self)
+        action = self._defer(lambda: _remove_path(local), kind="remove", path=local)
+        self._removals[local] = action
+        if trainer is None or not _trainer_running(trainer):
+            self.run_due_actions(block=True)
+
+    def link_checkpoint(self, target: str, linkpath: str) -> None:
+        """``ModelCheckpoint(save_last="link")``: point ``linkpath`` at ``target``
+        once ``target`` is durable, replacing the old link atomically."""
+        target, linkpath = os.path.abspath(target), os.path.abspath(linkpath)
+        self._cancel_pending_removal(linkpath)
+        action = self._defer(lambda: _replace_with_link(target, linkpath), kind="link", path=linkpath)
+        self._links[linkpath] = action
+        self.run_due_actions()
+
+    def after_pending_saves(self, fn: Any) -> None:
+        """Run ``fn()`` on this thread at the first safe point after every save
+        queued so far is durable (dropped if one of them failed)."""
+        self._defer(fn, kind="call", path="")
+        self.run_due_actions()
+
+    def path_taken(self, path: str, exists: Any) -> bool:
+        """Whether a new checkpoint may not use ``path``: a save or link to it is
+        pending, or it exists and is not about to be removed."""
+        path = os.path.abspath(path)
+        if path in self._links:
+            return True
+        if self._writer is not None and self._writer.pending(path):
+            return True
+        return path not in self._removals and bool(exists())
+
+    def pending_paths(self) -> set:
+        """Paths not yet durable: pending saves and links."""
+        out = set(self._links)
         if self._writer is not None:
-            self._writer.wait(local, raise_errors=False)
-        if os.path.islink(local) or os.path.isfile(local):
-            os.unlink(local)
-        elif os.path.isdir(local):
-            import shutil
-            shutil.rmtree(local)
+            out.update(h.path for h in self._writer.pending())
+        return out
+
+    def run_due_actions(self, block: bool = False) -> None:
+        """Run, in order, the deferred actions whose saves are durable (all, if ``block``)."""
+        if self._running_actions or not (self._actions or self._views):
+            return
+        self._running_actions = True
+        try:
+            while self._actions:
+                head = self._actions[0]
+                if head.after is not None and not head.after.done():
+                    if not block:
+                        return
+                    head.after._done.wait()
+                due = []
+                while self._actions and (self._actions[0].after is None or self._actions[0].after.done()):
+                    due.append(self._actions.popleft())
+                # Links first: last.ckpt moves to the new durable file before the old
+                # file it may point at is removed, so a kill never leaves it dangling.
+                due.sort(key=lambda a: a.kind != "link")
+                for i, action in enumerate(due):
+                    self._forget(action)
+                    if action.cancelled:
+                        continue
+                    if action.after is not None and (action.after.error is not None or action.after.cancelled):
+                        log.warning("lazyckpt: %s failed: not running the %s of %s that waited for it (the "
+                                    "previous checkpoint is kept)", action.after.name, action.kind,
+                                    action.path or "the loggers")
+                        continue
+                    try:
+                        action.fn()
+                    except BaseException:
+                        self._actions.extendleft(reversed(due[i + 1:]))
+                        raise
+        finally:
+            self._running_actions = False
+            for mc in list(self._views):
+                _lightning_order.refresh_view(mc, self)
+                if mc.__dict__.get("_lazyckpt_view") is None:
+                    self._views.discard(mc)
 
     def teardown(self) -> None:
-        """Drain every pending save (durable on return) and raise a background failure."""
+        """Drain every pending save (durable on return), run the deferred
+        removals, links and logger notifications, and raise a background failure."""
         writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
+        try:
+            if writer is not None:
+                writer.wait(raise_errors=False)
+            self.run_due_actions(block=True)
+        finally:
+            if writer is not None:
+                writer.close()
 
     def wait_for_snapshot(self) -> None:
         """Block until pending saves have copied their data; then state may be modified in place."""
         if self._writer is not None:
             self._writer.wait_for_snapshot()
 
+    def capturing(self) -> bool:
+        """Whether a pending save still reads the live tensors."""
+        return self._writer is not None and self._writer._engine.capturing_anything()
+
     def wait(self) -> None:
-        """Block until every pending save is durable; raise a background failure."""
+        """Block until every pending save is durable and its deferred actions ran; raise a failure."""
         if self._writer is not None:
-            self._writer.wait()
+            self._writer.wait(raise_errors=False)
+            self.run_due_actions(block=True)
+            self._writer.raise_errors()
 
     # ------------------------------------------------------------------ helpers
+
+    def _defer(self, fn: Any, kind: str, path: str) -> "_Action":
+        # The newest save queued before this action, finished or not: one that
+        # already failed must still cancel what waited for it.
+        last = self._last_save
+        action = _Action(fn, kind, path, last if last is not None and not (last.done() and last.error is None)
+                         else None)
+        self._actions.append(action)
+        return action
+
+    def _forget(self, action: "_Action") -> None:
+        for table in (self._removals, self._links):
+            if table.get(action.path) is action:
+                del table[action.path]
+
+    def _cancel_pending_removal(self, path: str) -> None:
+        # A new file at a path whose removal is pending replaces it atomically.
+        action = self._removals.pop(path, None)
+        if action is not None:
+            action.cancelled = True
 
     def _allow_pickle(self, weights_only: Optional[bool]) -> bool:
         if weights_only is not None:
@@ -203,6 +376,55 @@ class _LazyCheckpointIOImpl:
         import importlib
         module = importlib.import_module(self._torch_io_path)
         return module.TorchCheckpointIO()
+
+
+class _Action:
+    """A side effect that needs the saves queued before it to be durable."""
+
+    __slots__ = ("fn", "kind", "path", "after", "cancelled")
+
+    def __init__(self, fn: Any, kind: str, path: str, after: Optional[SaveHandle]):
+        self.fn, self.kind, self.path, self.after, self.cancelled = fn, kind, path, after, False
+
+
+def _remove_path(local: str) -> None:
+    if os.path.islink(local) or os.path.isfile(local):
+        os.unlink(local)
+    elif os.path.isdir(local):
+        import shutil
+        shutil.rmtree(local)
+
+
+def _replace_with_link(target: str, linkpath: str) -> None:
+    """Atomically make ``linkpath`` a relative symlink to ``target`` (a copy where
+    symlinks are refused), then fsync the directory: a kill leaves the old link
+    or the new one, never none."""
+    import shutil
+    import uuid
+    directory = os.path.dirname(linkpath)
+    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+        shutil.rmtree(linkpath)
+    tmp = os.path.join(directory, f".{os.path.basename(linkpath)}.{uuid.uuid4().hex[:8]}.link")
+    try:
+        os.symlink(os.path.relpath(target, directory), tmp)
+    except OSError:
+        shutil.copy(target, tmp)
+    os.replace(tmp, linkpath)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _trainer_running(trainer: Any) -> bool:
+    status = getattr(getattr(trainer, "state", None), "status", None)
+    return getattr(status, "value", status) == "running"
+
+
+def _active_trainer(plugin: Any) -> Any:
+    ref = getattr(plugin, "_last_trainer", None)
+    return ref() if ref is not None else None
 
 
 def _local_path(path: Any) -> str:
@@ -235,6 +457,7 @@ def _make_class(name: str) -> type:
            f"(see :mod:`lazyckpt.integrations.lightning`).\n\n" + (_LazyCheckpointIOImpl.__doc__ or ""))
     cls = type(name, (_LazyCheckpointIOImpl, base), {"__module__": __name__, "__qualname__": name,
                                                      "__doc__": doc, "_torch_io_path": torch_io})
+    _lightning_order.install(io_module.rsplit(".plugins", 1)[0], _LazyCheckpointIOImpl)
     return cls
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, List
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -39,14 +39,17 @@ class CaptureBarrier:
 
     # ---------------------------------------------------------------- optimizer steps
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Wait for pending captures before every ``optimizer.step()``."""
+    def attach(self, optimizer: torch.optim.Optimizer, after_wait: Optional[Callable[[], None]] = None) -> None:
+        """Wait for pending captures before every ``optimizer.step()``; then call
+        ``after_wait`` (the iteration clock of lazyckpt/saving/costs.py), in the same hook."""
         ref = self._engine
 
         def before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
             engine = ref()
             if engine is not None and not engine.closed:
                 engine.wait_for_snapshot()
+                if after_wait is not None:
+                    after_wait()
         with self._lock:
             self._step_hooks.append(optimizer.register_step_pre_hook(before_step))
 

@@ -27,8 +27,7 @@ import torch
 
 from lazyckpt.distributed import RankInfo, agree, refuse
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
-from lazyckpt.formats import datafile
-from lazyckpt.formats import manifest
+from lazyckpt.formats import datafile, manifest
 from lazyckpt.formats.names import MANIFEST, rank_filename
 from lazyckpt.history import Event
 from lazyckpt.knobs import resolve
@@ -38,6 +37,7 @@ from lazyckpt.storage.layout import CheckpointDir, StepDir, new_token, remove_tr
 from lazyckpt.storage.s3 import store_for
 from lazyckpt.storage.s3layout import LEASE_PREFIX, ObjectLease
 from .autorep import AutoReplication
+from .costs import merge
 from .engine import CommitStrategy, FilePart, Job
 from .incremental import IncrementalIndex, Plan
 
@@ -134,6 +134,10 @@ class StepCommit(CommitStrategy):
         self._replicated_sums: Optional[Dict[str, Optional[str]]] = None
         #: Called with (handle, self) once the step is committed (the persistent tier's enqueue).
         self.on_committed: Optional[Callable[[Any, "StepCommit"], None]] = None
+        #: (SaveCosts, save() start, the previous save) when the save costs are recorded
+        #: (lazyckpt/saving/costs.py); the merged figures, once committed.
+        self.costs: Optional[tuple] = None
+        self.cost: Optional[Dict[str, Any]] = None
 
     @property
     def align_file_size(self) -> bool:
@@ -298,6 +302,9 @@ class StepCommit(CommitStrategy):
         report: Dict[str, Any] = {"ok": True, "step": self.step, "bytes": part.stats.file_bytes,
                                   "digest": part.digest, "version": part.version,
                                   "references": self._plan.referenced_steps if self._plan else []}
+        if self.costs is not None:
+            recorder, t0, previous = self.costs
+            report["cost"] = recorder.report(job, t0, previous)
         if not self.dist.distributed:
             report["shards"] = flat_shards or []
             self._reported = True
@@ -340,8 +347,11 @@ class StepCommit(CommitStrategy):
                 v["shards"] = json.loads(self._take_side(name))
         if self.history is not None:
             self.seq = self.history.next_seq()
+        if self.costs is not None:
+            self.cost = merge({r: v.pop("cost", None) for r, v in done.items()},
+                              sum(v["bytes"] for v in done.values()))
         raw = manifest.build(self.step, done, self.save_id, {"step": self.step, **self.metadata},
-                             self.replicated, layouts=self._collect_layouts(done), seq=self.seq)
+                             self.replicated, layouts=self._collect_layouts(done), seq=self.seq, cost=self.cost)
         self._publish(raw)
         if self.auto is None or not self.dist.distributed:
             return None
@@ -416,6 +426,8 @@ class StepCommit(CommitStrategy):
             self.on_committed(job.handle, self)
         if not self.dist.coordinator:
             return
+        if self.costs is not None:
+            self.costs[0].committed(self.step, self.cost)
         self.layout.apply_retention(self.keep_last)
         # Superseding made the step just committed the newest one.
         self.layout.write_latest(self.step)

@@ -76,6 +76,9 @@ class SaveHandle:
         self.reported = False
         #: Seconds the caller spent inside save().
         self.blocking_s = 0.0
+        #: Seconds the training spent waiting at the capture barrier for this save
+        #: (``wait_for_snapshot``, the optimizer and forward hooks); complete once captured.
+        self.barrier_wait_s = 0.0
         #: Seconds from save() until every byte was copied out of the live state.
         self.capture_s = 0.0
         #: Seconds from save() until committed and durable.
@@ -497,6 +500,8 @@ class SaveEngine:
         self._tracked: List[Part] = []                  # parts not captured yet
         self._capturing: Optional[frozenset] = frozenset()
         self._tracked_generation = 0
+        #: Seconds every caller of wait_for_snapshot() has waited in all (lazyckpt/saving/costs.py).
+        self.waited_s = 0.0
         _LIVE.add(self)
         # An engine dropped without close() (its owner was collected) frees its cache
         # and removes its hooks once idle: nothing of it keeps it alive but its thread.
@@ -527,6 +532,9 @@ class SaveEngine:
                 self._raise_errors_locked()
             for part in job.parts:
                 self._track(part)
+            # Set before the job is visible to the capture thread (its commit records it);
+            # updated below to include arming the barrier.
+            handle.blocking_s = time.perf_counter() - handle._t0
             self._jobs.append(job)
             self._ensure_thread()
             self._cond.notify_all()
@@ -554,6 +562,10 @@ class SaveEngine:
         with self._cond:
             return [job.handle for job in self._jobs]
 
+    def has_pending(self) -> bool:
+        """Whether a save is queued or in flight; lock-free (a hint: the iteration clock asks every step)."""
+        return bool(self._jobs)
+
     def pending_jobs(self) -> List[Job]:
         with self._cond:
             return list(self._jobs)
@@ -565,10 +577,17 @@ class SaveEngine:
     def wait_for_snapshot(self, timeout: Optional[float] = None, raise_errors: bool = True) -> None:
         """Block until every part queued so far has been captured (copied out of the live state)."""
         for job in self.pending_jobs():
+            since = None
             for part in list(job.parts):
+                if since is None and not part.captured.is_set():
+                    since = time.perf_counter()         # the training waits: a cost of this save
                 if not part.captured.wait(timeout):
                     raise CheckpointError(f"{job.handle.name}: capture not finished within {timeout} s",
                                           step=job.handle.step)
+            if since is not None:
+                waited = time.perf_counter() - since
+                job.handle.barrier_wait_s += waited
+                self.waited_s += waited
         if raise_errors:
             self.raise_errors()
 
