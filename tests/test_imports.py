@@ -186,3 +186,25 @@ def test_the_checker_sees_what_it_checks():
     """The walk finds the package and its in-function imports (a vacuous pass would hide moves)."""
     assert "lazyckpt.api" in MODULES and "lazyckpt.integrations.dcp" in MODULES
     assert any(inside for m in MODULES for *_, inside in _imports(m))
+
+
+def test_no_package_name_hides_its_submodule():
+    """``from .prune import prune`` in a package's __init__ rebinds ``package.prune``
+    to the function, and ``from package import prune`` then yields the function."""
+    problems = []
+    for pkg in sorted(m for m in MODULES if _is_package(m)):
+        subs = {m.rsplit(".", 1)[1] for m in MODULES if m.rsplit(".", 1)[0] == pkg and m != pkg}
+        for node in _tree(pkg).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in subs:
+                problems.append(f"{pkg}: def/class {node.name} hides {pkg}.{node.name}")
+            elif isinstance(node, ast.ImportFrom):
+                target = _absolute(pkg, node)
+                for a in node.names:
+                    bound = a.asname or a.name
+                    if bound in subs and f"{target}.{a.name}" != f"{pkg}.{bound}":
+                        problems.append(f"{pkg}:{node.lineno}: {bound} hides {pkg}.{bound}")
+            elif isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if isinstance(t, ast.Name) and t.id in subs:
+                        problems.append(f"{pkg}:{node.lineno}: {t.id} hides {pkg}.{t.id}")
+    assert not problems, "\n".join(problems)

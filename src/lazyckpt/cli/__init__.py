@@ -39,7 +39,7 @@ from lazyckpt.knobs import parse_size
 from lazyckpt.loading.verify import verify
 from .inspect import describe, format_time, human_bytes, list_directory
 from .output import print_json, text_table
-from .prune import prune
+from .prune import prune as prune_steps    # not "prune": that name is the submodule lazyckpt.cli.prune
 from .study import add_commands as add_study_commands    # diff, history: lazyckpt/study.py
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
@@ -306,7 +306,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise UsageError(f"--keep must be at least 1 (got {args.keep}); deleting every checkpoint is not offered")
-    result = prune(args.dir, args.keep, dry_run=args.dry_run, force=args.force)
+    result = prune_steps(args.dir, args.keep, dry_run=args.dry_run, force=args.force)
     if args.json:
         print_json(result)
     else:
