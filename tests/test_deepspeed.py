@@ -94,3 +94,114 @@ def test_zero_save_load_resumes_bit_exact(tmp_path, stage, world):
         assert path is not None
         assert restored in (True, None), f"rank {rank}: restored weights differ"
         assert resumed == reference, f"rank {rank}: losses after resume differ"
+
+
+# --------------------------------------------------------------------------- what a save hands over
+# Found by running DeepSpeed's own tests/unit/checkpoint with lazyckpt swapped in
+# (benchmarks/ds_suite/run_deepspeed_suite.py): their load goes through a fresh
+# engine in the same process right after save_checkpoint, with no step between.
+
+def _save_paths_without_a_step(rank, world, directory):
+    """One process for three observations (each DeepSpeed start costs seconds)."""
+    import time
+
+    import torch
+    engine = _engine(1, seed=0)
+    for i in range(2):
+        _step(engine, i, rank)
+    saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    out = {}
+
+    # 1. A fresh engine in the same process loads what was just saved (tag from `latest`).
+    engine.save_checkpoint(os.path.join(directory, "a"))     # returns before the files are in place
+    fresh = _engine(1, seed=123)
+    path, _ = fresh.load_checkpoint(os.path.join(directory, "a"))
+    state = fresh.module.state_dict()
+    out["fresh_load"] = (path is not None, all(torch.equal(state[k], v) for k, v in saved.items()),
+                         fresh.global_steps)
+
+    # 2. No step, no wait: the tag still commits (DeepSpeed has no end-of-save call
+    # for a decoupled engine; the job used to stay open until the next step).
+    engine.save_checkpoint(os.path.join(directory, "b"))
+    latest = os.path.join(directory, "b", "latest")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(latest) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["committed"] = os.path.exists(latest)
+
+    # 3. The consolidated export, read as from_pretrained and every other tool does.
+    expected = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    engine.save_16bit_model(os.path.join(directory, "c"), "pytorch_model.bin")
+    try:
+        export = torch.load(os.path.join(directory, "c", "pytorch_model.bin"), weights_only=True)
+        out["export"] = sorted(export) == sorted(expected) and all(
+            torch.equal(export[k], v) for k, v in expected.items())
+    except Exception as exc:                      # reported by the test, not raised in the child
+        out["export"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+@pytest.fixture(scope="module")
+def save_paths(tmp_path_factory):
+    [out] = run_ranks(1, _save_paths_without_a_step, str(tmp_path_factory.mktemp("ds_save_paths")),
+                      timeout=300)
+    return out
+
+
+def test_fresh_engine_in_the_same_process_loads_a_save_still_in_flight(save_paths):
+    found, same, steps = save_paths["fresh_load"]
+    assert found, "load_checkpoint found no `latest`: it did not wait for the pending save"
+    assert same and steps == 2
+
+
+def test_checkpoint_commits_when_save_checkpoint_returns_without_another_step(save_paths):
+    assert save_paths["committed"], "`latest` was not written: the tag stayed open until a next step or wait()"
+
+
+def test_save_16bit_model_writes_a_file_torch_load_reads(save_paths):
+    assert save_paths["export"] is True, save_paths["export"]
+
+
+def _eval_time_swap_waits_for_capture(rank, world, directory):
+    import importlib
+
+    import deepspeed
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    import lazyckpt.integrations.deepspeed as lds
+
+    class SwapOnEval(DeepSpeedEngine):
+        """Changes the weights in place in eval(), as DeepSpeed's hybrid engine
+        does (LoRA fusion; its inference kernels need CUDA, so not usable here)."""
+
+        def eval(self):
+            super().eval()
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    p.mul_(-1.0)
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    torch.manual_seed(0)
+    # Large enough that the capture is still running when eval() is called.
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0},
+              "steps_per_print": 10_000}
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    engine.__class__ = SwapOnEval              # before enable(): it hooks what the class overrides
+    lds.enable(engine, host_cache_bytes=1 << 22)
+    loss = engine(torch.randn(2, 512)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.save_checkpoint(directory, tag="t")
+    engine.eval()                              # swaps in place right after the save returns
+    lds.wait(engine)
+    state = lds.enable(engine).load(os.path.join(directory, "t", "mp_rank_00_model_states.pt"))["module"]
+    return all(torch.equal(state[k], v) for k, v in saved.items())
+
+
+def test_an_engine_eval_that_changes_weights_in_place_waits_for_the_capture(tmp_path):
+    [same] = run_ranks(1, _eval_time_swap_waits_for_capture, str(tmp_path), timeout=300)
+    assert same, "the checkpoint holds weights changed by eval() after save_checkpoint returned"
+

@@ -81,7 +81,8 @@ def _train(out, seed, resume=None, **kw):
         report_to=[], dataloader_num_workers=0, seed=42, use_cpu=True, disable_tqdm=True, **kw)
     record = _Record()
     trainer = _Trainer(model=_model(seed), args=args, train_dataset=_Data(), callbacks=[record],
-                       lazyckpt_options={"host_cache_bytes": 1 << 20})
+                       lazyckpt_options={"host_cache_bytes": 1 << 20},
+                       lazyckpt_checkpoint_format="lazyckpt")     # the HF layout: test_hf_trainer_layout.py
     trainer.losses = []
     trainer.train(resume_from_checkpoint=resume)
     return trainer, record
@@ -128,7 +129,8 @@ def test_plain_trainer_checkpoint_still_resumes(tmp_path):
     args["output_dir"] = str(tmp_path / "lazy")
     record = _Record()
     lazy = lzhf.LazyCheckpointTrainer(model=_model(1), args=transformers.TrainingArguments(**args),
-                                      train_dataset=_Data(), callbacks=[record])
+                                      train_dataset=_Data(), callbacks=[record],
+                                      lazyckpt_checkpoint_format="lazyckpt")
     lazy.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-2"))
     _assert_same(record.at["begin"], _snapshot(plain.model, plain.optimizer))
     assert lazy.state.global_step == 3

@@ -242,6 +242,32 @@ def test_trajectory_equals_the_statistic_of_whole_states(one_rank, stat):
     _assert_trajectory_equals_oracle(traj, fulls, stat)
 
 
+def test_each_statistic_of_every_dtype_nan_and_layout_equals_the_whole_tensor(tmp_path):
+    """Each statistic is folded on its own (extremes in the tensor's dtype,
+    sums in float64 slices): bf16, fp16, int64, bool, a NaN, a transposed
+    tensor and one longer than a slice, cut into many boxes."""
+    g = torch.Generator().manual_seed(3)
+    states = {s: {"bf16": (torch.randn(70, 90, generator=g) * s).bfloat16(),
+                  "f16": torch.randn(3000, generator=g).half() + s,
+                  "i64": torch.randint(-10**6, 10**6, (5000,), generator=g),
+                  "bool": torch.rand(999, generator=g) > 0.5,
+                  "nan": torch.tensor([1.0, float("nan"), -3.0 * s]),
+                  "t": torch.randn(300, 200, generator=g).t(),
+                  "long": torch.randn(300_000, generator=g) * 1e-3 + 1e3}           # > one 256 Ki slice
+              for s in (1, 2)}
+    run = _small_run(tmp_path / "dtypes", states)
+    fulls = {s: dict(_flatten(lazyckpt.load(_step(run, s)))) for s in states}
+    for stat in STATS:
+        got = {(s, k): v for s, k, v in lazyckpt.trajectory(run, fn=stat, chunk_bytes=4096)}
+        assert set(got) == {(s, k) for s in states for k in states[s]}
+        for (s, key), value in got.items():
+            want = _expected_stat(fulls[s][key], stat)
+            if math.isnan(want):
+                assert math.isnan(value), (stat, s, key)
+            else:
+                assert value == pytest.approx(want, rel=1e-9, abs=1e-12), (stat, s, key, value, want)
+
+
 def test_trajectory_reads_a_referenced_tensor_once_and_takes_any_callable(one_rank):
     _, inc = one_rank
     key = "model/model.embed_tokens.weight"

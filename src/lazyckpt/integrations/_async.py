@@ -102,6 +102,10 @@ class AsyncFileWriter:
                                          for q in (h.path, getattr(h, "file", h.path)))]
         return out
 
+    def capturing(self) -> bool:
+        """Whether a pending save still reads the live state (cheap: for hooks on hot paths)."""
+        return self._engine.capturing_anything()
+
     def wait_for_snapshot(self) -> None:
         """Block until every pending save has copied its data out of the live state."""
         self._engine.wait_for_snapshot(raise_errors=False)

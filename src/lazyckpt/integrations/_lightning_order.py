@@ -222,8 +222,7 @@ def _exit(mc: Any) -> None:
     d["_lazyckpt_inside"] -= 1
     if d["_lazyckpt_inside"]:
         return
-    ref = d.get("_lazyckpt_plugin")
-    plugin = ref() if ref is not None else None
+    plugin = _plugin_of_mc.get(mc)
     if plugin is None:
         return
     real = _snapshot(mc)
@@ -249,10 +248,26 @@ def _inside(fn: Any) -> Any:
     return wrapper
 
 
+# ModelCheckpoint -> its trainer's plugin, weak both ways and outside the
+# callback's __dict__: a weakref there made a fitted Trainer unpicklable
+# (torch.save(trainer), ddp_spawn).
+class _WeakValueOf(weakref.WeakKeyDictionary):
+    """A WeakKeyDictionary whose values are weak too: it keeps neither the callback nor the plugin alive."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, weakref.ref(value))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        ref = super().get(key)
+        return ref() if ref is not None else default
+
+
+_plugin_of_mc = _WeakValueOf()
+
+
 def _attach(mc: Any, plugin: Any) -> None:
-    ref = mc.__dict__.get("_lazyckpt_plugin")
-    if ref is None or ref() is not plugin:
-        mc.__dict__["_lazyckpt_plugin"] = weakref.ref(plugin)
+    if _plugin_of_mc.get(mc) is not plugin:
+        _plugin_of_mc[mc] = plugin
 
 
 def _wrap_model_checkpoint(mc_cls: type, plugin_of: Any) -> None:

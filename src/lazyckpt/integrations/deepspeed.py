@@ -22,6 +22,10 @@ call after ``deepspeed.initialize``::
     engine.load_checkpoint(save_dir)          # reads lazyckpt files (and torch.save ones)
     lazyckpt.integrations.deepspeed.wait(engine)   # optional: everything durable now
 
+``enable`` also hooks the engine's methods that end a save or change saved
+tensors in place outside the optimizer step (see :func:`_hook_engine`);
+changes it cannot see need :func:`wait_for_snapshot` first.
+
 Files keep DeepSpeed's names (``mp_rank_00_model_states.pt`` ...) but hold
 lazyckpt's format. Every save of a tag runs on lazyckpt's one save engine
 (:mod:`lazyckpt.saving.engine`): one job per tag, its files written in order through
@@ -43,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -60,6 +65,10 @@ from lazyckpt.storage.layout import sibling_temp
 from ._async import is_lazyckpt_file
 
 log = logging.getLogger("lazyckpt.deepspeed")
+
+# Every LazyCheckpointEngine of this process: a load waits for all their saves,
+# since the engine that loads is often not the one that saved (a fresh engine).
+_LIVE_ENGINES: "weakref.WeakSet[LazyCheckpointEngine]" = weakref.WeakSet()
 
 
 class TagCommit(CommitStrategy):
@@ -127,6 +136,8 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._job: Optional[Job] = None
         self._seq = 0
         self._warned_pickles = False
+        self._export = False            # inside save_16bit_model: plain torch.save files
+        _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ DeepSpeed API
 
@@ -140,6 +151,9 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def save(self, state_dict: Any, path: str) -> None:
         self._engine.raise_errors()
+        if self._export:
+            self._torch_save(state_dict, os.path.abspath(os.fspath(path)))
+            return
         if self._job is None:             # a save outside save_checkpoint (e.g. save_16bit_model)
             self.create(CheckpointCommitInfo(tag="", save_dir=os.path.dirname(os.fspath(path)),
                                              save_latest=False))
@@ -208,6 +222,24 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._seal()
         self._engine.close()
 
+    def _export_next_saves(self, on: bool) -> None:
+        self._export = on
+
+    def _torch_save(self, state_dict: Any, path: str) -> None:
+        """torch.save under a hidden sibling, fsync, rename: never a torn export."""
+        tmp = sibling_temp(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state_dict, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            remove_quietly(tmp)
+            raise
+        fsync_dir(os.path.dirname(path))
+
     def _seal(self) -> None:
         job, self._job = self._job, None
         if job is not None:
@@ -226,15 +258,92 @@ def enable(engine: Any, **kwargs: Any) -> LazyCheckpointEngine:
         return old
     new = LazyCheckpointEngine(getattr(engine, "_config", None), **kwargs)
     engine.checkpoint_engine = new
+    _hook_engine(engine, new)
     return new
+
+
+def wait_for_snapshot(engine: Any) -> None:
+    """Block until every checkpoint ``engine`` saved has copied its data out of
+    the live tensors: call it before changing weights or optimizer state in
+    place outside the paths :func:`enable` hooks (see docs/integrations.md)."""
+    _lazy_engine(engine).wait_for_snapshot()
+
+
+def _hook_engine(engine: Any, ckpt: LazyCheckpointEngine) -> None:
+    """Wrap, on this engine instance only, DeepSpeed's methods that end a save or
+    change saved tensors in place outside the optimizer step.
+
+    - ``save_checkpoint``: the tag's job is sealed when it returns, so it commits
+      (and ``latest`` is written) without waiting for the next step; DeepSpeed
+      has no end-of-save call for a decoupled engine.
+    - ``load_checkpoint``: waits until every checkpoint this process handed to
+      lazyckpt is committed, before DeepSpeed reads ``latest`` or globs the
+      tag's files itself (read-your-writes, also from another engine) and before
+      it copies loaded values into tensors a capture may still read.
+    - ``_take_model_step``: the consistency barrier, where every DeepSpeed
+      optimizer update starts (``engine.step()`` and the pipeline engine's
+      ``train_batch()``, which never calls ``get_commit_info``): the loss
+      scaler, the fp32 master -> fp16/bf16 copy, the LR scheduler.
+    - ``save_16bit_model``: the consolidated weights are an export that other
+      tools read with ``torch.load`` (``from_pretrained`` reads the
+      ``pytorch_model.bin`` the HF Trainer writes with it), and DeepSpeed
+      waits for it anyway: it is written with ``torch.save``, synchronously.
+    - ``eval``/``train``/``generate`` where the engine's class overrides them:
+      DeepSpeed's hybrid engine fuses LoRA weights and swaps inference
+      containers in place there.
+    """
+    def wrap(name: str, before: Any = None, after: Any = None, finally_: Any = None) -> None:
+        method = getattr(engine, name, None)
+        if method is None or getattr(method, "_lazyckpt_hooked", False):
+            return
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before(*args, **kwargs)
+            try:
+                result = method(*args, **kwargs)
+            finally:
+                if finally_ is not None:
+                    finally_()
+            if after is not None:          # on success only: a failed save is not committed here
+                after()
+            return result
+
+        hooked._lazyckpt_hooked = True          # type: ignore[attr-defined]
+        hooked.__wrapped__ = method             # type: ignore[attr-defined]
+        hooked.__doc__ = method.__doc__
+        setattr(engine, name, hooked)
+
+    wrap("save_checkpoint", after=ckpt._seal)
+    wrap("save_16bit_model", before=lambda *a, **k: ckpt._export_next_saves(True),
+         finally_=lambda: ckpt._export_next_saves(False))
+    wrap("load_checkpoint", before=lambda *a, **k: _wait_all_in_process())
+    wrap("_take_model_step", before=lambda *a, **k: ckpt.get_commit_info())
+    # Only where a subclass overrides them (the hybrid engine): the base engine's
+    # eval()/train() change nothing, and the HF Trainer calls train() every step,
+    # where a wait would stop the capture from overlapping the forward.
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    for name in ("eval", "train", "generate"):
+        if getattr(type(engine), name, None) is not getattr(DeepSpeedEngine, name, None):
+            wrap(name, before=lambda *a, **k: ckpt.wait_for_snapshot())
+
+
+def _wait_all_in_process() -> None:
+    for ckpt in list(_LIVE_ENGINES):
+        if not ckpt._engine.closed:
+            ckpt.wait()
+
+
+def _lazy_engine(engine: Any) -> LazyCheckpointEngine:
+    ckpt = getattr(engine, "checkpoint_engine", None)
+    if not isinstance(ckpt, LazyCheckpointEngine):
+        raise CheckpointError("this DeepSpeed engine does not use lazyckpt; call enable(engine) first")
+    return ckpt
 
 
 def wait(engine: Any) -> None:
     """Block until every checkpoint ``engine`` saved is committed and durable."""
-    ckpt = getattr(engine, "checkpoint_engine", None)
-    if not isinstance(ckpt, LazyCheckpointEngine):
-        raise CheckpointError("this DeepSpeed engine does not use lazyckpt; call enable(engine) first")
-    ckpt.wait()
+    _lazy_engine(engine).wait()
 
 
 # --------------------------------------------------------------------------- safe providers

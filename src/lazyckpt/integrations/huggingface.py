@@ -21,27 +21,32 @@ synchronous one, and it cannot change how ``train(resume_from_checkpoint=...)``
 reads them back. The mixin overrides these methods of ``transformers.Trainer``
 (checked against transformers 5.x; 4.4x has the same names):
 
-* ``_save_checkpoint``: one lazyckpt file per checkpoint, queued and written
+* ``_save_checkpoint``: the checkpoint's files (see Layout), queued and written
   in the background (see below);
 * ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
-  ``_load_scaler``, ``_load_rng_state``, ``_load_best_model``: read that file
-  (a checkpoint directory without it, e.g. written by a plain ``Trainer``,
-  goes to ``Trainer``'s own loaders, so old checkpoints still resume);
+  ``_load_scaler``, ``_load_rng_state``, ``_load_best_model``: wait for a
+  pending save of that checkpoint, then read its ``lazyckpt.lzc`` if it has
+  one; any other directory (the HF layout, written by this mixin or by a plain
+  ``Trainer``) goes to ``Trainer``'s own loaders;
 * ``_finalize_training`` and ``train``: drain pending saves (errors raised).
 
-**Layout.** ``output_dir/checkpoint-<step>/`` holds ``lazyckpt.lzc`` (model
-state dict, optimizer, scheduler, grad scaler, the RNG states of every
-process, the trainer state), ``trainer_state.json`` (read by ``Trainer``
-itself when resuming, and by people) and ``config.json``. The directory is
-assembled under a hidden temporary name and renamed into place only once the
-file and both JSON files are durable, so ``get_last_checkpoint``,
+**Layout.** By default (``lazyckpt_checkpoint_format="hf"``)
+``output_dir/checkpoint-<step>/`` holds the plain ``Trainer``'s files
+(``model.safetensors`` or its shards and index, ``optimizer.pt``,
+``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``, ``trainer_state.json``,
+``training_args.bin``, config, generation config and tokenizer files), the
+large ones written by the engine in the background (:mod:`.hf_layout` says
+which file is written where): the plain ``Trainer``, ``from_pretrained`` and
+the Hub read it, and the mixin reads it back with ``Trainer``'s own loaders.
+With ``lazyckpt_checkpoint_format="lazyckpt"`` it holds ``lazyckpt.lzc``
+(model state dict, optimizer, scheduler, grad scaler, the RNG states of every
+process, the trainer state), ``trainer_state.json`` and ``config.json``; read
+its weights with :func:`load_model_state`. Either way the directory is
+assembled under a hidden temporary name and renamed into place only once
+every file is durable, so ``get_last_checkpoint``,
 ``resume_from_checkpoint=True`` and ``save_total_limit`` rotation only ever
 see complete checkpoints, and a crash mid-save leaves the previous ones
-intact. Rotation (``save_total_limit``) runs right after that commit, in the
-background: an older checkpoint is never deleted before the newer one is
-durable. Weights are not in ``safetensors`` form here: use
-``trainer.save_model()`` for a ``from_pretrained`` export, or
-:func:`load_model_state` to read a checkpoint's weights.
+intact.
 
 **Asynchronous semantics.** ``_save_checkpoint`` runs after the optimizer
 and scheduler steps of a training step; it walks the state (no tensor data
@@ -51,8 +56,13 @@ flush it; the capture is guaranteed complete before anything modifies those
 tensors in place: a global optimizer step pre-hook (and, for training-mode
 modules with persistent buffers, a forward pre-hook) waits for it (see
 :mod:`lazyckpt.integrations.lightning`, whose ``AsyncFileWriter`` this
-uses). ``on_save`` callbacks therefore run when the save is *queued*; call
-``trainer.lazyckpt_wait()`` for durability. A background failure is raised
+uses); so do the Trainer's other in-place paths (``optimizer.train()`` /
+``eval()`` of schedule-free optimizers, ``model.train()`` / ``eval()``), and
+code of yours that swaps weights before the next optimizer step (EMA, SWA)
+must call ``trainer.lazyckpt_wait_for_snapshot()``. ``on_save`` callbacks,
+rotation and ``push_to_hub`` run once the checkpoint is committed and
+durable, on the training thread at the next callback event (see
+:mod:`.hf_callbacks`). A background failure is raised
 at the next checkpoint or at the end of ``train()``; when ``train()`` returns
 every checkpoint is committed and durable.
 
@@ -68,8 +78,8 @@ trust the checkpoints.
 collective) and the process that ``Trainer`` lets save (``args.should_save``)
 writes the file, as ``Trainer`` itself saves model and optimizer from the
 main process only. Each process restores its own RNG state. DeepSpeed, FSDP,
-XLA and SageMaker model parallelism keep ``Trainer``'s own checkpointing
-(the mixin steps aside, with a warning).
+XLA and SageMaker model parallelism are refused by the constructor, with an
+error that names what to use (:func:`.hf_callbacks.refuse_unsupported`).
 """
 
 from __future__ import annotations
@@ -93,6 +103,9 @@ from lazyckpt.knobs import resolve
 from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
 from lazyckpt.storage.layout import clean_sibling_temps, sibling_temp
 from ._async import AsyncFileWriter
+from .hf_layout import queue_hf_checkpoint, rng_state
+from . import hf_callbacks
+from .hf_layout import check_format
 
 log = logging.getLogger("lazyckpt")
 
@@ -129,18 +142,35 @@ class LazyCheckpointMixin:
     * ``lazyckpt_allow_pickle``: allow pickled objects when loading (default False).
     * ``lazyckpt_guard_buffers``: also wait for a pending capture before the
       forward of a training-mode module with persistent buffers (default True).
+    * ``lazyckpt_checkpoint_format``: ``"hf"`` (default: ``checkpoint-<step>/``
+      holds the plain Trainer's files, see :mod:`.hf_layout`) or
+      ``"lazyckpt"`` (one ``lazyckpt.lzc`` per checkpoint).
+    * ``lazyckpt_max_shard_size``: ``max_shard_size`` of ``model.safetensors``
+      in the ``"hf"`` format (default ``"50GB"``, ``save_pretrained``'s).
     """
 
     def __init__(self, *args: Any, lazyckpt_options: Optional[Dict[str, Any]] = None,
                  lazyckpt_allow_pickle: bool = False, lazyckpt_guard_buffers: bool = True,
+                 lazyckpt_checkpoint_format: str = "hf", lazyckpt_max_shard_size: Any = "50GB",
                  **kwargs: Any) -> None:
+        check_format(lazyckpt_checkpoint_format)
+        self.lazyckpt_checkpoint_format = lazyckpt_checkpoint_format
+        self.lazyckpt_max_shard_size = lazyckpt_max_shard_size
         self.lazyckpt_options = dict(lazyckpt_options or {})
         resolve(None, **self.lazyckpt_options)        # unknown or invalid knobs fail here
         self.lazyckpt_allow_pickle = lazyckpt_allow_pickle
         self.lazyckpt_guard_buffers = lazyckpt_guard_buffers
         self._lazyckpt_writer: Optional[AsyncFileWriter] = None
         self._lazyckpt_warned = False
+        self._lazyckpt_in_jit = False
+        # issue 24 (hf_callbacks): refuse what would silently be synchronous; on_save after the commit.
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            hf_callbacks.refuse_unsupported(training_args, lazyckpt_checkpoint_format)
         super().__init__(*args, **kwargs)
+        hf_callbacks.refuse_after_init(self)
+        self._lazyckpt_events = hf_callbacks.CommittedSaveEvents(self)
+        hf_callbacks.wrap_jit_checkpoint(self)
 
     # ------------------------------------------------------------------ public
 
@@ -163,13 +193,29 @@ class LazyCheckpointMixin:
         if writer is not None:
             writer.close(raise_errors=raise_errors)
 
+    def lazyckpt_wait_for_snapshot(self) -> None:
+        """Block until every queued checkpoint has copied the live state: call it
+        before changing checkpointed tensors in place outside the optimizer step
+        (an EMA swap in ``on_step_begin``, ...)."""
+        writer = getattr(self, "_lazyckpt_writer", None)
+        if writer is not None:
+            writer.wait_for_snapshot()
+
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        # resume_from_checkpoint=True: the last *complete* checkpoint (a JIT or killed save
+        # can leave a newer, incomplete checkpoint-<step>/ behind).
+        if kwargs.get("resume_from_checkpoint") is True:
+            kwargs["resume_from_checkpoint"] = hf_callbacks.resolve_resume(self.args.output_dir)
+        elif args and args[0] is True:
+            args = (hf_callbacks.resolve_resume(self.args.output_dir),) + args[1:]
         try:
             output = super().train(*args, **kwargs)
         except BaseException:
             self.lazyckpt_close(raise_errors=False)     # drain, but keep the original error
+            self._lazyckpt_events.flush_after_error()   # the committed ones' on_save, as plain ran them
             raise
         self.lazyckpt_close()
+        self._lazyckpt_events.flush()
         return output
 
     # ------------------------------------------------------------------ saving
@@ -178,21 +224,15 @@ class LazyCheckpointMixin:
         from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
         unsupported = (getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
                        or is_torch_xla_available() or is_sagemaker_mp_enabled())
-        if unsupported and not self._lazyckpt_warned:
-            self._lazyckpt_warned = True
-            warnings.warn("lazyckpt: DeepSpeed, FSDP, XLA and SageMaker MP keep Trainer's own checkpointing",
-                          RuntimeWarning, stacklevel=3)
-        return not unsupported
+        if unsupported:                     # refused in __init__; set later by hand: refuse here too
+            hf_callbacks.refuse_after_init(self)
+        return True
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if not self._lazyckpt_supported():
             return super()._save_checkpoint(model, trial)
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-        try:
-            from transformers.trainer_utils import rotate_checkpoints
-        except ImportError:                         # transformers 4.x: a Trainer method
-            rotate_checkpoints = None
         try:
             from transformers.trainer_utils import SaveStrategy
             strategies = [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]
@@ -202,6 +242,7 @@ class LazyCheckpointMixin:
 
         writer = self.lazyckpt_writer
         writer.raise_errors()                    # a failed earlier checkpoint stops the run here
+        hf_callbacks.guard_in_place_changes(self)  # optimizer.train()/eval(), model.train()/eval() wait
         args, state = self.args, self.state
         folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if getattr(self, "hp_search_backend", None) is None and trial is None:
@@ -217,7 +258,9 @@ class LazyCheckpointMixin:
                     or writer.pending(best_dir):
                 state.best_model_checkpoint = best_dir
 
-        rng = _rng_state()
+        # Layout (issue 24): "hf" writes the plain Trainer's files (hf_layout), "lazyckpt" one file.
+        hf_format = getattr(self, "lazyckpt_checkpoint_format", "hf") == "hf"
+        rng = rng_state(args) if hf_format else _rng_state()
         if args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, rng)
@@ -235,22 +278,23 @@ class LazyCheckpointMixin:
                 state.stateful_callbacks[name] = cb.state()
         trainer_state = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
 
-        payload: Dict[str, Any] = {"format": FORMAT_TAG, "global_step": state.global_step,
-                                   "model": self.model.state_dict(), "rng": rngs,
-                                   "trainer_state": trainer_state}
-        if not args.save_only_model:
-            payload["optimizer"] = self.optimizer.state_dict()
-            if self.lr_scheduler is not None:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")     # "please also save the optimizer state"
-                    payload["scheduler"] = self.lr_scheduler.state_dict()
-            scaler = getattr(self.accelerator, "scaler", None)
-            if scaler is not None:
-                payload["scaler"] = scaler.state_dict()
         files = {"trainer_state.json": trainer_state}
-        config = getattr(self.model, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            files["config.json"] = config.to_json_string()
+        if not hf_format:
+            payload: Dict[str, Any] = {"format": FORMAT_TAG, "global_step": state.global_step,
+                                       "model": self.model.state_dict(), "rng": rngs,
+                                       "trainer_state": trainer_state}
+            if not args.save_only_model:
+                payload["optimizer"] = self.optimizer.state_dict()
+                if self.lr_scheduler is not None:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")     # "please also save the optimizer state"
+                        payload["scheduler"] = self.lr_scheduler.state_dict()
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None:
+                    payload["scaler"] = scaler.state_dict()
+            config = getattr(self.model, "config", None)
+            if config is not None and hasattr(config, "to_json_string"):
+                files["config.json"] = config.to_json_string()
 
         os.makedirs(run_dir, exist_ok=True)
         if run_dir not in getattr(self, "_lazyckpt_cleaned", set()):
@@ -261,29 +305,23 @@ class LazyCheckpointMixin:
         best = state.best_model_checkpoint
         limit = args.save_total_limit
 
-        def rotate() -> None:
-            if rotate_checkpoints is not None:
-                rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best,
-                                   use_mtime=True)
-            else:                                   # transformers 4.x: a Trainer method
-                self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
-
         def on_commit(_pending: Any) -> None:
+            # Rotation, push_to_hub and on_save run later, on the training thread (hf_callbacks).
             _commit_directory(staging, output_dir, files)
-            # Rotate only now: an older checkpoint is never deleted before the new one
-            # is durable. A failure here leaves the new checkpoint committed: warn only.
-            try:
-                rotate()
-            except Exception as exc:
-                log.warning("lazyckpt: %s committed, but removing older checkpoints failed: %s: %s",
-                            output_dir, type(exc).__name__, exc)
 
-        pending = writer.save(payload, os.path.join(staging, CHECKPOINT_FILE),
-                              metadata={"global_step": state.global_step, "format": FORMAT_TAG},
-                              on_commit=on_commit, final_path=output_dir)
-        if args.push_to_hub:
-            pending.wait()
-            self._push_from_checkpoint(output_dir)
+        if hf_format:                           # every file of it through the engine but the small ones
+            pending = queue_hf_checkpoint(self, writer, staging, output_dir, rngs,
+                                          getattr(self, "lazyckpt_max_shard_size", "50GB"), on_commit)
+        else:
+            pending = writer.save(payload, os.path.join(staging, CHECKPOINT_FILE),
+                                  metadata={"global_step": state.global_step, "format": FORMAT_TAG},
+                                  on_commit=on_commit, final_path=output_dir)
+        self._lazyckpt_events.queued(pending, output_dir, run_dir, limit, best, push=bool(args.push_to_hub))
+        if self._lazyckpt_in_jit:
+            # transformers removes the JIT "incomplete" marker when this returns, and training
+            # stops right after: commit first (the commit replaces the marked directory).
+            self.lazyckpt_wait()
+            self._lazyckpt_events.flush()
 
     # ------------------------------------------------------------------ loading
 
@@ -364,8 +402,10 @@ class LazyCheckpointMixin:
         _set_rng_state(rng, self.args.parallel_mode == ParallelMode.DISTRIBUTED)
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
-        # Best-model loading and the final rotation below need committed checkpoints.
+        # Best-model loading and the final rotation below need committed checkpoints, and
+        # the last on_save calls (hf_callbacks) run here, on the training thread, before them.
         self.lazyckpt_wait()
+        self._lazyckpt_events.flush()
         return super()._finalize_training(*args, **kwargs)
 
 

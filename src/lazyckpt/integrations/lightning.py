@@ -195,8 +195,12 @@ class _LazyCheckpointIOImpl:
         self.saves += 1
         mode = self._save_mode()
         if mode == "durable":
-            handle.wait()
-            self.run_due_actions(block=True)
+            # Outside a run nothing calls teardown() later: drain and close the
+            # writer now, so its threads do not outlive the save.
+            try:
+                handle.wait()
+            finally:
+                self.teardown()
         elif mode == "captured":
             self.writer.wait_for_snapshot()
 
