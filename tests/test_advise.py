@@ -1,6 +1,6 @@
 """Which interval to checkpoint at (issue 26): the save costs each committed
 step records in its manifest (lazyckpt/saving/costs.py), ``lazyckpt advise``
-(lazyckpt/advise.py) and the Checkpointer's logged advice.
+(lazyckpt/cli/advise.py) and the Checkpointer's logged advice.
 
 Real Checkpointer runs: a small model trained with Adam, the optimizer
 attached, so the barrier waits are the training's real waits; a state pushed
@@ -20,7 +20,7 @@ import torch
 
 import lazyckpt
 import lazyckpt.cli
-from lazyckpt import advise
+from lazyckpt.cli import advise
 from lazyckpt import knobs
 from lazyckpt.saving import costs
 from lazyckpt.saving.costs import problems

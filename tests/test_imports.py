@@ -111,14 +111,24 @@ def _imports(mod: str) -> Iterator[Tuple[ast.stmt, str, Optional[str], bool]]:
 
 
 def _edges(mod: str) -> Set[str]:
-    """Modules this module's imports load, by name (not the parent packages)."""
+    """Modules this module's imports load: each target and the packages above it
+    that are not above ``mod`` itself (importing ``lazyckpt.cli.inspect`` runs
+    ``lazyckpt/cli/__init__.py`` first); the root package is left out (it only
+    re-exports the public surface and nothing below imports it at the top)."""
     out = set()
     for _, target, name, _ in _imports(mod):
         if name is not None and f"{target}.{name}" in MODULES:
-            out.add(f"{target}.{name}")
-        elif target in MODULES:
-            out.add(target)
+            target = f"{target}.{name}"
+        if target not in MODULES:
+            continue
+        out.add(target)
+        parts = target.split(".")
+        for i in range(2, len(parts)):
+            parent = ".".join(parts[:i])
+            if not (mod == parent or mod.startswith(parent + ".")):
+                out.add(parent)
     out.discard(mod)
+    out.discard("lazyckpt")
     return out
 
 

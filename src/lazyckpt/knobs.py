@@ -79,7 +79,7 @@ class Options:
     #: The job's mean time between failures ("8h"; a number is seconds; "" or 0: none).
     #: With it, a Checkpointer logs (INFO, logger "lazyckpt") the checkpoint interval
     #: that minimises the expected lost time, once it has measured a few saves
-    #: (lazyckpt/advise.py; ``lazyckpt advise`` gives the same from the manifests).
+    #: (lazyckpt/cli/advise.py; ``lazyckpt advise`` gives the same from the manifests).
     advise_mtbf: Any = ""
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@
     lazyckpt prune DIR --keep N           delete older committed steps and leftovers
     lazyckpt diff A B [--top K]           tensor by tensor change between two steps (lazyckpt/study.py)
     lazyckpt history RUN --stat norm      a statistic of tensors over every kept step (table, --png)
-    lazyckpt advise RUN --mtbf 8h         the checkpoint interval to choose (lazyckpt/advise.py)
+    lazyckpt advise RUN --mtbf 8h         the checkpoint interval to choose (lazyckpt/cli/advise.py)
     lazyckpt bench [--quick]              side-by-side save/load benchmark
 
 PATH is a ``.lzc`` file, a committed step directory, or a Checkpointer
@@ -31,12 +31,12 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from lazyckpt import __version__
-from lazyckpt.advise import add_parser as add_advise_parser     # lazyckpt advise: cost figures, formulas
 from lazyckpt.errors import CheckpointError, UnsafeObjectError
 from lazyckpt.interop.convert import convert
 from lazyckpt.interop.hf import export_hf, import_hf
 from lazyckpt.knobs import parse_size
 from lazyckpt.loading.verify import verify
+from .advise import add_parser as add_advise_parser     # lazyckpt advise: cost figures, formulas
 from .inspect import describe, format_time, human_bytes, list_directory
 from .output import print_json, text_table
 from .prune import prune as prune_steps    # not "prune": that name is the submodule lazyckpt.cli.prune

@@ -4,7 +4,7 @@ A Checkpointer keeps one :class:`SaveCosts`. Every rank reports, with its
 commit report, what it measured of this save and of its previous one; the
 coordinator writes the maximum over the ranks into the manifest's optional
 ``cost`` member (docs/FORMAT.md §11.2), which ``lazyckpt advise``
-(lazyckpt/advise.py) reads back. In synchronous data-parallel training the
+(lazyckpt/cli/advise.py) reads back. In synchronous data-parallel training the
 slowest rank sets the pace, hence the maximum.
 
 What is known when step S commits goes into S's manifest: ``save()``'s

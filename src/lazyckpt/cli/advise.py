@@ -33,12 +33,12 @@ import math
 import os
 from typing import Any, Dict, List, Tuple
 
-from lazyckpt.cli.inspect import list_directory
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.knobs import parse_duration, resolve
 from lazyckpt.loading.resolve import read_manifest
 from lazyckpt.saving.costs import advise, problems, steps_text, time_text
 from lazyckpt.storage.s3layout import read_manifest as read_object_manifest
-from .errors import CheckpointError, CheckpointNotFoundError
+from .inspect import list_directory
 
 
 def parse_failure_rate(text: str) -> float:
@@ -138,7 +138,7 @@ def render(a: Dict[str, Any], run: str, skipped: List[Dict[str, Any]]) -> List[s
 
 
 def add_parser(sub: Any) -> None:
-    """Register ``lazyckpt advise`` (called by lazyckpt/cli.py)."""
+    """Register ``lazyckpt advise`` (called by lazyckpt/cli/__init__.py)."""
     sp = sub.add_parser("advise", help="the checkpoint interval that minimises expected lost time",
                         description="From the save costs the committed steps of RUN record and a mean time "
                         "between failures: the cost C of one checkpoint to the training, Young's and Daly's "
