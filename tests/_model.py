@@ -606,7 +606,7 @@ class Run:
             for s in self.ckpt.steps():
                 # Every commit records what its save cost (issue 26), well-formed.
                 try:
-                    cost = tools.read_manifest(self.ckpt.step_path(s)).get("cost")
+                    cost = lzresolve.read_manifest(self.ckpt.step_path(s)).get("cost")
                 except CheckpointNotFoundError:
                     continue                # retention ran since the listing
                 if cost is None or cost_problems(cost):
