@@ -10,7 +10,9 @@ rollback to step k followed by a save of k+1 abandons the line's steps >= k+1.
 Invariants (``Run.check``): ``load()`` returns the line's latest state
 bit-exact; every listed step (local tier, persistent tier) loads exactly its
 own state or is refused as not found; no abandoned save is ever returned;
-``lazyckpt verify`` passes on the directory.
+``lazyckpt verify`` passes on the directory. After a wait or a rollback and at
+the end of a program, ``Run.check_study``: ``lazyckpt.trajectory``/``diff``
+(issue 26) on a few keys equal the oracle's norms and differences.
 
 A run is driven through ``Run.apply(rule, arg)``: rules are plain names with
 one int argument, so a program is a list of ``(rule, arg)`` that replays the
@@ -611,6 +613,80 @@ class Run:
                     continue                # retention ran since the listing
                 if cost is None or cost_problems(cost):
                     self.fail(f"step {s}: its manifest's save costs are {cost!r}: {cost_problems(cost)}")
+        if self.log and self.log[-1].split("(")[0] in STUDY_AFTER:
+            self.check_study()
+
+    def check_study(self) -> None:
+        """The study (issue 26) against the oracle, on STUDY_KEYS only (cheap):
+        ``lazyckpt.trajectory(fn="norm")`` over the kept steps (both tiers) lists
+        only the line's steps, every kept step of the line, each with the norms of
+        that step's save; ``lazyckpt.diff`` of the latest against earlier kept
+        steps (the previous, the oldest, the newest held only by the persistent
+        tier) gives the model's max|a-b|, fraction changed and relative change,
+        and reports unchanged by reference only tensors that are equal. Read on
+        rank 0 (a plain tensor's value is rank 0's), the others wait."""
+        self.ckpt.wait()
+        self._settle()
+        problems: List[str] = []
+        if self.rank == 0:
+            try:
+                problems = self._study_problems()
+            except Exception as exc:
+                problems = [f"{type(exc).__name__}: {exc}"]
+        self._barrier()
+        if problems:
+            self.fail(f"study (diff/trajectory) of {self.local}: {problems[:4]}")
+
+    def _study_problems(self) -> List[str]:
+        from lazyckpt.study import run_steps
+        # With replicas= a node's steps persist under persist_url/node_NNNNN: the tier's own URL.
+        persist = self.ckpt.persistent.dir.url if self.ckpt.persistent is not None else None
+        kept_on_line = self._listed() & set(self.line.steps)
+        located = run_steps(self.local, persist_to=persist) if self.ckpt.steps() or persist else []
+        if not located:
+            return [f"no kept step, but the line's steps {sorted(kept_on_line)} are listed"] if kept_on_line else []
+        problems: List[str] = []
+        table = lazyckpt.trajectory(self.local, keys=list(STUDY_KEYS), fn="norm", persist_to=persist).table()
+        steps = sorted({s for per_step in table.values() for s in per_step})
+        if steps != sorted(s for s, _, _ in located):
+            problems.append(f"trajectory steps {steps} != run_steps {[s for s, _, _ in located]}")
+        if sorted(table) != sorted(STUDY_KEYS):
+            problems.append(f"trajectory keys {sorted(table)}")
+        if not kept_on_line <= set(steps):
+            problems.append(f"trajectory misses kept steps of the line {sorted(kept_on_line - set(steps))} "
+                            f"(it has {steps})")
+        for s in steps:
+            expected = self.line.steps.get(s)
+            if expected is None:
+                problems.append(f"trajectory has step {s}, not on the line "
+                                f"({'abandoned' if any(a == s for a, _ in self.line.abandoned) else 'never saved'})")
+                continue
+            for key in STUDY_KEYS:
+                want = float(torch.linalg.vector_norm(expected["/" + key].double()))
+                got = table.get(key, {}).get(s)
+                if got is None or not _close(got, want):
+                    stale = [a for a, v in self.line.abandoned
+                             if a == s and _close(got, float(torch.linalg.vector_norm(v["/" + key].double())))]
+                    problems.append(f"trajectory step {s} {key}: norm {got}, its save's is {want}"
+                                    + (" (an ABANDONED save's)" if stale else ""))
+        latest = steps[-1]
+        where = {s: loc for s, _, loc in located}
+        earlier = [steps[-2]] if len(steps) > 1 else []
+        earlier += [steps[0]] if steps[0] not in earlier and steps[0] != latest else []
+        only_persistent = [s for s, tier, _ in located if tier == "persistent" and s != latest]
+        earlier += [only_persistent[-1]] if only_persistent and only_persistent[-1] not in earlier else []
+        for s in earlier:
+            if s not in self.line.steps or latest not in self.line.steps:
+                continue                      # reported above
+            report = lazyckpt.diff(where[s], where[latest], keys=list(STUDY_KEYS))
+            rows = {r.key: r for r in report.rows}
+            if sorted(rows) != sorted(STUDY_KEYS) or report.skipped:
+                problems.append(f"diff {s} {latest}: rows {sorted(rows)}, skipped {report.skipped}")
+                continue
+            for key in STUDY_KEYS:
+                problems += _diff_row_problems(f"diff {s} {latest} {key}", rows[key],
+                                               self.line.steps[s]["/" + key], self.line.steps[latest]["/" + key])
+        return problems
 
     def _listed(self) -> set:
         listed = set(self.ckpt.steps())
@@ -631,6 +707,41 @@ class Run:
         if self.ckpt is not None:
             self.ckpt.close()
             self.ckpt = None
+
+
+#: The tensors check_study follows: one per kind of writer (AdamW, BatchNorm stats and
+#: counter, fused AdamW's step, numpy/collective writes, the replicated buffer).
+STUDY_KEYS = ("a/0.weight", "a/1.running_mean", "a/1.num_batches_tracked", "b/bias", "opt_a/state/0/exp_avg",
+              "opt_b/state/0/step", "shared/buf")
+#: check() runs check_study after these rules (they wait anyway: no wait is added) and at the end.
+STUDY_AFTER = ("wait", "rollback")
+
+
+def _close(got: float, want: float) -> bool:
+    return got == want or abs(got - want) <= 1e-9 * max(abs(got), abs(want))
+
+
+def _diff_row_problems(where: str, row: Any, a: torch.Tensor, b: torch.Tensor) -> List[str]:
+    """A diff row against the two saves' values (float64, as the study computes)."""
+    x, y = a.double(), b.double()
+    equal = torch.equal(a, b)
+    changed = int((a != b).sum())
+    max_abs = float((x - y).abs().max()) if a.numel() else 0.0
+    norm_a = float(torch.linalg.vector_norm(x))
+    norm_d = float(torch.linalg.vector_norm(x - y))
+    rel = 0.0 if equal else (norm_d / norm_a if norm_a > 0 else float("inf"))
+    out = []
+    if row.shape != list(a.shape) or row.dtype != str(a.dtype).replace("torch.", ""):
+        out.append(f"{where}: shape/dtype {row.shape} {row.dtype}")
+    if row.by_reference and not equal:
+        out.append(f"{where}: reported unchanged by reference, but {changed} elements differ")
+    if row.changed != changed or not _close(row.frac_changed, changed / a.numel() if a.numel() else 0.0):
+        out.append(f"{where}: {row.changed} changed ({row.frac_changed}), the saves differ in {changed}")
+    if not _close(row.max_abs_diff, max_abs):
+        out.append(f"{where}: max|a-b| {row.max_abs_diff}, the saves' is {max_abs}")
+    if not (rel == row.rel_change or _close(row.rel_change, rel)):
+        out.append(f"{where}: relative change {row.rel_change}, the saves' is {rel}")
+    return out
 
 
 # ----------------------------------------------------------------- random programs
@@ -662,6 +773,11 @@ def run_program(cfg: Config, base: str, persist_url: Optional[str], program: Lis
             except Exception as exc:
                 raise InvariantError(f"{cfg.id}: rule {i} {rule}({arg}) of program {program[:i + 1]}: "
                                      f"{type(exc).__name__}: {exc}") from exc
+        try:
+            run.check_study()
+        except Exception as exc:
+            raise InvariantError(f"{cfg.id}: the final study check after program {program}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
     finally:
         try:
             run.close()

@@ -19,7 +19,7 @@ from _dist import run_ranks  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 
-def _engine(stage, seed):
+def _engine(stage, seed, file_format="torch"):
     import deepspeed
     import importlib
     import torch
@@ -36,7 +36,7 @@ def _engine(stage, seed):
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
     import lazyckpt.integrations.deepspeed as lds
-    lds.enable(engine, host_cache_bytes=1 << 20)
+    lds.enable(engine, host_cache_bytes=1 << 20, file_format=file_format)
     return engine
 
 
@@ -49,7 +49,7 @@ def _step(engine, i, rank):
     return loss.item()
 
 
-def _save_then_resume(rank, world, directory, stage):
+def _save_then_resume(rank, world, directory, stage, file_format):
     import logging
 
     import deepspeed
@@ -57,7 +57,7 @@ def _save_then_resume(rank, world, directory, stage):
     import lazyckpt.integrations.deepspeed as lds
     from lazyckpt.integrations.deepspeed import LazyCheckpointEngine
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    engine = _engine(stage, seed=0)
+    engine = _engine(stage, seed=0, file_format=file_format)
     assert isinstance(engine.checkpoint_engine, LazyCheckpointEngine)
     for i in range(3):
         _step(engine, i, rank)
@@ -67,7 +67,7 @@ def _save_then_resume(rank, world, directory, stage):
     lds.wait(engine)
     latest = open(os.path.join(directory, "latest")).read()
 
-    fresh = _engine(stage, seed=123)                      # different initial weights
+    fresh = _engine(stage, seed=123, file_format=file_format)   # different initial weights
     path, _ = fresh.load_checkpoint(directory)
     restored = None
     if snapshot is not None:
@@ -84,13 +84,18 @@ def _save_then_resume(rank, world, directory, stage):
     return reference, resumed, restored, latest, magic, path
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_save_load_resumes_bit_exact(tmp_path, stage, world):
+@pytest.mark.parametrize("world,stage,file_format", [
+    (world, stage, "torch") for world in (1, 2) for stage in (1, 2, 3)] + [
+    (2, 2, "lazyckpt"), (1, 3, "lazyckpt")])
+def test_zero_save_load_resumes_bit_exact(tmp_path, stage, world, file_format):
     for rank, (reference, resumed, restored, latest, magic, path) in enumerate(
-            run_ranks(world, _save_then_resume, str(tmp_path), stage, timeout=600)):
+            run_ranks(world, _save_then_resume, str(tmp_path), stage, file_format, timeout=600)):
         assert latest == "step3"
-        assert magic == b"LAZYCKPT"                      # DeepSpeed's files hold lazyckpt's format
+        # DeepSpeed's file names; torch.save's zip by default, lazyckpt's format as an option.
+        if file_format == "torch":
+            assert magic[:4] == b"PK\x03\x04"
+        else:
+            assert magic == b"LAZYCKPT"
         assert path is not None
         assert restored in (True, None), f"rank {rank}: restored weights differ"
         assert resumed == reference, f"rank {rank}: losses after resume differ"
@@ -205,3 +210,102 @@ def test_an_engine_eval_that_changes_weights_in_place_waits_for_the_capture(tmp_
     [same] = run_ranks(1, _eval_time_swap_waits_for_capture, str(tmp_path), timeout=300)
     assert same, "the checkpoint holds weights changed by eval() after save_checkpoint returned"
 
+
+
+# --------------------------------------------------------------------------- no lock-in
+# DeepSpeed's own tools torch.load the files (zero_to_fp32, ds_to_universal,
+# DeepSpeed's default engine): what lazyckpt writes by default is what they read.
+
+def _zero_to_fp32_reads(rank, world, directory, stage):
+    import torch
+    # Bound before enable(), as DeepSpeed's own tests import it.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    engine = _engine(stage, seed=0)
+    for i in range(2):
+        _step(engine, i, rank)
+    engine.save_checkpoint(directory, tag="t")
+    # No wait: in the process that saved, DeepSpeed's reader sees the pending save.
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(directory, tag="t")
+    import deepspeed
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        expected = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}   # buffers too
+    if sorted(fp32) != sorted(expected):
+        return f"names {sorted(fp32)} != {sorted(expected)}"
+    return [k for k, v in expected.items() if not torch.equal(fp32[k], v)] or True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_to_fp32_reads_a_lazyckpt_written_checkpoint_right_after_save(tmp_path, stage):
+    [same] = run_ranks(1, _zero_to_fp32_reads, str(tmp_path), stage, timeout=300)
+    assert same is True, f"zero_to_fp32 did not rebuild the trained fp32 weights: {same}"
+
+
+# --------------------------------------------------------------------------- a failed save
+
+def _failed_save_is_not_committed(rank, world, directory):
+    import torch
+    import lazyckpt.integrations.deepspeed as lds
+    engine = _engine(1, seed=0)
+    _step(engine, 0, rank)
+    engine.save_checkpoint(directory, tag="good")
+    lds.wait(engine)
+    # Fault injection: DeepSpeed fails after the model states file was handed over,
+    # before the ZeRO optimizer states (as a full disk or a bad client_state would).
+    real = engine._save_zero_checkpoint
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("injected: optimizer states could not be gathered")
+
+    engine._save_zero_checkpoint = fails
+    try:
+        engine.save_checkpoint(directory, tag="bad")
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    engine._save_zero_checkpoint = real
+    _step(engine, 1, rank)                       # the step barrier used to commit the open tag
+    lds.wait(engine)
+    latest_after_failure = open(os.path.join(directory, "latest")).read()
+    engine.save_checkpoint(directory, tag="next")
+    lds.wait(engine)
+    latest_after_next = open(os.path.join(directory, "latest")).read()
+    fresh = _engine(1, seed=123)
+    path, _ = fresh.load_checkpoint(directory)
+    return raised, latest_after_failure, latest_after_next, os.path.basename(os.path.dirname(path))
+
+
+def test_a_failed_save_checkpoint_is_never_committed_nor_named_by_latest(tmp_path):
+    [(raised, after_failure, after_next, loaded)] = run_ranks(1, _failed_save_is_not_committed, str(tmp_path),
+                                                              timeout=300)
+    assert raised and "injected" in raised            # the caller got DeepSpeed's error, once
+    assert after_failure == "good", "`latest` names the tag whose save_checkpoint failed"
+    assert after_next == "next" and loaded == "next"
+
+
+def test_torch_format_file_is_what_deepspeeds_clone_then_torch_save_writes(tmp_path):
+    """Views of a larger buffer (ZeRO's flat groups) hold just their elements,
+    Parameters load as plain tensors, and torch.load reads it with weights_only."""
+    import torch
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from lazyckpt.integrations._async import AsyncFileWriter
+    from lazyckpt.integrations.deepspeed_files import ClonedTorchZipLayout
+    flat = torch.arange(1000, dtype=torch.float32)
+    weight = torch.nn.Parameter(flat[100:120].view(4, 5))
+    state = {"module": {"w": weight, "tied": weight, "b": flat[500:503]},
+             "half": torch.ones(7, dtype=torch.bfloat16), "transposed": torch.arange(12.).view(3, 4).t(),
+             "empty": torch.empty(0), "steps": 3}
+    expected = clone_tensors_for_torch_save(state)
+    writer = AsyncFileWriter(host_cache_bytes=1 << 16)
+    path = str(tmp_path / "mp_rank_00_model_states.pt")
+    writer._submit(path, ClonedTorchZipLayout(state).part(), None, None).wait()
+    writer.close()
+    got = torch.load(path, weights_only=True)
+    assert got["steps"] == 3
+    for key, value in [("w", expected["module"]["w"]), ("tied", expected["module"]["tied"]),
+                       ("b", expected["module"]["b"])]:
+        assert type(got["module"][key]) is torch.Tensor and not got["module"][key].requires_grad
+        assert torch.equal(got["module"][key], value)
+        assert got["module"][key].untyped_storage().nbytes() == value.untyped_storage().nbytes()
+    for key in ("half", "transposed", "empty"):
+        assert got[key].dtype == expected[key].dtype and torch.equal(got[key], expected[key])
+        assert got[key].stride() == expected[key].stride()

@@ -374,6 +374,16 @@ def test_resume_true_skips_incomplete_directories_and_says_when_none_is_left(tmp
         _trainer("lazy", tmp_path, max_steps=3).train(resume_from_checkpoint=True)
 
 
+@pytest.mark.parametrize("kind", ["plain", "lazy"])
+def test_resume_true_without_checkpoint_raises_what_the_plain_trainer_raises(tmp_path, kind):
+    # transformers' test_can_resume_training (benchmarks/hf_suite) and user code that falls back to a fresh
+    # start catch ValueError with this message; lazyckpt's error must still be one.
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory") as info:
+        _trainer(kind, tmp_path, max_steps=2).train(resume_from_checkpoint=True)
+    if kind == "lazy":
+        assert isinstance(info.value, CheckpointNotFoundError)
+
+
 # --------------------------------------------------------------------------- no silent fallback
 
 def test_deepspeed_under_the_trainer_is_refused(tmp_path, monkeypatch):

@@ -138,9 +138,15 @@ def machine_for(cfg: Config, base: str, persist_url):
         @invariant()
         def line_of_history_holds(self):
             self.run.check()
+            self.checked = len(self.run.log)
 
         def teardown(self):
-            self.run.close()
+            try:
+                # The final study check, only after a run that passed (not to mask its failure).
+                if getattr(self, "checked", -1) == len(self.run.log):
+                    self.run.check_study()
+            finally:
+                self.run.close()
 
     LineOfHistory.__name__ = f"LineOfHistory[{cfg.id}]"
     return LineOfHistory

@@ -79,7 +79,9 @@ def run(work: str, mode: str, select: list, kexpr: str, scratch: str, timeout_s:
                PYTHONPATH=os.pathsep.join([HERE, work, os.environ.get("PYTHONPATH", "")]),
                LAZYCKPT_DS_CURRENT=os.path.join(scratch, f"current-{mode}"),
                LAZYCKPT_DS_LOG=log, DS_UNITTEST_TIMEOUT=str(timeout_s),
-               LAZYCKPT_DS_SWAP="1" if mode == "lazyckpt" else "0",
+               LAZYCKPT_DS_SWAP="1" if mode.startswith("lazyckpt") else "0",
+               # "lazyckpt": the engine's default files (torch.save's zip); "lazyckpt-own": lazyckpt's format.
+               LAZYCKPT_DS_FORMAT="lazyckpt" if mode == "lazyckpt-own" else "",
                # The CPU accelerator counts NUMA nodes as devices: without this every
                # 2- and 4-rank test skips ("not enough GPUs").
                LOCAL_SIZE=os.environ.get("LOCAL_SIZE", "4"))
@@ -132,7 +134,9 @@ def main() -> int:
     parser.add_argument("--tests", help="a DeepSpeed checkout's tests/ directory")
     parser.add_argument("--select", nargs="*", default=["unit/checkpoint"])
     parser.add_argument("-k", default="")
-    parser.add_argument("--modes", default="default,lazyckpt")
+    parser.add_argument("--modes", default="default,lazyckpt",
+                        help="of default, lazyckpt (torch-format files, the default), "
+                             "lazyckpt-own (file_format='lazyckpt')")
     parser.add_argument("--timeout", type=int, default=600, help="DeepSpeed's per-test worker timeout")
     parser.add_argument("--out", default="")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, junit)")
@@ -160,7 +164,7 @@ def merge(paths: list) -> dict:
     results: dict = {}
     for path in paths:
         if os.path.isdir(path):                  # a --keep scratch directory: every mode run there
-            for mode in ("default", "lazyckpt"):
+            for mode in ("default", "lazyckpt", "lazyckpt-own"):
                 if os.path.exists(os.path.join(path, f"junit-{mode}.xml")):
                     results[mode] = collect(path, mode)
             continue
@@ -188,21 +192,24 @@ def report(results: dict, out: str) -> None:
         row.setdefault("default_saves", 0)
         table.append(row)
         line = f"{name}: " + " | ".join(f"{m}={row[m]['outcome']}" for m in results)
-        if "lazyckpt" in results:
-            line += f" | saves default={row['default_saves']} lazyckpt={row['lazyckpt_saves']}"
-            lz = row["lazyckpt"]
-            if lz["outcome"] in ("failed", "error"):
-                line += f"\n    lazyckpt: {lz['reason']}"
+        lazy_modes = [m for m in results if m.startswith("lazyckpt")]
+        if lazy_modes:
+            line += f" | saves default={row['default_saves']} " + " ".join(
+                f"{m}={row.get(m + '_saves', 0)}" for m in lazy_modes)
+            for m in lazy_modes:
+                if row[m]["outcome"] in ("failed", "error"):
+                    line += f"\n    {m}: {row[m]['reason']}"
         print(line)
     summary = {mode: dict(collections.Counter(r["outcomes"][n]["outcome"] for n in r["outcomes"]),
                           seconds=r["seconds"]) for mode, r in results.items()}
-    if "lazyckpt" in results and "default" in results:
-        summary["pass_default_fail_lazyckpt"] = [row["test"] for row in table
-                                                 if row["default"]["outcome"] == "passed"
-                                                 and row["lazyckpt"]["outcome"] != "passed"]
+    for mode in (m for m in results if m.startswith("lazyckpt") and "default" in results):
+        suffix = "" if mode == "lazyckpt" else "_" + mode.replace("-", "_")
+        summary["pass_default_fail_lazyckpt" + suffix] = [row["test"] for row in table
+                                                          if row["default"]["outcome"] == "passed"
+                                                          and row[mode]["outcome"] != "passed"]
         # A test that saved through DeepSpeed's engine must save through lazyckpt's.
-        summary["swap_not_proven"] = [row["test"] for row in table
-                                      if row["default_saves"] and not row["lazyckpt_saves"]]
+        summary["swap_not_proven" + suffix] = [row["test"] for row in table
+                                               if row["default_saves"] and not row.get(f"{mode}_saves")]
         summary["saving_tests"] = sum(1 for row in table if row["default_saves"])
     print(json.dumps(summary, indent=1))
     if out:

@@ -8,7 +8,7 @@ compile of minutes on 2 cores; gloo is what both runs use).
 
 With ``LAZYCKPT_DS_SWAP=1``: every engine ``deepspeed.initialize`` returns
 gets ``lazyckpt.integrations.deepspeed.enable(engine)``, as a user would call
-it, and every file the lazyckpt engine saves is appended to
+it (``file_format=$LAZYCKPT_DS_FORMAT`` when set), and every file the lazyckpt engine saves is appended to
 ``$LAZYCKPT_DS_LOG`` with the test that was running (read from
 ``$LAZYCKPT_DS_CURRENT``, written by the harness's conftest): the proof that
 the swap happened. Without it, the saves of DeepSpeed's own engine are
@@ -34,7 +34,8 @@ def _patch_deepspeed(ds):
     def initialize(*args, **kwargs):
         result = original(*args, **kwargs)
         import lazyckpt.integrations.deepspeed as lds
-        lds.enable(result[0])
+        file_format = os.environ.get("LAZYCKPT_DS_FORMAT")       # unset: the engine's default ("torch")
+        lds.enable(result[0], **({"file_format": file_format} if file_format else {}))
         return result
 
     ds.initialize = initialize

@@ -144,6 +144,8 @@ def run_steps(run: str, persist_to: Optional[str] = None,
     history = History(layout, remote_dir)
     local = history.local_saves()
     remote, remote_events = remote_dir.listing()
+    if not remote and not remote_events:
+        _refuse_a_replicas_run_tier(remote_dir, persist_to)
     events = history.local_events() + remote_events + [Event(s, sid, None) for s, sid in remote.items()]
     out = []
     for step, sid in line(events):
@@ -152,6 +154,18 @@ def run_steps(run: str, persist_to: Optional[str] = None,
         elif remote.get(step) == sid:
             out.append((step, "persistent", remote_dir.save_url(step, sid)))
     return out
+
+
+def _refuse_a_replicas_run_tier(remote_dir: Any, persist_to: str) -> None:
+    """With replicas=, each node persists under ``persist_to/node_NNNNN``
+    (checkpointer.py): the URL the Checkpointer was given holds no step itself,
+    and reading it as the tier would silently leave every persisted step out."""
+    nodes = sorted({o["Key"][len(remote_dir._key("")):].split("/", 1)[0]
+                    for o in remote_dir.store.list(remote_dir._key("node_"))})
+    if nodes:
+        shown = ", ".join(f"{persist_to.rstrip('/')}/{n}" for n in nodes[:4]) + (", ..." if len(nodes) > 4 else "")
+        raise ValueError(f"persist_to={persist_to} holds the per-node tiers of a replicas= run; pass the one of "
+                         f"this directory's node: {shown}")
 
 
 class Trajectory:

@@ -19,15 +19,20 @@ call after ``deepspeed.initialize``::
     lazyckpt.integrations.deepspeed.enable(engine, host_cache_bytes=1 << 30)
     ...
     engine.save_checkpoint(save_dir)          # returns quickly
-    engine.load_checkpoint(save_dir)          # reads lazyckpt files (and torch.save ones)
+    engine.load_checkpoint(save_dir)          # reads torch.save zips and lazyckpt files
     lazyckpt.integrations.deepspeed.wait(engine)   # optional: everything durable now
 
 ``enable`` also hooks the engine's methods that end a save or change saved
 tensors in place outside the optimizer step (see :func:`_hook_engine`);
 changes it cannot see need :func:`wait_for_snapshot` first.
 
-Files keep DeepSpeed's names (``mp_rank_00_model_states.pt`` ...) but hold
-lazyckpt's format. Every save of a tag runs on lazyckpt's one save engine
+Files keep DeepSpeed's names (``mp_rank_00_model_states.pt`` ...) and, with
+``file_format="torch"`` (the default), DeepSpeed's own content: the zip of
+``torch.save(clone_tensors_for_torch_save(state))``, which ``torch.load``,
+``zero_to_fp32`` and ``ds_to_universal`` read, written from the live tensors
+without the clone (:mod:`.deepspeed_files`). ``file_format="lazyckpt"``:
+lazyckpt's format (read by ``load_checkpoint`` and ``lazyckpt.load_file``,
+not by DeepSpeed's tools). Every save of a tag runs on lazyckpt's one save engine
 (:mod:`lazyckpt.saving.engine`): one job per tag, its files written in order through
 the bounded host cache, each renamed into place once durable; the tag is
 committed across ranks through the store (keyed by the call, so a failure on
@@ -35,8 +40,10 @@ one rank fails that tag only) and ``latest`` is written after that.
 
 **Pickles.** DeepSpeed's state holds a few objects that are not tensors or
 containers (the ZeRO stage enum, the loss scaler, the fp32 partition map's
-``fragment_address`` records). This module registers safe providers for
-those types, so its files contain no pickle and load with
+``fragment_address`` records). Torch-format files pickle them as torch.save
+does and are loaded with ``weights_only=True`` plus exactly those classes.
+For lazyckpt's format this module registers safe providers for those types,
+so its files contain no pickle and load with
 ``allow_pickle=False``, the default, like any lazyckpt file. An object of a
 type nobody registered is still pickled (logged once at save time); loading
 such a file needs ``allow_pickle=True``.
@@ -63,6 +70,7 @@ from lazyckpt.state.providers import flatten, register_provider
 from lazyckpt.storage.fileio import fsync_dir, remove_quietly, write_file_atomic
 from lazyckpt.storage.layout import sibling_temp
 from ._async import is_lazyckpt_file
+from .deepspeed_files import ClonedTorchZipLayout
 
 log = logging.getLogger("lazyckpt.deepspeed")
 
@@ -122,10 +130,15 @@ class TagCommit(CommitStrategy):
 class LazyCheckpointEngine(CheckpointEngine):
     """Asynchronous, decoupled DeepSpeed checkpoint engine backed by lazyckpt."""
 
-    def __init__(self, config_params: Any = None, *, allow_pickle: bool = False,
+    def __init__(self, config_params: Any = None, *, file_format: str = "torch", allow_pickle: bool = False,
                  commit_timeout_s: float = 600.0, **knobs: Any):
         super().__init__(config_params)
         self.name = "LazyCheckpointEngine"
+        if file_format not in ("torch", "lazyckpt"):
+            raise ValueError(f"file_format={file_format!r}: expected 'torch' (the files DeepSpeed's own engine "
+                             f"writes, read by torch.load, zero_to_fp32, ds_to_universal) or 'lazyckpt'")
+        #: "torch" (default): DeepSpeed's own files, written asynchronously; "lazyckpt": lazyckpt's format.
+        self.file_format = file_format
         self.allow_pickle = allow_pickle
         self.options = resolve(None, **knobs)
         _register_deepspeed_providers()
@@ -157,6 +170,14 @@ class LazyCheckpointEngine(CheckpointEngine):
         if self._job is None:             # a save outside save_checkpoint (e.g. save_16bit_model)
             self.create(CheckpointCommitInfo(tag="", save_dir=os.path.dirname(os.fspath(path)),
                                              save_latest=False))
+        final_path = os.path.abspath(os.fspath(path))
+        if self.file_format == "torch":
+            # What DeepSpeed's engine writes (torch.save of its clones), without the clone.
+            layout = ClonedTorchZipLayout(state_dict)
+            part = layout.part(record_events(s.data for s in layout.sources))
+            part.final_path = final_path
+            self._engine.add_part(self._job, part)
+            return
         flat = flatten(state_dict)
         if not self._warned_pickles and _find_pickle(flat.tree, []) is not None:
             self._warned_pickles = True
@@ -164,15 +185,20 @@ class LazyCheckpointEngine(CheckpointEngine):
             log.warning("lazyckpt: %s: entry %s is a pickled %s; loading it will need allow_pickle=True. "
                         "Logged once.", path, "/".join(trail), node.get("type", "object"))
         self._engine.add_part(self._job, FilePart(flat, {"user": {}}, record_events(s.data for s in flat.sources),
-                                                  final_path=os.path.abspath(os.fspath(path))))
+                                                  final_path=final_path))
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        self.wait()                         # read-your-writes: this engine's pending tags first
         if is_lazyckpt_file(path):
-            self.wait()                     # a tag still being written is not read half-way
             return load_file(path, self.options, self._engine.resources.readers, map_location=map_location,
                              allow_pickle=self.allow_pickle)
-        # A checkpoint written by DeepSpeed's own engine (torch.save): keep loading it.
-        return torch.load(path, map_location=map_location, weights_only=not self.allow_pickle)
+        # torch.save zips (this engine's default format, or DeepSpeed's own engine's):
+        # weights_only, with DeepSpeed's few state classes allowed (the loss scaler, the
+        # ZeRO stage enum, fragment_address) unless allow_pickle.
+        if self.allow_pickle:
+            return torch.load(path, map_location=map_location, weights_only=False)
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Block until the checkpoint of ``info`` is committed (not called by
@@ -245,12 +271,23 @@ class LazyCheckpointEngine(CheckpointEngine):
         if job is not None:
             self._engine.seal(job)
 
+    def _abandon(self) -> None:
+        """``save_checkpoint`` raised: the open tag is cancelled, never committed
+        (``latest`` keeps naming the previous tag); its files already in place
+        stay, as DeepSpeed's own engine leaves them. The caller has DeepSpeed's
+        error; on other ranks the tag fails through the store."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.cancel()
+            self._engine.seal(job)
+
 
 def enable(engine: Any, **kwargs: Any) -> LazyCheckpointEngine:
     """Make ``engine`` (a ``deepspeed.DeepSpeedEngine``) save and load through lazyckpt.
 
     Collective: call it on every rank, after ``deepspeed.initialize``.
-    Keyword arguments go to :class:`LazyCheckpointEngine` (``host_cache_bytes``,
+    Keyword arguments go to :class:`LazyCheckpointEngine` (``file_format``:
+    ``"torch"``, the default, or ``"lazyckpt"``; ``host_cache_bytes``,
     ``writer_threads``, ``allow_pickle``, ``commit_timeout_s`` ...).
     """
     old = getattr(engine, "checkpoint_engine", None)
@@ -259,7 +296,43 @@ def enable(engine: Any, **kwargs: Any) -> LazyCheckpointEngine:
     new = LazyCheckpointEngine(getattr(engine, "_config", None), **kwargs)
     engine.checkpoint_engine = new
     _hook_engine(engine, new)
+    _hook_zero_to_fp32()
     return new
+
+
+_zero_to_fp32_hooked = False
+
+
+def _hook_zero_to_fp32() -> None:
+    """DeepSpeed's ``zero_to_fp32`` readers, called in a process that saved with
+    lazyckpt, first wait for that process's pending checkpoints (read-your-writes,
+    as ``load_checkpoint``): its glob of the tag directory (every reader goes
+    through ``get_checkpoint_files``, also when the caller bound the public
+    function before :func:`enable`) and the ``latest`` lookup of
+    ``get_fp32_state_dict_from_zero_checkpoint(tag=None)`` (when called through
+    the module, as its ``convert_*`` and ``load_*`` functions do)."""
+    global _zero_to_fp32_hooked
+    if _zero_to_fp32_hooked:
+        return
+    _zero_to_fp32_hooked = True
+    try:
+        from deepspeed.utils import zero_to_fp32
+    except ImportError:             # pragma: no cover (moved in another DeepSpeed release)
+        return
+    for name in ("get_checkpoint_files", "get_fp32_state_dict_from_zero_checkpoint"):
+        function = getattr(zero_to_fp32, name, None)
+        if function is not None:
+            setattr(zero_to_fp32, name, _waiting_first(function))
+
+
+def _waiting_first(function: Any) -> Any:
+    def waits_first(*args: Any, **kwargs: Any) -> Any:
+        _wait_all_in_process()
+        return function(*args, **kwargs)
+
+    waits_first.__wrapped__ = function          # type: ignore[attr-defined]
+    waits_first.__doc__ = function.__doc__
+    return waits_first
 
 
 def wait_for_snapshot(engine: Any) -> None:
@@ -275,7 +348,8 @@ def _hook_engine(engine: Any, ckpt: LazyCheckpointEngine) -> None:
 
     - ``save_checkpoint``: the tag's job is sealed when it returns, so it commits
       (and ``latest`` is written) without waiting for the next step; DeepSpeed
-      has no end-of-save call for a decoupled engine.
+      has no end-of-save call for a decoupled engine. If it raises, the tag is
+      cancelled instead: a failed tag is never committed nor named by ``latest``.
     - ``load_checkpoint``: waits until every checkpoint this process handed to
       lazyckpt is committed, before DeepSpeed reads ``latest`` or globs the
       tag's files itself (read-your-writes, also from another engine) and before
@@ -292,7 +366,8 @@ def _hook_engine(engine: Any, ckpt: LazyCheckpointEngine) -> None:
       DeepSpeed's hybrid engine fuses LoRA weights and swaps inference
       containers in place there.
     """
-    def wrap(name: str, before: Any = None, after: Any = None, finally_: Any = None) -> None:
+    def wrap(name: str, before: Any = None, after: Any = None, finally_: Any = None,
+             on_error: Any = None) -> None:
         method = getattr(engine, name, None)
         if method is None or getattr(method, "_lazyckpt_hooked", False):
             return
@@ -302,6 +377,10 @@ def _hook_engine(engine: Any, ckpt: LazyCheckpointEngine) -> None:
                 before(*args, **kwargs)
             try:
                 result = method(*args, **kwargs)
+            except BaseException:
+                if on_error is not None:
+                    on_error()
+                raise
             finally:
                 if finally_ is not None:
                     finally_()
@@ -314,7 +393,7 @@ def _hook_engine(engine: Any, ckpt: LazyCheckpointEngine) -> None:
         hooked.__doc__ = method.__doc__
         setattr(engine, name, hooked)
 
-    wrap("save_checkpoint", after=ckpt._seal)
+    wrap("save_checkpoint", after=ckpt._seal, on_error=ckpt._abandon)
     wrap("save_16bit_model", before=lambda *a, **k: ckpt._export_next_saves(True),
          finally_=lambda: ckpt._export_next_saves(False))
     wrap("load_checkpoint", before=lambda *a, **k: _wait_all_in_process())
@@ -377,6 +456,22 @@ def _register_deepspeed_providers() -> None:
         ZeroStageEnum = None
     if ZeroStageEnum is not None:
         register_provider(ZeroStageEnum, lambda e: e.value, ZeroStageEnum)
+
+
+def _deepspeed_safe_globals() -> list:
+    """The classes of DeepSpeed's checkpoint state that are not tensors or containers,
+    for ``torch.load(weights_only=True)`` of the torch-format files."""
+    import importlib
+    out = []
+    for module, names in (("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+                          ("deepspeed.utils.tensor_fragment", ("fragment_address",)),
+                          ("deepspeed.runtime.zero.config", ("ZeroStageEnum",))):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:         # pragma: no cover (moved in another DeepSpeed release)
+            continue
+        out += [getattr(mod, name) for name in names if hasattr(mod, name)]
+    return out
 
 
 def _object_to_state(obj: Any) -> Any:

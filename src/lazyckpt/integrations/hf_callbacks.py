@@ -228,12 +228,18 @@ def last_complete_checkpoint(folder: str) -> Optional[str]:
     return None
 
 
+class NoCheckpointToResumeError(CheckpointNotFoundError, ValueError):
+    """The plain Trainer raises ``ValueError("No valid checkpoint found in output directory ...")``
+    here; code that catches it to start fresh must keep working with lazyckpt."""
+
+
 def resolve_resume(output_dir: str) -> str:
     """``resume_from_checkpoint=True``: the last complete checkpoint, or a clear error."""
     path = last_complete_checkpoint(output_dir)
     if path is None:
-        raise CheckpointNotFoundError(f"resume_from_checkpoint=True: no complete checkpoint-<step> directory "
-                                      f"in {output_dir}", path=output_dir)
+        raise NoCheckpointToResumeError(f"No valid checkpoint found in output directory ({output_dir}): "
+                                        f"resume_from_checkpoint=True found no complete checkpoint-<step> "
+                                        f"directory", path=output_dir)
     return path
 
 

@@ -109,15 +109,19 @@ class TorchZipLayout(FileLayout):
     """Any state ``torch.save`` takes, as the zip ``torch.load`` reads."""
 
     span_checksum = staticmethod(fast_crc32)
+    #: (data.pkl, {record key: storage or flat uint8 tensor}); a subclass may pickle differently.
+    pickle_state = staticmethod(pickle_state)
 
     def __init__(self, state: Any, force_zip64: bool = False):
         super().__init__()
         #: Tests: write the zip64 fields whatever the sizes (readers must take them).
         self._limit = 0 if force_zip64 else ZIP64_LIMIT
-        data_pkl, storages = pickle_state(state)
+        data_pkl, storages = self.pickle_state(state)
         records: List[Tuple[str, Any]] = [("data.pkl", data_pkl), ("byteorder", b"little")]
         for key, storage in storages.items():
-            flat = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+            # A flat uint8 tensor: the record's bytes as given (integrations/deepspeed_files.py).
+            flat = storage if isinstance(storage, torch.Tensor) else \
+                torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
             records.append((f"data/{key}", flat))
         records.append(("version", VERSION))
         records.append((".data/serialization_id", f"{uuid.uuid4().int:040d}"[-40:].encode()))
