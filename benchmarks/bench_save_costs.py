@@ -1,7 +1,7 @@
 """What recording the save costs costs (issue 26): A/B in one run.
 
 Recording adds, per optimizer step of the first attached optimizer, one
-step pre-hook (lazyckpt/costs.py ``IterationClock.tick``: a clock read and a
+step pre-hook (lazyckpt/saving/costs.py ``IterationClock.tick``: a clock read and a
 look at the save queue), and per save a few figures in the commit report and
 the manifest. Variant "off" disables both by patching them out in its
 process (``SaveCosts.clock_for`` gives no clock, ``SaveCosts.report`` reports
@@ -29,7 +29,7 @@ import time
 def measure(variant: str, iters: int, saves: int) -> dict:
     import torch
     import lazyckpt
-    from lazyckpt import costs
+    from lazyckpt.saving import costs
     if variant == "off":
         costs.SaveCosts.clock_for = lambda self, engine: None
         costs.SaveCosts.report = lambda self, job, t0, previous: None

@@ -251,23 +251,22 @@ def synthetic_done(rank: int, world: int, specs: List[Tuple[List[str], List[int]
 def manifest_like_commit(world: int, done: Dict[int, Dict[str, Any]], index: Dict[str, Any],
                          replicated: Optional[List[str]] = None, checksum: bool = True) -> Dict[str, Any]:
     """The manifest ``Checkpointer._commit`` builds (same keys, same order). Follows
-    the installed lazyckpt: versions with ``manifest_checksum`` add ``save_id`` and
-    ``checksum``."""
-    from lazyckpt import checkpointer as ck
+    the installed lazyckpt (``formats.manifest.checksum``, with ``save_id``)."""
     from lazyckpt.formats import datafile as fmt
+    from lazyckpt.formats import manifest as manifests
+    from lazyckpt.formats.names import rank_filename
     manifest = {"format_version": fmt.FORMAT_VERSION, "step": 1000, "world_size": world,
-                "files": [{"rank": r, "name": ck.rank_filename(r), "bytes": done[r]["bytes"]}
+                "files": [{"rank": r, "name": rank_filename(r), "bytes": done[r]["bytes"]}
                           for r in range(world)],
                 "created_unix": time.time()}
-    if hasattr(ck, "manifest_checksum"):
-        manifest["save_id"] = "0123456789ab-1"
+    manifest["save_id"] = "0123456789ab-1"
     manifest["metadata"] = {}
     if index:
         manifest["shards"] = index
     if replicated:
         manifest["replicated"] = replicated
-    if checksum and hasattr(ck, "manifest_checksum"):
-        manifest["checksum"] = ck.manifest_checksum(manifest)
+    if checksum:
+        manifest["checksum"] = manifests.checksum(manifest)
     return manifest
 
 
@@ -702,8 +701,9 @@ def _best(fn, reps: int, cpu: bool = False) -> Tuple[float, Any]:
 
 def part_merge(args) -> None:
     from _common import print_table
-    from lazyckpt import checkpointer as ck
-    from lazyckpt.checkpointer import MAX_MANIFEST_BYTES, parse_manifest
+    from lazyckpt.formats.manifest import MAX_MANIFEST_BYTES
+    from lazyckpt.formats.manifest import checksum as manifest_checksum
+    from lazyckpt.formats.manifest import parse as parse_manifest
     from lazyckpt.distributed import shard_index
     print("\n## coordinator merge cost, in-process, synthetic Llama-7B-like FSDP Shard(0) state "
           f"(simulated: no ranks, no store). CPU seconds of this thread, best of {args.merge_reps} "
@@ -719,9 +719,7 @@ def part_merge(args) -> None:
                                   reps, cpu=True)
             t_index, index = _best(lambda: shard_index(done), reps, cpu=True)
             manifest = manifest_like_commit(ranks, done, index, checksum=False)
-            t_sum = float("nan")
-            if hasattr(ck, "manifest_checksum"):
-                t_sum, manifest["checksum"] = _best(lambda: ck.manifest_checksum(manifest), reps, cpu=True)
+            t_sum, manifest["checksum"] = _best(lambda: manifest_checksum(manifest), reps, cpu=True)
             t_dump, text = _best(lambda: json.dumps(manifest, indent=1).encode(), reps, cpu=True)
             t_compact, compact = _best(lambda: json.dumps(manifest).encode(), reps, cpu=True)
 
@@ -837,7 +835,7 @@ def part_limit(args, base_dir: str) -> None:
     (b) a manifest above MAX_MANIFEST_BYTES: the save commits, retention
         (keep_last=1) deletes the older loadable step, and loading fails.
     """
-    from lazyckpt.checkpointer import MAX_MANIFEST_BYTES
+    from lazyckpt.formats.manifest import MAX_MANIFEST_BYTES
     cases = [("a: done value > 8 MiB store limit", 2, args.limit_store_tensors),
              (f"b: manifest > MAX_MANIFEST_BYTES ({MAX_MANIFEST_BYTES} B)", 8, args.limit_tensors)]
     floor = max(GiB, mem_available() - min(int(args.mem_budget_gib * GiB), mem_available() - GiB))
