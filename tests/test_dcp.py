@@ -147,20 +147,45 @@ def test_fsdp2_two_ranks_and_reshard_on_load(tmp_path, use_async):
             assert all(torch.equal(ref[k], got[k]) for k in ref), f"2 -> {world} ranks"
 
 
-def test_metadata_written_before_the_move_still_loads(tmp_path):
-    """Until issue 23, LazyStorageInfo was defined in lazyckpt.integrations.dcp and
-    .metadata pickled it under that path: such files load, with lazyckpt's reader,
-    with the command line's converter and with plain pickle (DCP's own readers)."""
-    model, _ = _plain_model()
-    dcp.save({"model": model.state_dict()}, storage_writer=LazyStorageWriter(tmp_path), no_dist=True)
-    meta = tmp_path / ".metadata"
-    raw = pickle.dumps(pickle.loads(meta.read_bytes()), protocol=2)    # GLOBAL opcodes: paths as text lines
-    new_path = b"clazyckpt.interop.dcp\nLazyStorageInfo\n"
-    assert new_path in raw
-    meta.write_bytes(raw.replace(new_path, b"clazyckpt.integrations.dcp\nLazyStorageInfo\n"))
-    assert b"lazyckpt.interop.dcp" not in meta.read_bytes()
-    pickle.loads(meta.read_bytes())
+def _pickled_globals(raw: bytes):
+    """(module, name) of every class a pickle names (GLOBAL, or STACK_GLOBAL after two strings)."""
+    import pickletools
+    found, strings, memo, last = set(), [], {}, None
+    for op, arg, _ in pickletools.genops(raw):
+        if op.name == "GLOBAL":
+            found.add(tuple(arg.split(" ", 1)))
+        elif op.name == "STACK_GLOBAL":
+            found.add((strings[-2], strings[-1]))
+        elif op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+            memo[len(memo) if op.name == "MEMOIZE" else arg] = last
+            continue
+        elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+            strings.append(memo.get(arg))
+            last = memo.get(arg)
+            continue
+        elif isinstance(arg, str) and "UNICODE" in op.name:
+            strings.append(arg)
+        last = arg if isinstance(arg, str) and "UNICODE" in op.name else None
+    return found
 
+
+class _UnpicklerBeforeTheMove(pickle.Unpickler):
+    """The metadata allow-list of lazyckpt before issue 23 (integrations/dcp.py's _ALLOWED):
+    it names LazyStorageInfo only at lazyckpt.integrations.dcp."""
+    ALLOWED = {"torch.distributed.checkpoint.metadata": None, "lazyckpt.integrations.dcp": {"LazyStorageInfo"},
+               "collections": {"OrderedDict"}, "builtins": {"set", "frozenset", "slice", "complex"},
+               "torch": {"Size"}, "torch.serialization": {"_get_layout"}}
+
+    def find_class(self, module, name):
+        allowed = self.ALLOWED.get(module, set())
+        if module in self.ALLOWED and (allowed is None or name in allowed):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        raise AssertionError(f"lazyckpt before issue 23 refuses {module}.{name}")
+
+
+def _load_and_compare(tmp_path, model):
     fresh = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     target = {"model": fresh.state_dict()}
     dcp.load(target, storage_reader=LazyStorageReader(tmp_path), no_dist=True)
@@ -169,3 +194,41 @@ def test_metadata_written_before_the_move_still_loads(tmp_path):
     from lazyckpt.interop.convert import load_dcp
     state = load_dcp(str(tmp_path), allow_pickle=False)
     assert torch.equal(state["model"]["0.weight"], model.state_dict()["0.weight"])
+
+
+def test_new_metadata_names_lazystorageinfo_at_its_old_path_and_loads(tmp_path):
+    """Issue 23 moved LazyStorageInfo to lazyckpt.interop.dcp; lazyckpt before the move
+    can unpickle it only as lazyckpt.integrations.dcp.LazyStorageInfo (its allow-list,
+    and it has no lazyckpt.interop). New .metadata keeps naming that path, and loads:
+    with lazyckpt's reader, the command line's converter, plain pickle (DCP's own
+    readers) and the allow-list of lazyckpt before the move."""
+    from lazyckpt.integrations.dcp import LazyStorageInfo
+    from lazyckpt.interop import dcp as interop_dcp
+    assert LazyStorageInfo is interop_dcp.LazyStorageInfo
+    model, _ = _plain_model()
+    dcp.save({"model": model.state_dict()}, storage_writer=LazyStorageWriter(tmp_path), no_dist=True)
+    raw = (tmp_path / ".metadata").read_bytes()
+    names = _pickled_globals(raw)
+    assert ("lazyckpt.integrations.dcp", "LazyStorageInfo") in names
+    assert not any(m.startswith("lazyckpt.") and m != "lazyckpt.integrations.dcp" for m, _ in names), names
+    assert b"lazyckpt.interop" not in raw
+    infos = [v for v in pickle.loads(raw).storage_data.values()]
+    assert infos and all(type(v) is LazyStorageInfo for v in infos)
+    import io
+    before = _UnpicklerBeforeTheMove(io.BytesIO(raw)).load()
+    assert [type(v) for v in before.storage_data.values()] == [LazyStorageInfo] * len(infos)
+    _load_and_compare(tmp_path, model)
+
+
+def test_metadata_naming_lazystorageinfo_at_interop_still_loads(tmp_path):
+    """Files written on the redesign branch before LazyStorageInfo kept its old
+    pickle path name lazyckpt.interop.dcp.LazyStorageInfo: they load too."""
+    model, _ = _plain_model()
+    dcp.save({"model": model.state_dict()}, storage_writer=LazyStorageWriter(tmp_path), no_dist=True)
+    meta = tmp_path / ".metadata"
+    raw = pickle.dumps(pickle.loads(meta.read_bytes()), protocol=2)    # GLOBAL opcodes: paths as text lines
+    old_path = b"clazyckpt.integrations.dcp\nLazyStorageInfo\n"
+    assert old_path in raw
+    meta.write_bytes(raw.replace(old_path, b"clazyckpt.interop.dcp\nLazyStorageInfo\n"))
+    assert ("lazyckpt.interop.dcp", "LazyStorageInfo") in _pickled_globals(meta.read_bytes())
+    _load_and_compare(tmp_path, model)

@@ -59,8 +59,9 @@ from lazyckpt.state.providers import flatten
 from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
 
 # The reader lives in the core (lazyckpt.interop.dcp: `lazyckpt convert` reads these directories);
-# both are importable here. LazyStorageInfo stays importable here: .metadata files written
-# before issue 23 pickle it under this module's path.
+# both are importable here. LazyStorageInfo stays importable here: .metadata files pickle
+# it under this module's path (those written before issue 23, and new ones: its __module__
+# names this module, see lazyckpt.interop.dcp, so that older lazyckpt versions read them).
 __all__ = ["LazyStorageWriter", "LazyStorageReader", "LazyStorageInfo"]
 
 #: stage() waits at most this long for a staging buffer (an earlier save's write to end).

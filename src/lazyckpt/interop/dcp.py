@@ -5,9 +5,10 @@ by :class:`lazyckpt.integrations.dcp.LazyStorageWriter` (``.lzc`` files).
 
 It lives in the core, not in ``integrations/``, because ``lazyckpt convert``
 reads such directories and the core never imports an integration.
-:class:`LazyStorageInfo` is pickled into ``.metadata``: files written before
-issue 23 name it ``lazyckpt.integrations.dcp.LazyStorageInfo``, which stays
-importable there (a re-export) and which the unpickler maps here.
+:class:`LazyStorageInfo` is pickled into ``.metadata`` as
+``lazyckpt.integrations.dcp.LazyStorageInfo`` (its home before issue 23, a
+re-export now), so that older lazyckpt versions read new files too; the
+unpickler maps that path, and this module's, here.
 torch.distributed.checkpoint ships with torch: no optional dependency.
 """
 
@@ -40,6 +41,13 @@ class LazyStorageInfo:
     key: str
 
 
+# Pickled (into .metadata, and between ranks by DCP's planning) under its home until issue 23,
+# lazyckpt.integrations.dcp, which re-exports it: the lazyckpt versions before the move can
+# unpickle only that path (their allow-list names it, and they have no lazyckpt.interop), so
+# new files must keep naming it for them to read. pickle imports that module when it writes
+# (it checks the name leads back to this class); the writer, LazyStorageWriter, lives there.
+LazyStorageInfo.__module__ = "lazyckpt.integrations.dcp"
+
 
 #: The one allow-list of DCP metadata: plain data classes only (``None``: every class of the module).
 ALLOWED = {
@@ -52,7 +60,8 @@ ALLOWED = {
     "torch.serialization": {"_get_layout"},              # looks up a torch.layout by name
     "pathlib": {"PosixPath", "PurePosixPath", "Path"},    # storage_meta.checkpoint_id
 }
-#: LazyStorageInfo's module paths in files on disk: where it was defined until issue 23, and now.
+#: LazyStorageInfo's module paths in files on disk: the one every release writes (its home until
+#: issue 23, its __module__ now) and this module's (files written during the move, before that).
 _INFO_PATHS = {("lazyckpt.integrations.dcp", "LazyStorageInfo"), (__name__, "LazyStorageInfo")}
 
 
