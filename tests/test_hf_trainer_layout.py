@@ -19,6 +19,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from _frameworks import require  # noqa: E402
+from lzc_tools import assert_same_model_and_optim  # noqa: E402
 
 transformers = require("transformers")
 require("accelerate")
@@ -78,16 +79,6 @@ def _snapshot(model, optimizer):
     return ({k: v.detach().clone() for k, v in model.state_dict().items()},
             {i: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
              for i, s in optimizer.state_dict()["state"].items()})
-
-
-def _assert_same(a, b):
-    (ma, oa), (mb, ob) = a, b
-    assert ma.keys() == mb.keys() and oa.keys() == ob.keys()
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
-    for i in oa:
-        for k in oa[i]:
-            assert torch.equal(torch.as_tensor(oa[i][k]), torch.as_tensor(ob[i][k])), (i, k)
 
 
 class _Record(transformers.TrainerCallback):
@@ -171,9 +162,9 @@ def test_checkpoint_holds_the_plain_trainers_files_and_from_pretrained_loads_the
         assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
         # Exactly the weights after that step's optimizer step, although training went on.
         loaded = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt))
-        _assert_same((loaded.state_dict(), {}), (rec.at[step][0], {}))
+        assert_same_model_and_optim((loaded.state_dict(), {}), (rec.at[step][0], {}))
         optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
-        _assert_same(({}, optim["state"]), ({}, rec.at[step][1]))
+        assert_same_model_and_optim(({}, optim["state"]), ({}, rec.at[step][1]))
         state = transformers.TrainerState.load_from_json(str(ckpt / "trainer_state.json"))
         assert state.global_step == step
         assert torch.load(ckpt / "training_args.bin", weights_only=False).save_steps == 4
@@ -194,7 +185,7 @@ def test_the_same_files_as_the_plain_trainer_with_the_same_values(runs):
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
         oa, ob = (torch.load(p / "optimizer.pt", weights_only=True) for p in (a, b))
         assert oa["param_groups"] == ob["param_groups"]
-        _assert_same(({}, oa["state"]), ({}, ob["state"]))
+        assert_same_model_and_optim(({}, oa["state"]), ({}, ob["state"]))
         ta, tb = (torch.load(p / "training_args.bin", weights_only=False) for p in (a, b))
         assert dataclasses.replace(ta, output_dir="x").to_dict() == dataclasses.replace(tb, output_dir="x").to_dict()
 
@@ -207,9 +198,9 @@ def test_resume_reproduces_the_uninterrupted_run_whoever_wrote_the_checkpoint(ru
     the same order, the same losses bit for bit, the same final state."""
     full, rec_full, out = runs[writer]
     resumed, rec = _train(reader, tmp_path / "resumed", _llama(1), resume=str(out / "checkpoint-4"))
-    _assert_same(rec.at["begin"], rec_full.at[4])                   # weights + AdamW moments
+    assert_same_model_and_optim(rec.at["begin"], rec_full.at[4])                   # weights + AdamW moments
     assert resumed.losses == full.losses[4:]                        # batches, order and losses
-    _assert_same(_snapshot(resumed.model, resumed.optimizer), _snapshot(full.model, full.optimizer))
+    assert_same_model_and_optim(_snapshot(resumed.model, resumed.optimizer), _snapshot(full.model, full.optimizer))
     assert resumed.lr_scheduler.state_dict()["_last_lr"] == full.lr_scheduler.state_dict()["_last_lr"]
     assert resumed.state.global_step == 8
     assert _files(tmp_path / "resumed" / "checkpoint-8") == EXPECTED
@@ -233,9 +224,9 @@ def test_sharded_like_save_pretrained_and_the_plain_trainer_resumes_it(runs, tmp
     assert "model.safetensors" not in _files(ckpt)
     assert _index(ckpt) == _index(tmp_path / "reference")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt))
-    _assert_same((loaded.state_dict(), {}), (rec_full.at[4][0], {}))
+    assert_same_model_and_optim((loaded.state_dict(), {}), (rec_full.at[4][0], {}))
     resumed, rec = _train("plain", tmp_path / "resumed", _llama(1), resume=str(ckpt))
-    _assert_same(rec.at["begin"], rec_full.at[4])
+    assert_same_model_and_optim(rec.at["begin"], rec_full.at[4])
     assert resumed.losses == full.losses[4:]
 
 
@@ -251,7 +242,7 @@ def test_sharded_checkpoint_from_save_pretrained_resumes(runs, tmp_path, kind):
     model.save_pretrained(ckpt, max_shard_size="40KB")
     assert (ckpt / "model.safetensors.index.json").is_file()
     resumed, rec = _train(kind, tmp_path / "resumed", _llama(1), resume=str(ckpt))
-    _assert_same(rec.at["begin"], rec_full.at[4])
+    assert_same_model_and_optim(rec.at["begin"], rec_full.at[4])
     assert resumed.losses == full.losses[4:]
 
 
@@ -271,10 +262,10 @@ def test_tied_weights_and_frozen_parameters(tmp_path, kind):
     assert "lm_head.weight" not in keys
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt))
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
-    _assert_same((loaded.state_dict(), {}), (rec_full.at[4][0], {}))
+    assert_same_model_and_optim((loaded.state_dict(), {}), (rec_full.at[4][0], {}))
     resumed, rec = _train(kind, tmp_path / "resumed", frozen_gpt2(1), resume=str(ckpt))
     assert not any(p.requires_grad for p in resumed.model.transformer.h[0].parameters())
-    _assert_same(rec.at["begin"], rec_full.at[4])
+    assert_same_model_and_optim(rec.at["begin"], rec_full.at[4])
     assert resumed.losses == full.losses[4:]
 
 
@@ -285,9 +276,9 @@ def test_a_model_that_is_not_a_pretrained_model(tmp_path, kind):
     ckpt = tmp_path / "full" / "checkpoint-4"
     assert _files(ckpt) == ["model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
                             "trainer_state.json", "training_args.bin"]
-    _assert_same((safetensors_torch.load_file(ckpt / "model.safetensors"), {}), (rec_full.at[4][0], {}))
+    assert_same_model_and_optim((safetensors_torch.load_file(ckpt / "model.safetensors"), {}), (rec_full.at[4][0], {}))
     resumed, rec = _train(kind, tmp_path / "resumed", _Regression(1), resume=str(ckpt))
-    _assert_same(rec.at["begin"], rec_full.at[4])
+    assert_same_model_and_optim(rec.at["begin"], rec_full.at[4])
     assert resumed.losses == full.losses[4:]
 
 
@@ -329,7 +320,7 @@ def test_rotation_and_best_model_at_end(tmp_path, kind):
     kept = _files(tmp_path)
     assert len(kept) == 2 and os.path.basename(best) in kept and "checkpoint-8" in kept
     best_step = int(best.rsplit("-", 1)[1])
-    _assert_same((trainer.model.state_dict(), {}), (rec.at[best_step][0], {}))
+    assert_same_model_and_optim((trainer.model.state_dict(), {}), (rec.at[best_step][0], {}))
     for name in kept:
         assert _files(tmp_path / name) == EXPECTED
 
@@ -346,11 +337,11 @@ def test_lazyckpt_format_stays_available_and_a_bad_format_is_refused(runs, tmp_p
     ckpt = tmp_path / "lzc" / "checkpoint-4"
     assert _files(tmp_path / "lzc") == ["checkpoint-4", "checkpoint-8"]
     assert _files(ckpt) == ["config.json", "lazyckpt.lzc", "trainer_state.json"]
-    _assert_same((lzhf.load_model_state(str(ckpt)), {}), (rec.at[4][0], {}))
+    assert_same_model_and_optim((lzhf.load_model_state(str(ckpt)), {}), (rec.at[4][0], {}))
     # A lazyckpt-format checkpoint resumes in a Trainer that writes the HF layout.
     full, rec_full, _ = runs["lazyckpt"]
     resumed, rec = _train("lazyckpt", tmp_path / "resumed", _llama(1), resume=str(ckpt))
-    _assert_same(rec.at["begin"], rec_full.at[4])
+    assert_same_model_and_optim(rec.at["begin"], rec_full.at[4])
     assert resumed.losses == full.losses[4:]
     assert _files(tmp_path / "resumed" / "checkpoint-8") == EXPECTED
     with pytest.raises(ValueError, match="lazyckpt_checkpoint_format"):
