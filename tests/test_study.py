@@ -79,8 +79,10 @@ def _train(dirs, world: int = 1, **kwargs):
                 from torch.distributed.tensor import Shard, distribute_tensor
                 column = distribute_tensor(column, mesh, [Shard(1)])
             state = {"model": model.state_dict(), "optim": opt.state_dict(), "column": column, "step": step}
-            for ck in ckpts:
-                ck.save(state, step=step).wait()
+            for ck, kw in zip(ckpts, dirs.values()):
+                # persisted=: the persistent tier keeps the newest waiting step and skips older
+                # ones, so without it which steps reach the tier depends on the upload's speed.
+                ck.save(state, step=step).wait(persisted="persist_to" in kw)
     finally:
         for ck in ckpts:
             ck.close()
