@@ -1,6 +1,6 @@
 """A committed step's tensors as *pieces* of their global shape, read box by
-box: the reading layer under ``lazyckpt.diff`` (study_diff.py) and
-``lazyckpt.trajectory`` (study_trajectory.py); the overview is in study.py.
+box: the reading layer under ``lazyckpt.diff`` (diffs.py) and
+``lazyckpt.trajectory`` (trajectories.py); the overview is in __init__.py.
 
 * :class:`StepView` opens a step (or a lone ``.lzc`` file), holds it (a read
   lock locally, a reader lease on an object store) and lists its leaves as
@@ -45,9 +45,9 @@ from lazyckpt.state.walk import walk
 from lazyckpt.storage.layout import CheckpointDir, StepDir
 from lazyckpt.storage.s3 import is_url
 from lazyckpt.storage.s3layout import ObjectCheckpointDir, reading_object_step
-from . import api
-from .errors import CheckpointNotFoundError
-from .knobs import Options, resolve as resolve_options
+from .. import api
+from ..errors import CheckpointNotFoundError
+from ..knobs import Options, resolve as resolve_options
 
 
 # --------------------------------------------------------------------------- counting reads
