@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from lazyckpt.formats.names import step_dirname
-from lazyckpt.loading.loader import StepFiles, plain_tensor_entry
+from lazyckpt.loading.stepfiles import StepFiles, plain_tensor_entry
 from lazyckpt.loading.reader import CheckpointFile, RefResolver, resolver_for
 from lazyckpt.loading.resolve import resolve
 from lazyckpt.state.providers import LoadContext, dtype_from_name
