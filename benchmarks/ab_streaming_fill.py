@@ -39,7 +39,7 @@ def main() -> None:
     n = int(a.gb * 1e9 / 4 / a.tensors)
     state = {f"t{i}": torch.randn(n) for i in range(a.tensors)}
     into = {k: torch.zeros_like(v) for k, v in state.items()}
-    streaming = loader._direct_fills
+    streaming = loader.direct_fills
     times = {"as bytes arrive": [], "after the read": []}
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
         path = os.path.join(d, "s.lzc")
@@ -49,12 +49,12 @@ def main() -> None:
         for rep in range(a.reps):
             order = list(times) if rep % 2 == 0 else list(reversed(times))
             for mode in order:
-                loader._direct_fills = streaming if mode == "as bytes arrive" else (lambda *args: {})
+                loader.direct_fills = streaming if mode == "as bytes arrive" else (lambda *args: {})
                 drop(path)
                 t0 = time.perf_counter()
                 lazyckpt.load(path, into=into)
                 times[mode].append(time.perf_counter() - t0)
-        loader._direct_fills = streaming
+        loader.direct_fills = streaming
     assert all(torch.equal(into[k], state[k]) for k in state)
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in med.items():

@@ -28,7 +28,8 @@ import lazyckpt  # noqa: E402
 from _s3proxy import S3FaultProxy  # noqa: E402
 from _s3server import SeaweedServer  # noqa: E402
 from lazyckpt.knobs import resolve  # noqa: E402
-from lazyckpt.loading.loader import StepFiles, load_step, load_tree  # noqa: E402
+from lazyckpt.loading.loader import load_step, load_tree  # noqa: E402
+from lazyckpt.loading.stepfiles import StepFiles  # noqa: E402
 from lazyckpt.storage.s3layout import read_manifest  # noqa: E402
 
 

@@ -191,7 +191,7 @@ def _load_and_compare(tmp_path, model):
     dcp.load(target, storage_reader=LazyStorageReader(tmp_path), no_dist=True)
     for k, v in model.state_dict().items():
         assert torch.equal(target["model"][k], v)
-    from lazyckpt.interop.convert import load_dcp
+    from lazyckpt.interop.sources import load_dcp
     state = load_dcp(str(tmp_path), allow_pickle=False)
     assert torch.equal(state["model"]["0.weight"], model.state_dict()["0.weight"])
 

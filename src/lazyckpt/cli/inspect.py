@@ -9,7 +9,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import datafile as fmt
@@ -184,19 +184,25 @@ def list_directory(directory: str, lease_expiry_s: Optional[float] = None) -> Di
     for step in layout.steps():
         path = layout.step_path(step)
         row: Dict[str, Any] = {"step": step, "name": os.path.basename(path), "bytes": tree_bytes(path)}
-        try:
-            manifest = read_manifest(path)
-            row.update(world_size=manifest["world_size"], files=len(manifest["files"]),
-                       created_unix=manifest.get("created_unix"), metadata=manifest.get("metadata"),
-                       references=manifest.get("references", []))
-        except CheckpointError as exc:
-            row["error"] = str(exc)
+        _add_manifest(row, lambda: read_manifest(path))
         steps.append(row)
     leftovers = [{"name": lo.name, "kind": lo.kind, "bytes": lo.bytes, "step": lo.step,
                   "description": lo.describe()} for lo in layout.leftovers()]
     return {"directory": directory, "steps": steps, "leftovers": leftovers,
             "latest": steps[-1]["step"] if steps else None, "latest_file": layout.latest_file(),
             "bytes": sum(r["bytes"] for r in steps)}
+
+
+def _add_manifest(row: Dict[str, Any], read: Callable[[], Dict[str, Any]]) -> None:
+    """What ``lazyckpt list`` shows of a step's manifest (local or on a store),
+    or why it could not be read."""
+    try:
+        manifest = read()
+        row.update(world_size=manifest["world_size"], files=len(manifest["files"]),
+                   created_unix=manifest.get("created_unix"), metadata=manifest.get("metadata"),
+                   references=manifest.get("references", []))
+    except CheckpointError as exc:
+        row["error"] = str(exc)
 
 
 def list_url(url: str, lease_expiry_s: Optional[float] = None) -> Dict[str, Any]:
@@ -235,13 +241,7 @@ def list_url(url: str, lease_expiry_s: Optional[float] = None) -> Dict[str, Any]
         step_url = directory.save_url(step, committed[step])
         row: Dict[str, Any] = {"step": step, "name": name, "url": step_url, "bytes": sizes.get(name, 0),
                                "mtime": mtimes.get(name)}
-        try:
-            manifest = read_object_manifest(step_url, options)
-            row.update(world_size=manifest["world_size"], files=len(manifest["files"]),
-                       created_unix=manifest.get("created_unix"), metadata=manifest.get("metadata"),
-                       references=manifest.get("references", []))
-        except CheckpointError as exc:
-            row["error"] = str(exc)
+        _add_manifest(row, lambda: read_object_manifest(step_url, options))
         steps.append(row)
     leftovers = []
     for prefix, nbytes, age in sorted(directory.leftovers(lease_expiry_s)):

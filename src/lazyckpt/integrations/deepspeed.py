@@ -52,6 +52,7 @@ such a file needs ``allow_pickle=True``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import weakref
@@ -300,9 +301,7 @@ def enable(engine: Any, **kwargs: Any) -> LazyCheckpointEngine:
     return new
 
 
-_zero_to_fp32_hooked = False
-
-
+@functools.cache                    # once per process: a second call would wrap the wrappers
 def _hook_zero_to_fp32() -> None:
     """DeepSpeed's ``zero_to_fp32`` readers, called in a process that saved with
     lazyckpt, first wait for that process's pending checkpoints (read-your-writes,
@@ -311,10 +310,6 @@ def _hook_zero_to_fp32() -> None:
     function before :func:`enable`) and the ``latest`` lookup of
     ``get_fp32_state_dict_from_zero_checkpoint(tag=None)`` (when called through
     the module, as its ``convert_*`` and ``load_*`` functions do)."""
-    global _zero_to_fp32_hooked
-    if _zero_to_fp32_hooked:
-        return
-    _zero_to_fp32_hooked = True
     try:
         from deepspeed.utils import zero_to_fp32
     except ImportError:             # pragma: no cover (moved in another DeepSpeed release)
@@ -427,15 +422,9 @@ def wait(engine: Any) -> None:
 
 # --------------------------------------------------------------------------- safe providers
 
-_registered = False
-
-
+@functools.cache                    # once per process, at the first engine
 def _register_deepspeed_providers() -> None:
     """Save DeepSpeed's few non-tensor objects as safe state instead of pickles."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     except ImportError:             # pragma: no cover (moved in another DeepSpeed release)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import logging
 import os
 import re
@@ -71,24 +72,20 @@ _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 # --------------------------------------------------------------------------- on_save after the commit
 
+@dataclasses.dataclass(eq=False, slots=True)     # eq=False: events are told apart by identity
 class _SaveEvent:
     """One queued checkpoint: what to do on the training thread once it is committed."""
 
-    __slots__ = ("handle", "output_dir", "run_dir", "state", "limit", "best", "push", "args", "on_save",
-                 "flushed")
-
-    def __init__(self, handle: Any, output_dir: str, run_dir: str, state: Any, limit: Optional[int],
-                 best: Optional[str], push: bool):
-        self.handle = handle            # None: committed before _save_checkpoint returned
-        self.output_dir = output_dir
-        self.run_dir = run_dir
-        self.state = state
-        self.limit = limit
-        self.best = best
-        self.push = push
-        self.args: Any = None
-        self.on_save = False            # Trainer asked for on_save for it
-        self.flushed = False
+    handle: Any                         # None: committed before _save_checkpoint returned
+    output_dir: str
+    run_dir: str
+    state: Any
+    limit: Optional[int]
+    best: Optional[str]
+    push: bool
+    args: Any = None
+    on_save: bool = False               # Trainer asked for on_save for it
+    flushed: bool = False
 
     def done(self) -> bool:
         return self.handle is None or self.handle.done()

@@ -42,15 +42,15 @@ import torch
 from lazyckpt import api
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, StateMismatchError
 from lazyckpt.knobs import Options, resolve as resolve_options
-from lazyckpt.loading.loader import StepFiles, plain_tensor_entry
 from lazyckpt.loading.reader import CheckpointFile, RefResolver, resolver_for
 from lazyckpt.loading.resolve import Target, resolve as resolve_target
+from lazyckpt.loading.stepfiles import StepFiles, plain_tensor_entry
 from lazyckpt.state.providers import LoadContext
 from lazyckpt.state.walk import Leaf, walk
 from lazyckpt.storage.fileio import fsync_dir
 from lazyckpt.storage.layout import StepDir, new_token, remove_tree
-from .convert import (SafetensorsSource, TensorSpec, _itemsize, _ST_CODES,
-                      read_safetensors_header, write_safetensors)
+from .convert import write_safetensors
+from .sources import ST_CODES, SafetensorsSource, TensorSpec, itemsize, read_safetensors_header
 
 #: Where training states usually keep the model (autodetected in this order).
 MODEL_KEYS = ("model", "module", "state_dict")
@@ -106,11 +106,11 @@ class _Tensor:
     @property
     def nbytes(self) -> int:
         """Bytes as written."""
-        return math.prod(self.shape) * _itemsize(self.out_dtype)
+        return math.prod(self.shape) * itemsize(self.out_dtype)
 
     @property
     def saved_bytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 # --------------------------------------------------------------------------- export
@@ -165,7 +165,7 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
             weight_map: Dict[str, str] = {}
             for name, shard in zip(names, shards):
                 # Largest elements first inside a file: every tensor stays aligned to its element size.
-                order = sorted(shard, key=lambda t: -_itemsize(t.out_dtype))
+                order = sorted(shard, key=lambda t: -itemsize(t.out_dtype))
                 specs = [TensorSpec(t.name, t.out_dtype, t.shape) for t in order]
                 write_safetensors(os.path.join(tmp, name), specs, _read(reader, order, budget),
                                   {"format": "pt"}, progress)
@@ -280,7 +280,7 @@ def _describe(f: CheckpointFile, leaf: Leaf, chosen: Tuple[str, ...], prefix: st
     if not isinstance(saved, torch.dtype) or not isinstance(shape, list):
         raise CheckpointError(f"{f.path}: {leaf.name}: bad dtype or shape", path=f.path)
     written = out_dtype if out_dtype is not None and saved.is_floating_point else saved
-    if _ST_CODES.get(str(written).replace("torch.", "")) is None:
+    if ST_CODES.get(str(written).replace("torch.", "")) is None:
         raise CheckpointError(f"{f.path}: {leaf.name}: safetensors cannot hold {written}", path=f.path)
     return _Tensor(name, leaf, saved, written, list(shape), rank)
 

@@ -1,12 +1,16 @@
-"""Turning a checkpoint file back into state: key selection, parallel reads,
-device placement (map_location) and in-place filling (into=)."""
+"""Turning a checkpoint back into state: the entry points (a file, a step
+directory, a step on an object store, an ``s3://`` URL) and ``load_tree``,
+which selects keys, refuses pickles, reads the entries in parallel, maps
+devices (map_location) and fills ``into=``.
+
+Its pieces live beside it: ``into.py`` (what ``into=`` gets and when),
+``graft.py`` (keys held by other ranks' trees), ``stepfiles.py`` (a step's
+files and the DTensor assembly from their pieces)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import logging
-import math
 import os
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
@@ -14,19 +18,19 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError,
-                             CorruptCheckpointError, MissingKeyError, StateMismatchError, UnsafeObjectError)
+                             CorruptCheckpointError, MissingKeyError, UnsafeObjectError)
 from lazyckpt.formats import manifest as manifests
-from lazyckpt.formats import placement
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
-from lazyckpt.state.providers import (LoadContext, _dtensor_type, dtype_from_name, referenced_entries,
-                                      tensor_bytes_needed)
-from lazyckpt.state.walk import dtensor_nodes, walk
+from lazyckpt.state.providers import LoadContext, referenced_entries
 from lazyckpt.storage.fileio import NotARegularFile, read_small_file
 from lazyckpt.storage.layout import StepDir
 from lazyckpt.storage.s3 import store_for
 from lazyckpt.storage.s3layout import ObjectCheckpointDir, reading_object_step
+from .graft import graft_missing, grafted_node, restrict_to
+from .into import direct_fills, fill_into, unfilled_tensors
 from .reader import CheckpointFile, RefResolver, resolver_for
+from .stepfiles import StepFiles, plain_into_dtensor, slice_loader
 
 log = logging.getLogger("lazyckpt")
 
@@ -248,11 +252,11 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
         keys = _normalize_keys(keys)
     if step is not None and (into is not None or keys is not None):
         try:
-            tree = _graft_missing(tree, f, step, into, keys, ctx, graft)
+            tree = graft_missing(tree, f, step, into, keys, ctx, graft)
             if graft and into is not None:
                 # A re-partitioned load: this rank's own saved keys that into= lacks
                 # belong to another rank now; load into='s keys only.
-                tree = _restrict(tree, into, ctx)
+                tree = restrict_to(tree, into, ctx)
         except CheckpointError:
             raise
         except Exception as exc:     # a hostile tree
@@ -288,16 +292,16 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
                 path=path, entry=name)
     # Plain saved tensors loaded into DTensors of into= (a checkpoint from one
     # process resumed sharded): each rank reads only its own rows of them.
-    sliced = _plain_into_dtensor(tree, into) if into is not None else {}
+    sliced = plain_into_dtensor(tree, into) if into is not None else {}
     if graft:
-        sliced = {i: t for i, t in sliced.items() if not _grafted_node(tree, i)}
+        sliced = {i: t for i, t in sliced.items() if not grafted_node(tree, i)}
     referenced = referenced_entries(tree, skip=set(sliced))
     needed = [e for e in referenced if 0 <= e < len(f.entries)]
     local = [e for e in needed if f.entries[e].kind != "remote"]
     # into=: a tensor filled one to one is copied as soon as its entry is read
     # and verified, on the reader threads, while later entries are still being
     # read (and, for device targets, its host-to-device copy with them).
-    direct = _direct_fills(into, tree, ctx) if into is not None else {}
+    direct = direct_fills(into, tree, ctx) if into is not None else {}
     filled: Dict[int, Any] = {}
 
     def fill_now(e: int, data: torch.UntypedStorage, kind: str) -> None:
@@ -358,7 +362,7 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     if step is not None:
         ctx.dtensor_loader = step.dtensor_loader(into, pool, mapper)
     for node_id, target in sliced.items():
-        ctx.overrides[node_id] = _slice_loader(f, step, target, pool)
+        ctx.overrides[node_id] = slice_loader(f, step, target, pool)
     try:
         state = ctx.decode(tree)
     finally:
@@ -375,531 +379,6 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
             log.warning("lazyckpt: %s", message)
         return filled
     return state
-
-
-_ABSENT = object()
-
-
-def unfilled_tensors(into: Any, tree: Any, ctx: LoadContext, keys: Optional[list] = None) -> List[str]:
-    """Paths ("a/b/c") of the tensors of ``into`` that ``tree`` holds no value
-    for, following the rules of :func:`fill_into`; with ``keys``, only under
-    the selected key paths."""
-    return sorted("/".join(map(str, t)) or "<root>" for t in _unfilled_trails(into, tree, ctx, keys))
-
-
-def _unfilled_trails(into: Any, tree: Any, ctx: LoadContext, keys: Optional[list] = None) -> List[tuple]:
-    roots = [((), into, tree)]
-    if keys is not None:
-        roots = []
-        for key in keys:
-            dst, node = into, tree
-            for part in key:
-                if not isinstance(dst, dict) or part not in dst:
-                    dst = _ABSENT
-                    break
-                dst, node = dst[part], _dict_children(node, ctx).get(part, _ABSENT)
-            if dst is not _ABSENT:
-                roots.append((tuple(key), dst, node))
-    missing = []
-    stack = list(roots)
-    while stack:
-        trail, dst, node = stack.pop()
-        if isinstance(dst, torch.Tensor):
-            if node is _ABSENT:
-                missing.append(trail)
-        elif isinstance(dst, dict):
-            if node is not _ABSENT and not _is_tag(node, "dict"):
-                continue                        # replaced by the checkpoint's value
-            children = _dict_children(node, ctx) if node is not _ABSENT else {}
-            stack.extend((trail + (k,), v, children.get(k, _ABSENT)) for k, v in dst.items())
-        elif isinstance(dst, list):
-            if node is not _ABSENT and not _is_tag(node, "seq"):
-                continue
-            items = node["v"] if node is not _ABSENT and isinstance(node.get("v"), list) else []
-            if node is not _ABSENT and len(items) != len(dst):
-                continue                        # fill_into replaces a list of another length
-            stack.extend((trail + (i,), v, items[i] if i < len(items) else _ABSENT) for i, v in enumerate(dst))
-    return missing
-
-
-def _is_tag(node: Any, tag: str) -> bool:
-    return isinstance(node, dict) and node.get("$") == tag
-
-
-#: Entry ids of nodes grafted from another rank's tree start here (far above any real index).
-GRAFT_BASE = 1 << 48
-
-
-def _graft_missing(tree: Any, f: CheckpointFile, step: "StepFiles", into: Any, keys: Optional[list],
-                   ctx: LoadContext, graft: Dict[int, Tuple[CheckpointFile, int]]) -> Any:
-    """Any key from any rank: what ``into=`` or ``keys=`` asks for and this
-    rank's saved tree lacks (state split by pipeline stage, re-partitioned)
-    is looked up in the trees of the ranks that hold other keys (one per
-    keyset of the manifest) and grafted in; its entries get ids from
-    GRAFT_BASE, mapped in ``graft`` to (that rank's file, its entry)."""
-    holders = [r for r in step.key_holders(f)]
-    if not holders:
-        return tree
-    wanted = [tuple(k) for k in keys] if keys is not None else []
-    if into is not None:
-        wanted += _unfilled_trails(into, tree, ctx, keys)
-    missing = [p for p in wanted if _lookup(tree, p, ctx) is _ABSENT]
-    for rank in holders:
-        if not missing:
-            break
-        other = step.file(rank)
-        still = []
-        for path in missing:
-            grafted = _graft(tree, other.footer.tree, path, ctx, other, graft, {})
-            if grafted is None:
-                still.append(path)
-            else:
-                tree = grafted
-        missing = still
-    return tree
-
-
-def _restrict(node: Any, dst: Any, ctx: LoadContext) -> Any:
-    """``node`` without the dict keys ``dst`` does not have (recursively)."""
-    if not (isinstance(dst, dict) and _is_tag(node, "dict")):
-        return node
-    keep_k, keep_v = [], []
-    for k, v in zip(node["k"], node["v"]):
-        key = ctx.decode(k)
-        if key in dst:
-            keep_k.append(k)
-            keep_v.append(_restrict(v, dst[key], ctx))
-    return dict(node, k=keep_k, v=keep_v)
-
-
-def _lookup(node: Any, path: tuple, ctx: LoadContext) -> Any:
-    for key in path:
-        if _is_tag(node, "seq") and type(key) is int and isinstance(node.get("v"), list) \
-                and 0 <= key < len(node["v"]):
-            node = node["v"][key]
-            continue
-        node = _dict_children(node, ctx).get(key, _ABSENT) if _is_tag(node, "dict") else _ABSENT
-        if node is _ABSENT:
-            return _ABSENT
-    return node
-
-
-def _graft(node: Any, other_node: Any, path: tuple, ctx: LoadContext, other: CheckpointFile,
-           graft: Dict[int, Tuple[CheckpointFile, int]], memo: Dict[int, int]) -> Any:
-    """A copy of ``node`` with the first key of ``path`` it lacks (and all
-    below it) taken from ``other_node``; None if ``other_node`` lacks it too."""
-    if not path or not _is_tag(node, "dict") or not _is_tag(other_node, "dict"):
-        return None
-    theirs = {ctx.decode(k): (k, v) for k, v in zip(other_node["k"], other_node["v"])}
-    key = path[0]
-    if key not in theirs:
-        return None
-    out = dict(node, k=list(node["k"]), v=list(node["v"]))
-    mine = [ctx.decode(k) for k in node["k"]]
-    if key in mine:
-        below = _graft(node["v"][mine.index(key)], theirs[key][1], path[1:], ctx, other, graft, memo)
-        if below is None:
-            return None
-        out["v"][mine.index(key)] = below
-    else:
-        out["k"].append(theirs[key][0])
-        out["v"].append(_remap_entries(theirs[key][1], other, graft, memo))
-    return out
-
-
-def _remap_entries(node: Any, other: CheckpointFile, graft: Dict[int, Tuple[CheckpointFile, int]],
-                   memo: Dict[int, int]) -> Any:
-    """A deep copy of ``node`` whose entry ids name ``other``'s entries through ``graft``
-    (one id per entry: storages shared inside the subtree stay shared)."""
-    if isinstance(node, list):
-        return [_remap_entries(v, other, graft, memo) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _remap_entries(v, other, graft, memo) for k, v in node.items() if k != "e"}
-    if "e" in node:
-        e = node["e"]
-        if type(e) is int:
-            if e not in memo:
-                memo[e] = GRAFT_BASE + len(graft)
-                graft[memo[e]] = (other, e)
-            e = memo[e]
-        out["e"] = e
-    return out
-
-
-def _dict_children(node: Any, ctx: LoadContext) -> Dict[Any, Any]:
-    if not _is_tag(node, "dict") or not isinstance(node.get("k"), list) or not isinstance(node.get("v"), list):
-        return {}
-    return {ctx.decode(k): v for k, v in zip(node["k"], node["v"])}
-
-
-class StepFiles:
-    """The data files of one committed step and its manifest's shard index."""
-
-    def __init__(self, path: str, manifest: Dict[str, Any], options: Options,
-                 refs: Optional[RefResolver] = None):
-        self.path = path
-        self.manifest = manifest
-        self.options = options
-        self.refs = refs
-        self.world_size = manifest["world_size"]
-        self._names = {f["rank"]: f["name"] for f in manifest["files"]}
-        self._open: Dict[int, CheckpointFile] = {}
-        self.shards = manifest.get("shards", {})
-        if not isinstance(self.shards, dict):
-            raise CorruptCheckpointError(f"{path}: manifest shard index is not an object", path=path)
-        #: Placement-derived index (lazyckpt/placement.py): key -> global shape, dtype, layout.
-        self.layouts = manifest.get("layouts", {})
-        if not isinstance(self.layouts, dict):
-            raise CorruptCheckpointError(f"{path}: manifest layouts are not an object", path=path)
-        self._dtensor_nodes: Dict[int, Dict[str, Any]] = {}
-
-    def key_holders(self, f: CheckpointFile) -> List[int]:
-        """Ranks whose trees may hold keys ``f``'s lacks (one per other keyset)."""
-        mine = next((r for r, g in self._open.items() if g is f), None)
-        return manifests.keyset_representatives(self.manifest, mine) if mine is not None else []
-
-    def file(self, rank: int) -> CheckpointFile:
-        if rank not in self._names:
-            raise CorruptCheckpointError(f"{self.path}: manifest lists no file of rank {rank}",
-                                         path=self.path)
-        if rank not in self._open:
-            path = os.path.join(self.path, self._names[rank])
-            try:
-                f = CheckpointFile(path, self.options, self.refs)
-            except CheckpointNotFoundError:
-                # The step is committed, so a missing file is damage, not "no checkpoint".
-                raise CorruptCheckpointError(f"{path}: data file of rank {rank} is missing",
-                                             path=path) from None
-            self._check_belongs(f, rank)
-            self._open[rank] = f
-        return self._open[rank]
-
-    def _check_belongs(self, f: CheckpointFile, rank: int) -> None:
-        """The file must be the one this manifest committed: same size, same save, same rank."""
-        listed = next(x for x in self.manifest["files"] if x["rank"] == rank)
-        if listed.get("bytes") is not None and listed["bytes"] != f.size:
-            raise CorruptCheckpointError(f"{f.path}: {f.size} bytes, the manifest says {listed['bytes']}",
-                                         path=f.path)
-        mine = f.footer.metadata.get("lazyckpt")
-        save_id = self.manifest.get("save_id")
-        if save_id is not None and (not isinstance(mine, dict) or mine.get("save_id") != save_id
-                                    or mine.get("rank") != rank):
-            raise CorruptCheckpointError(f"{f.path}: belongs to another save or rank than this step's "
-                                         f"manifest (file from another step, or swapped)", path=f.path)
-
-    def dtensor_loader(self, into: Any, pool: cf.ThreadPoolExecutor, mapper) -> Callable:
-        targets = _dtensor_targets(into)
-
-        def load(node: Dict[str, Any], ctx: LoadContext) -> Any:
-            key = json.dumps(list(ctx.trail))
-            info = self.shard_info(key, ctx)
-            if info is None:
-                raise ctx.corrupt(f"no shard index for DTensor {key}")
-            return self._assemble(info, node, targets.get(key), ctx, pool)
-        return load
-
-    def shard_info(self, key: str, ctx: LoadContext) -> Optional[Dict[str, Any]]:
-        """Where the pieces of the DTensor at ``key`` are: the listed index
-        (older manifests, non-world groups) or one derived from its layout."""
-        info = self.shards.get(key)
-        if info is None and key in self.layouts:
-            return self._derived(key, ctx)
-        return dict(info, key=key, derived=False) if isinstance(info, dict) else None
-
-    def _derived(self, key: str, ctx: LoadContext) -> Dict[str, Any]:
-        """A shard index entry computed from the tensor's layout: pieces with
-        their geometry; the tensor node of each is looked up in its rank's
-        footer only if the piece is needed (see _cover)."""
-        info = self.layouts[key]
-        shape = info.get("global_shape") if isinstance(info, dict) else None
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
-                and placement.check(info.get("layout"), len(shape), self.world_size)):
-            raise ctx.corrupt(f"bad layout for DTensor {key} in the manifest")
-        return {"global_shape": shape, "dtype": info.get("dtype"), "key": key, "derived": True,
-                "layout": info["layout"], "pieces": placement.pieces(shape, info["layout"])}
-
-    def dtensor_node(self, rank: int, key: str, ctx: LoadContext) -> Dict[str, Any]:
-        """The DTensor node at ``key`` in rank ``rank``'s own footer (checksummed,
-        tied to this save and rank): what the manifest claims is checked against
-        it. Index built once per file."""
-        f = self.file(rank)
-        if rank not in self._dtensor_nodes:
-            self._dtensor_nodes[rank] = dtensor_nodes(f.footer.tree)
-        node = self._dtensor_nodes[rank].get(key)
-        if not isinstance(node, dict) or not isinstance(node.get("local"), dict):
-            raise ctx.corrupt(f"rank {rank}'s file holds no piece of DTensor {key}, which the manifest says it wrote")
-        return node
-
-    def _assemble(self, info: Dict[str, Any], node: Dict[str, Any], target: Any, ctx: LoadContext,
-                  pool: cf.ThreadPoolExecutor) -> Any:
-        dtype = dtype_from_name(info["dtype"], ctx)
-        global_shape = info["global_shape"]
-        if not (isinstance(global_shape, list) and all(type(n) is int and n >= 0 for n in global_shape)):
-            raise ctx.corrupt("bad global shape in the shard index")
-        if not isinstance(info.get("pieces"), list):
-            raise ctx.corrupt("shard index without pieces")
-        if target is not None:
-            from torch.distributed.tensor import DTensor
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-            if list(target.shape) != global_shape or target.dtype != dtype:
-                raise StateMismatchError(
-                    f"{self.path}: DTensor {'/'.join(ctx.trail)} is {dtype} {tuple(global_shape)} in the "
-                    f"checkpoint but {target.dtype} {tuple(target.shape)} in into=", path=self.path)
-            shape, origin = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
-                                                                  target.placements)
-            pieces = self._cover(info, global_shape, list(shape), list(origin), dtype, ctx)
-            local = torch.empty(list(shape), dtype=dtype, device=target.to_local().device)
-            self._fill_region(local, list(origin), pieces, ctx, pool)
-            return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
-                                      shape=target.shape, stride=target.stride())
-        # Everything is checked before the (possibly large) allocation.
-        pieces = self._cover(info, global_shape, list(global_shape), [0] * len(global_shape), dtype, ctx)
-        full = torch.empty(global_shape, dtype=dtype)
-        self._fill_region(full, [0] * len(global_shape), pieces, ctx, pool)
-        return full
-
-    def _cover(self, info: Dict[str, Any], global_shape: list, shape: list, origin: list,
-               dtype: torch.dtype, ctx: LoadContext) -> list:
-        """The pieces overlapping the region [origin, origin+shape), after checking
-        that they lie inside the tensor, have sound geometry, and cover the region
-        exactly once (no hole would be left as uninitialized memory, no overlap
-        could hide one)."""
-        boxes, chosen = [], []
-        derived = info.get("derived")   # pieces from a layout: their tensor nodes are looked up when needed
-        for piece in info["pieces"]:
-            if derived:
-                piece = dict(piece)
-                offsets, pshape = piece["offsets"], piece["shape"]
-                lo = [max(o, r) for o, r in zip(offsets, origin)]
-                hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, pshape, origin, shape)]
-                if not all(a < b for a, b in zip(lo, hi)):
-                    continue
-                own = self.dtensor_node(piece["rank"], info["key"], ctx)
-                if own.get("layout") != info["layout"] or own.get("offsets") != offsets \
-                        or own["local"].get("shape") != pshape or own.get("global_shape") != global_shape:
-                    raise ctx.corrupt(f"the manifest's layout of {info['key']} puts rank {piece['rank']}'s piece "
-                                      f"at {offsets} {pshape}; that rank's own file says otherwise")
-                piece["tensor"] = own["local"]
-            elif isinstance(piece, dict) and isinstance(piece.get("tensor"), dict) \
-                    and type(piece.get("rank")) is int and 0 <= piece["rank"] < self.world_size:
-                own = self.dtensor_node(piece["rank"], info["key"], ctx)
-                if own["local"] != piece["tensor"] or own.get("offsets") != piece.get("offsets"):
-                    raise ctx.corrupt(f"the manifest's piece of {info['key']} from rank {piece['rank']} differs "
-                                      f"from that rank's own file")
-            if not isinstance(piece, dict) or not isinstance(piece.get("tensor"), dict):
-                raise ctx.corrupt("malformed piece in the shard index")
-            offsets, t = piece.get("offsets"), piece["tensor"]
-            pshape = t.get("shape")
-            if not (isinstance(offsets, list) and isinstance(pshape, list)
-                    and len(offsets) == len(pshape) == len(global_shape)
-                    and all(type(x) is int and x >= 0 for x in offsets + pshape)
-                    and all(o + n <= g for o, n, g in zip(offsets, pshape, global_shape))):
-                raise ctx.corrupt("a shard piece lies outside the tensor or has a bad shape")
-            if dtype_from_name(t.get("dtype"), ctx) != dtype or type(piece.get("rank")) is not int:
-                raise ctx.corrupt("a shard piece has another dtype or no rank")
-            f = self.file(piece["rank"])
-            e = t.get("e")
-            if type(e) is not int or not 0 <= e < len(f.entries) or f.entries[e].content_kind != "data":
-                raise ctx.corrupt(f"shard of rank {piece['rank']} refers to a bad entry {e!r}")
-            if tensor_bytes_needed(t, dtype, ctx) > f.entries[e].size:
-                raise ctx.corrupt(f"shard of rank {piece['rank']} claims more bytes than its entry holds")
-            lo = [max(o, r) for o, r in zip(offsets, origin)]
-            hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, pshape, origin, shape)]
-            if all(a < b for a, b in zip(lo, hi)):
-                boxes.append((lo, hi))
-                chosen.append(piece)
-        volume = math.prod(shape)
-        covered = sum(math.prod(b - a for a, b in zip(lo, hi)) for lo, hi in boxes)
-        overlap = any(all(max(a1, a2) < min(b1, b2) for a1, b1, a2, b2 in zip(l1, h1, l2, h2))
-                      for i, (l1, h1) in enumerate(boxes) for (l2, h2) in boxes[i + 1:])
-        if volume and (covered != volume or overlap):
-            raise ctx.corrupt(f"the saved shards do not cover the needed region exactly "
-                              f"({covered} of {volume} elements{', overlapping' if overlap else ''})")
-        return chosen
-
-    def _fill_region(self, out: torch.Tensor, origin: list, pieces: list, ctx: LoadContext,
-                     pool: cf.ThreadPoolExecutor) -> None:
-        """Copy into ``out`` (the global region starting at ``origin``) every
-        piece (already checked by _cover), reading only the rows needed."""
-        for piece in pieces:
-            _copy_region(self.file(piece["rank"]), piece["tensor"], piece["offsets"], out, origin, ctx, pool)
-
-
-def _copy_region(f: CheckpointFile, t: Dict[str, Any], offsets: list, out: torch.Tensor, origin: list,
-                 ctx: LoadContext, pool: cf.ThreadPoolExecutor) -> None:
-    """Copy the part of saved tensor node ``t`` (placed at ``offsets`` in the
-    global tensor) that overlaps ``out`` (the region starting at ``origin``),
-    reading only the rows needed when ``t`` is row-major."""
-    shape = t["shape"]
-    lo = [max(o, r) for o, r in zip(offsets, origin)]
-    hi = [min(o + n, r + m) for o, n, r, m in zip(offsets, shape, origin, out.shape)]
-    if not all(a < b for a, b in zip(lo, hi)):
-        return
-    e = t["e"]
-    dtype = dtype_from_name(t["dtype"], ctx)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    contiguous = torch.empty(shape, dtype=dtype, device="meta").stride()
-    if out.dim() > 0 and list(contiguous) == t["stride"]:
-        # Rows [lo0, hi0) of a row-major tensor are one contiguous byte range.
-        row = math.prod(shape[1:]) * itemsize
-        first, last = lo[0] - offsets[0], hi[0] - offsets[0]
-        start = t["offset"] * itemsize + first * row
-        data = f.read_range(e, start, start + (last - first) * row, pool)
-        src = data.view(dtype).reshape([last - first] + list(shape[1:]))
-        src = src[(slice(None),) + tuple(slice(a - o, b - o) for a, b, o in
-                                          zip(lo[1:], hi[1:], offsets[1:]))]
-    else:
-        storage = f.read_entries([e], pool)[e]
-        whole = torch.empty((0,), dtype=dtype).set_(storage, t["offset"], shape, t["stride"])
-        src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
-    dst = out[tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, origin))]
-    dst.copy_(src)
-
-
-def _plain_into_dtensor(tree: Any, into: Any) -> Dict[int, Any]:
-    """id(tensor node) -> the DTensor of ``into`` at the same path, for plain saved tensors."""
-    targets = _dtensor_targets(into)
-    if not targets:
-        return {}
-    return {id(leaf.node): targets[key] for leaf in walk(tree)
-            if leaf.type == "tensor" and (key := json.dumps(list(leaf.path))) in targets}
-
-
-def plain_tensor_entry(f: CheckpointFile, step: Optional["StepFiles"], node: Dict[str, Any],
-                       dtype: torch.dtype, ctx: LoadContext) -> Tuple[CheckpointFile, int]:
-    """(the file holding a plain tensor node's bytes, the entry's index): ``f``,
-    or another rank's file for a replicated entry, after checking that the
-    entry is there and can hold the tensor."""
-    e = node.get("e")
-    if type(e) is not int or not 0 <= e < len(f.entries):
-        raise ctx.corrupt(f"reference to unknown entry {e!r}")
-    holder = f
-    if f.entries[e].kind == "remote":
-        if step is None:
-            raise ctx.corrupt("refers to another rank's file; load the step directory")
-        holder = step.file(f.entries[e].rank)
-        if e >= len(holder.entries) or holder.entries[e].kind == "remote":
-            raise ctx.corrupt(f"{holder.path} does not hold entry {e}")
-    if holder.entries[e].content_kind != "data" or tensor_bytes_needed(node, dtype, ctx) > holder.entries[e].size:
-        raise ctx.corrupt(f"entry {e} does not hold this tensor's bytes")
-    return holder, e
-
-
-def _slice_loader(f: CheckpointFile, step: Optional["StepFiles"], target: Any,
-                  pool: cf.ThreadPoolExecutor) -> Callable[[Dict[str, Any], LoadContext], Any]:
-    """Build this rank's shard of ``target`` from a plain saved tensor, reading its rows only."""
-    def load(node: Dict[str, Any], ctx: LoadContext) -> Any:
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        dtype = dtype_from_name(node.get("dtype"), ctx)
-        shape = node.get("shape")
-        if list(target.shape) != shape or target.dtype != dtype:
-            raise StateMismatchError(
-                f"{f.path}: entry {'/'.join(ctx.trail)} is {dtype} {tuple(shape or ())} in the checkpoint "
-                f"but {target.dtype} {tuple(target.shape)} in into=", path=f.path, entry="/".join(ctx.trail))
-        holder, _ = plain_tensor_entry(f, step, node, dtype, ctx)
-        local_shape, origin = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
-                                                                    target.placements)
-        local = torch.empty(list(local_shape), dtype=dtype, device=target.to_local().device)
-        _copy_region(holder, node, [0] * len(shape), local, list(origin), ctx, pool)
-        return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
-                                  shape=target.shape, stride=target.stride())
-    return load
-
-
-def _grafted_node(tree: Any, node_id: int) -> bool:
-    return any(id(leaf.node) == node_id and type(leaf.node.get("e")) is int and leaf.node["e"] >= GRAFT_BASE
-               for leaf in walk(tree))
-
-
-def _direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tuple]]:
-    """The tensors of ``into`` that a plain tensor node fills one to one (the
-    same path as :func:`fill_into` follows, the same dtype and shape, not a
-    DTensor): entry -> [(node, target)]. Anything else is left to the full
-    decode and ``fill_into``, which also raise the mismatches."""
-    out: Dict[int, List[tuple]] = {}
-    stack = [(into, tree)]
-    while stack:
-        dst, node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        tag = node.get("$")
-        if tag == "dict" and isinstance(dst, dict):
-            keys, values = node.get("k"), node.get("v")
-            if not isinstance(keys, list) or not isinstance(values, list) or len(keys) != len(values):
-                continue
-            for k, v in zip(keys, values):
-                try:
-                    key = ctx.decode(k)
-                    if key in dst:
-                        stack.append((dst[key], v))
-                except (CheckpointError, TypeError):     # the full decode reports it
-                    continue
-        elif tag == "seq" and node.get("t") == "list" and isinstance(dst, list) \
-                and isinstance(node.get("v"), list) and len(dst) == len(node["v"]):
-            stack.extend(zip(dst, node["v"]))
-        elif tag == "tensor" and type(node.get("e")) is int and isinstance(dst, torch.Tensor) \
-                and not _is_dtensor(dst) and node.get("shape") == list(dst.shape):
-            try:
-                same_dtype = dtype_from_name(node.get("dtype"), ctx) == dst.dtype
-            except CheckpointError:
-                continue
-            if same_dtype:
-                out.setdefault(node["e"], []).append((node, dst))
-    return out
-
-
-def _dtensor_targets(into: Any) -> Dict[str, Any]:
-    """DTensors in ``into`` by key path (as the loader names them)."""
-    targets: Dict[str, Any] = {}
-    DTensor = _dtensor_type()
-    if DTensor is None or into is None:
-        return targets
-    stack = [(into, [])]
-    while stack:
-        value, trail = stack.pop()
-        if isinstance(value, DTensor):
-            targets[json.dumps(trail)] = value
-        elif isinstance(value, dict):
-            stack.extend((v, trail + [str(k)]) for k, v in value.items())
-        elif isinstance(value, (list, tuple)):
-            stack.extend((v, trail + [str(i)]) for i, v in enumerate(value))
-    return targets
-
-
-def fill_into(dst: Any, src: Any, path: str, trail: str = "") -> Any:
-    """Copy ``src`` into ``dst`` in place where both hold tensors; return what
-    the slot should hold afterwards (``dst`` itself where it was reused)."""
-    if isinstance(dst, dict) and isinstance(src, dict):
-        for key, value in src.items():
-            where = f"{trail}/{key}" if trail else str(key)
-            dst[key] = fill_into(dst[key], value, path, where) if key in dst else value
-        return dst
-    if isinstance(dst, list) and isinstance(src, list) and len(dst) == len(src):
-        for i, value in enumerate(src):
-            dst[i] = fill_into(dst[i], value, path, f"{trail}/{i}")
-        return dst
-    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
-        if src is dst:                  # filled as its bytes arrived (_direct_fills)
-            return dst
-        if _is_dtensor(dst) and _is_dtensor(src):
-            with torch.no_grad():
-                dst.to_local().copy_(src.to_local())
-            return dst
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise StateMismatchError(
-                f"{path}: entry {trail or '<root>'} is {src.dtype} {tuple(src.shape)} in the checkpoint "
-                f"but {dst.dtype} {tuple(dst.shape)} in into=", path=path, entry=trail)
-        with torch.no_grad():
-            dst.copy_(src)
-        return dst
-    return src
-
-
-def _is_dtensor(value: Any) -> bool:
-    cls = _dtensor_type()
-    return cls is not None and isinstance(value, cls)
 
 
 def load_url(url: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,

@@ -1,3 +1,7 @@
+# Why one module of ~770 lines (issue 23 asks for a reason above 600): it is the one set of rules
+# for what a process may delete in a Checkpointer directory. Retention, leftovers and the writer
+# lease all consult the same leases and read locks, so they are read and changed together; the
+# names live in formats/names.py and the bytes in storage/fileio.py.
 """Directory layout: how checkpoints are named, listed, committed, retired and
 protected on a file system. This module knows checkpoints, not bytes; it is
 the one place the Checkpointer, the CLI tools and the integrations use for

@@ -1,3 +1,6 @@
+# Why one module of ~660 lines (issue 23 asks for a reason above 600): one tier, both of its sides.
+# The save side and the restore side share the topology, the on-disk layout of held replicas
+# (.replicas/node_N/rank_L/step_S, COMPLETE) and the wire format of a transfer, which change together.
 """Replica tier: each committed rank file copied to partner ranks on other nodes.
 
 The failure this tier is for: one node lost (its node-local checkpoint

@@ -41,22 +41,25 @@ a step directory, a Checkpointer directory: its latest step; local or
 
 Where the code is (each module says more):
 
-* ``study_pieces.py``: a step opened as pieces (``StepView``, ``TensorInfo``,
+* ``pieces.py``: a step opened as pieces (``StepView``, ``TensorInfo``,
   ``Piece``), boxes cut to a chunk and read verified (``boxes``,
   ``BoxReader``, ``ReadCounter``), key globs;
-* ``study_diff.py``: ``diff`` -> ``DiffReport`` of ``DiffRow``;
-* ``study_trajectory.py``: ``trajectory`` -> ``Trajectory``, ``run_steps``
+* ``diffs.py``: ``diff`` -> ``DiffReport`` of ``DiffRow``;
+* ``trajectories.py``: ``trajectory`` -> ``Trajectory``, ``run_steps``
   (a run's kept steps on both tiers), the per-statistic accumulators;
-* ``_study_cli.py``: ``lazyckpt diff`` and ``lazyckpt history``.
+* ``cli/study.py``: ``lazyckpt diff`` and ``lazyckpt history``.
 
-This module is the public face: import from here.
+This module is the public face: import from here. The submodules are
+``diffs`` and ``trajectories``, not ``diff`` and ``trajectory``: a submodule
+named like the function this package exports would rebind
+``lazyckpt.study.diff`` to the module the first time it is imported.
 """
 
 from __future__ import annotations
 
-from .study_diff import DiffReport, DiffRow, diff
-from .study_pieces import ReadCounter, StepView, TensorInfo
-from .study_trajectory import STATS, Trajectory, run_steps, trajectory
+from .diffs import DiffReport, DiffRow, diff
+from .pieces import ReadCounter, StepView, TensorInfo
+from .trajectories import STATS, Trajectory, run_steps, trajectory
 
 __all__ = ["diff", "trajectory", "run_steps", "DiffReport", "DiffRow", "Trajectory", "ReadCounter", "StepView",
            "TensorInfo", "STATS"]

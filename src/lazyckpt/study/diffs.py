@@ -1,7 +1,7 @@
 """``lazyckpt.diff``: two committed steps compared tensor by tensor, one row
 per tensor (max |a-b|, ||a-b||, ||a-b||/||a||, cosine, fraction changed),
-sorted by relative change. The overview is in study.py; the pieces it reads
-are study_pieces.py's.
+sorted by relative change. The overview is in study/__init__.py; the pieces it reads
+are pieces.py's.
 
 Each region where a piece of A meets a piece of B is compared sub-box by
 sub-box (at most a chunk of storage per side), folded into float64
@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .errors import MissingKeyError
-from .knobs import Options, resolve as resolve_options
-from .study_pieces import (BoxReader, Piece, ReadCounter, StepView, TensorInfo, bounded_map, box_elements, boxes,
+from ..errors import MissingKeyError
+from ..knobs import Options, resolve as resolve_options
+from .pieces import (BoxReader, Piece, ReadCounter, StepView, TensorInfo, bounded_map, box_elements, boxes,
                            key_matches, key_patterns)
 
 #: float64 statistics are folded over slices of this many elements (bounds the temporaries).

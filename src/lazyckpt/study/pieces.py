@@ -1,6 +1,6 @@
 """A committed step's tensors as *pieces* of their global shape, read box by
-box: the reading layer under ``lazyckpt.diff`` (study_diff.py) and
-``lazyckpt.trajectory`` (study_trajectory.py); the overview is in study.py.
+box: the reading layer under ``lazyckpt.diff`` (diffs.py) and
+``lazyckpt.trajectory`` (trajectories.py); the overview is in __init__.py.
 
 * :class:`StepView` opens a step (or a lone ``.lzc`` file), holds it (a read
   lock locally, a reader lease on an object store) and lists its leaves as
@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from lazyckpt.formats.names import step_dirname
-from lazyckpt.loading.loader import StepFiles, plain_tensor_entry
+from lazyckpt.loading.stepfiles import StepFiles, plain_tensor_entry
 from lazyckpt.loading.reader import CheckpointFile, RefResolver, resolver_for
 from lazyckpt.loading.resolve import resolve
 from lazyckpt.state.providers import LoadContext, dtype_from_name
@@ -45,9 +45,9 @@ from lazyckpt.state.walk import walk
 from lazyckpt.storage.layout import CheckpointDir, StepDir
 from lazyckpt.storage.s3 import is_url
 from lazyckpt.storage.s3layout import ObjectCheckpointDir, reading_object_step
-from . import api
-from .errors import CheckpointNotFoundError
-from .knobs import Options, resolve as resolve_options
+from .. import api
+from ..errors import CheckpointNotFoundError
+from ..knobs import Options, resolve as resolve_options
 
 
 # --------------------------------------------------------------------------- counting reads

@@ -1,7 +1,7 @@
 """``lazyckpt.trajectory`` (``lazyckpt history``): a statistic of each
 selected tensor over every kept step of a run, local or ``s3://``, with the
-persistent tier's steps. The overview is in study.py; the pieces it reads
-are study_pieces.py's.
+persistent tier's steps. The overview is in study/__init__.py; the pieces it reads
+are pieces.py's.
 
 Each distinct tensor (steps that refer to the same bytes share one) is read
 box by box by ``workers`` threads, and only the statistic asked for is
@@ -23,10 +23,10 @@ import torch
 from lazyckpt.storage.layout import CheckpointDir
 from lazyckpt.storage.s3 import is_url
 from lazyckpt.storage.s3layout import ObjectCheckpointDir
-from .errors import CheckpointNotFoundError, MissingKeyError
-from .history import Event, History, line
-from .knobs import Options, resolve as resolve_options
-from .study_pieces import (BoxReader, ReadCounter, StepView, TensorInfo, bounded_map, box_elements, boxes,
+from ..errors import CheckpointNotFoundError, MissingKeyError
+from ..history import Event, History, line
+from ..knobs import Options, resolve as resolve_options
+from .pieces import (BoxReader, ReadCounter, StepView, TensorInfo, bounded_map, box_elements, boxes,
                            key_matches, key_patterns)
 
 #: Statistics ``trajectory`` computes chunk by chunk (a callable gets the whole tensor instead).
