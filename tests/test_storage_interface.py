@@ -110,3 +110,34 @@ def test_a_new_store_is_one_registration(monkeypatch):
     assert stores.for_path("fake://x/y") is fake
     with pytest.raises(InvalidURLError, match=r"only s3:// or fake:// URLs"):
         stores.for_path("gs://b/x")
+
+
+def test_no_module_outside_storage_decides_by_a_path_s_spelling():
+    """``for_path`` is the one place: no ``is_url`` helper, no ``startswith("s3://")``.
+    The one exception is pure naming in formats/ (below storage/, so it cannot ask
+    a store): ``manifest.step_named_by`` knows that an object store's step has a
+    save-id level. Integrations translate their framework's own path conventions
+    (Lightning's fsspec ``file://``) before a path reaches lazyckpt."""
+    import ast
+    import os
+    import lazyckpt
+    root = os.path.dirname(lazyckpt.__file__)
+    allowed = {os.path.join("formats", "manifest.py"), os.path.join("integrations", "lightning.py")}
+    found = []
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("__pycache__", "storage")]
+        for name in files:
+            rel = os.path.relpath(os.path.join(top, name), root)
+            if not name.endswith(".py") or rel in allowed:
+                continue
+            with open(os.path.join(top, name), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Name) and node.id == "is_url":
+                    found.append(f"{rel}:{node.lineno}: is_url")
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr == "startswith" and any(
+                            isinstance(a, ast.Constant) and isinstance(a.value, str) and "://" in a.value
+                            for a in node.args):
+                    found.append(f"{rel}:{node.lineno}: startswith(URL scheme)")
+    assert not found, "decide through lazyckpt.storage.stores.for_path: " + "; ".join(found)
