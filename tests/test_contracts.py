@@ -383,8 +383,7 @@ def test_a_step_deleted_under_a_reader_is_reported_as_deleted(tmp_path, monkeypa
 
 
 def test_io_errors_during_a_load_are_library_errors_with_the_path(tmp_path, monkeypatch):
-    from lazyckpt.storage import fileio
-    from lazyckpt.loading import reader
+    from lazyckpt.storage import fileio, localstore
     path = str(tmp_path / "f.lzc")
     lazyckpt.save({"a": torch.ones(1000)}, path)
 
@@ -398,7 +397,7 @@ def test_io_errors_during_a_load_are_library_errors_with_the_path(tmp_path, monk
     for err in (errno.ESTALE, errno.EIO):
         def stale(*_args, _err=err, **_kwargs):
             raise OSError(_err, os.strerror(_err))
-        monkeypatch.setattr(reader, "open_regular", stale)
+        monkeypatch.setattr(localstore, "open_regular", stale)
         with pytest.raises(lazyckpt.CheckpointReadError):
             lazyckpt.load(path)
         monkeypatch.undo()

@@ -17,7 +17,7 @@ from lazyckpt.saving.foreign import plan_layout
 from lazyckpt.saving.resources import Resources
 from lazyckpt.state.providers import flatten
 from lazyckpt.storage.layout import CheckpointDir
-from lazyckpt.storage.s3 import is_url, store_for
+from lazyckpt.storage.stores import for_path
 from .errors import CheckpointNotFoundError
 from .knobs import Options, resolve
 
@@ -62,12 +62,13 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     opts = resolve(options, **knobs)
     if check_file_format(file_format) != "lazyckpt":
         part = plan_layout(state, file_format, metadata).part()
-        if is_url(path):
+        if for_path(path).is_remote:
             raise ValueError(f"file_format={file_format!r} is written to local files only, not to {path}")
     else:
         part = FilePart(flatten(state), check_metadata(metadata))
-    if is_url(path):
-        store_for(path, opts.storage_options)[0].check()     # credentials, bucket: one clear error first
+    store = for_path(path)
+    if store.is_remote:           # no rename there: the object appears whole when its upload completes
+        store.check(path, opts)     # credentials, bucket: one clear error first
         strategy = ObjectCommit(path, message="save failed")
     else:
         directory = os.path.dirname(os.path.abspath(path))
@@ -96,7 +97,7 @@ def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[Ke
     opts = resolve(options, **knobs)
     kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
     pool = _resources(opts).readers
-    if is_url(path):
+    if for_path(path).is_remote:
         return load_url(path, opts, pool, **kwargs)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, MANIFEST)):
@@ -117,7 +118,7 @@ def load_async(path: str, map_location: MapLocation = None, keys: Optional[Itera
     ``handle.guard(model)`` install it as hooks). A path that does not exist
     is refused here; every other error surfaces at the barrier."""
     path = os.fspath(path)
-    if not is_url(path) and not os.path.exists(path):
+    if not for_path(path).is_remote and not os.path.exists(path):     # a remote path costs a request: checked at the barrier
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
     opts = resolve(options, **knobs)
     return RestoreHandle(lambda: load(path, map_location, keys, into, allow_pickle, strict, options=opts), path)

@@ -28,9 +28,8 @@ from lazyckpt.saving.costs import SaveCosts
 from lazyckpt.saving.engine import FilePart, SaveEngine, SaveHandle
 from lazyckpt.saving.incremental import IncrementalIndex
 from lazyckpt.state.plancache import PlanCache
-from lazyckpt.storage.layout import CheckpointDir, WriterLease
-from lazyckpt.storage.s3 import is_url
-from lazyckpt.storage.s3layout import ObjectCheckpointDir, ObjectWriterLease
+from lazyckpt.storage.base import WriterLease
+from lazyckpt.storage.stores import for_path
 from lazyckpt.tiers.persistent import PersistentTier
 from lazyckpt.tiers.replicas import (ReplicaTier, node_group, restore as restore_replicas,
                                      topology as replica_topology)
@@ -91,9 +90,10 @@ class Checkpointer:
         self.keep_last = keep_last
         self.options = resolve(options, host_cache_bytes=host_cache_bytes, storage_options=storage_options,
                                **knobs)
+        store = for_path(directory)
         #: Whether this directory is itself on an object store (no local tier).
-        self.on_object_store = is_url(directory)
-        if persist_to is not None and (self.on_object_store or not is_url(persist_to)):
+        self.on_object_store = store.is_remote
+        if persist_to is not None and (self.on_object_store or not for_path(persist_to).is_remote):
             raise ValueError(f"persist_to must be an s3:// URL and the directory a local one, got "
                              f"directory={directory!r}, persist_to={persist_to!r}")
         _refuse_options_that_do_not_apply(
@@ -104,12 +104,10 @@ class Checkpointer:
         if (self.on_object_store or persist_to is not None) and self.options.incremental != "off":
             raise ValueError("incremental checkpoints are not supported on object stores yet: their "
                              "references name local step directories")
+        self.directory = store.normalize(directory)
         if self.on_object_store:
-            self.directory = directory.rstrip("/")
-            self.layout = ObjectCheckpointDir(self.directory, self.options)
-            self.layout.store.check()       # wrong credentials, a missing bucket: one clear error, now
+            store.check(self.directory, self.options)   # wrong credentials, a missing bucket: one clear error, now
         else:
-            self.directory = os.path.abspath(directory)
             try:
                 os.makedirs(self.directory, exist_ok=True)
             except OSError as exc:
@@ -117,7 +115,7 @@ class Checkpointer:
                                       path=self.directory) from exc
             if not os.access(self.directory, os.W_OK | os.X_OK):
                 raise CheckpointError(f"{self.directory}: directory is not writable", path=self.directory)
-            self.layout = CheckpointDir(self.directory, self.options.lease_expiry_s)
+        self.layout = store.checkpoint_dir(self.directory, self.options)
         #: Top-level keys identical on every rank (DDP): each entry written by one rank.
         #: "auto": found by content (lazyckpt/autorep.py); unset: a warning names them.
         if replicated == "auto":
@@ -171,7 +169,7 @@ class Checkpointer:
         #: One writer per directory: the lease is taken by the first save() (a Checkpointer
         #: that only loads never needs it), held by the commit group's coordinator.
         self._takeover = takeover
-        self._writer: Optional[Union[WriterLease, ObjectWriterLease]] = None
+        self._writer: Optional[WriterLease] = None
         #: Where the last load() read from: {"step", "tier", "path"}.
         self.loaded_from: Optional[Dict[str, Any]] = None
         if self._dist.coordinator:
@@ -238,19 +236,14 @@ class Checkpointer:
         later one (a takeover by another Checkpointer fails this save, and the
         commit of any save already queued). Released by close(), or once this
         Checkpointer is collected and its pending saves are done (the engine's
-        lifetime). On an object store the lease is an object (tiers.ObjectWriterLease)."""
+        lifetime). On an object store the lease is an object (storage.s3layout.ObjectWriterLease)."""
         if not self._dist.coordinator:
             return
         if self._writer is not None:
             self._writer.check()
             return
-        if self.on_object_store:
-            self._writer = ObjectWriterLease(self.layout.store, self.layout.prefix, self.directory,
-                                             self.options.lease_heartbeat_s, self.options.lease_expiry_s,
-                                             takeover=self._takeover)
-        else:
-            self._writer = WriterLease(self.directory, self.options.lease_heartbeat_s,
-                                       self.options.lease_expiry_s, takeover=self._takeover)
+        self._writer = self.layout.acquire_writer(self.options.lease_heartbeat_s, self.options.lease_expiry_s,
+                                                  takeover=self._takeover)
         self.layout.writer = self._writer
         weakref.finalize(self, _release_when_idle, self._engine, self._writer)
 
@@ -551,7 +544,7 @@ def _refuse_options_that_do_not_apply(*, object_store: bool, persist_to: Optiona
             raise ValueError(f"{name}={shown} does not apply here: {why}")
 
 
-def _release_when_idle(engine: SaveEngine, writer: Union[WriterLease, ObjectWriterLease]) -> None:
+def _release_when_idle(engine: SaveEngine, writer: WriterLease) -> None:
     """A Checkpointer collected without close(): its writer lease goes now if
     no save of it is pending, else once the last one is done (the engine lives
     until then), so that no second writer starts under a save still committing."""

@@ -21,7 +21,8 @@ from lazyckpt.loading.resolve import object_dir, read_manifest, resolve
 from lazyckpt.saving.incremental import owned_bytes, referenced_steps
 from lazyckpt.state.walk import Leaf, itemsize, value_text, walk
 from lazyckpt.storage.layout import CheckpointDir, tree_bytes
-from lazyckpt.storage.s3 import ObjectURL, is_url
+from lazyckpt.storage.s3 import ObjectURL
+from lazyckpt.storage.stores import for_path
 from lazyckpt.storage.s3layout import read_manifest as read_object_manifest
 
 
@@ -168,7 +169,7 @@ def list_directory(directory: str, lease_expiry_s: Optional[float] = None) -> Di
     manifest (the commit) was written, and the leftovers are the save
     prefixes without a manifest whose newest object is older than the lease
     expiry (younger ones may be a save in progress and are not listed)."""
-    if is_url(directory):
+    if for_path(directory).is_remote:
         return list_url(directory, lease_expiry_s)
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.exists(directory):

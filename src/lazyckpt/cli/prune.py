@@ -12,7 +12,7 @@ from lazyckpt.errors import CheckpointError
 from lazyckpt.knobs import resolve as resolve_options
 from lazyckpt.loading.resolve import object_dir
 from lazyckpt.storage.layout import CheckpointDir, remove_tree
-from lazyckpt.storage.s3 import is_url
+from lazyckpt.storage.stores import for_path
 from .inspect import list_directory, list_url
 
 
@@ -33,7 +33,7 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
     is not held by anyone, however fresh. A step being read is kept."""
     if type(keep) is not int or keep < 1:
         raise ValueError(f"--keep must be at least 1, got {keep}")
-    if is_url(directory):
+    if for_path(directory).is_remote:
         return _prune_url(directory, keep, dry_run)
     listing = list_directory(directory)
     directory = listing["directory"]

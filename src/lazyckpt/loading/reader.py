@@ -17,14 +17,14 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from lazyckpt.errors import CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.formats.names import rank_filename, step_dirname
 from lazyckpt.knobs import Options
-from lazyckpt.storage.fileio import InputFile, NotARegularFile, anonymous_buffer, open_regular
-from lazyckpt.storage.iomode import use_o_direct
+from lazyckpt.storage.base import Input
+from lazyckpt.storage.fileio import anonymous_buffer
 from lazyckpt.storage.layout import StepDir
-from lazyckpt.storage.s3 import ObjectInput, is_url, store_for
+from lazyckpt.storage.stores import for_path
 
 
 class CheckpointFile:
@@ -36,43 +36,17 @@ class CheckpointFile:
         self.path = path
         self.options = options
         self.refs = refs
-        if is_url(path):
-            self.version, self.footer = self._open_object()
-        else:
-            self.version, self.footer = self._open_local()
+        self.store = for_path(path)
+        try:
+            self.version, self.footer = self.store.read_ends(path, options, self._read_ends)
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise self.read_error(exc) from exc
 
     def _read_ends(self, size: int, read: Callable[[int, int], bytes]):
         self.size = size
         return fmt.read_ends(size, read, self.path, self.options.max_footer_bytes)
-
-    def _open_local(self):
-        path = self.path
-        try:
-            fd = open_regular(path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path}: no such checkpoint file", path=path) from None
-        except NotARegularFile:
-            raise CorruptCheckpointError(f"{path}: not a regular file", path=path) from None
-        except OSError as exc:
-            raise self.read_error(exc) from exc
-        try:
-            return self._read_ends(os.fstat(fd).st_size, lambda offset, n: os.pread(fd, n, offset))
-        except OSError as exc:
-            raise self.read_error(exc) from exc
-        finally:
-            os.close(fd)
-
-    def _open_object(self):
-        """A HEAD for the size, then ranged GETs for the ends."""
-        store, key = store_for(self.path, self.options.storage_options)
-        size = store.size(key)
-        if size is None:
-            raise CheckpointNotFoundError(f"{self.path}: no such checkpoint object", path=self.path)
-
-        def read(offset: int, n: int) -> bytes:
-            buf = bytearray(n)
-            return bytes(buf[:store.read_into(key, memoryview(buf), offset)])
-        return self._read_ends(size, read)
 
     @property
     def entries(self) -> List[fmt.Entry]:
@@ -85,12 +59,11 @@ class CheckpointFile:
         return CheckpointReadError(f"{self.path}: read failed: {exc.strerror or exc}", path=self.path,
                                    errno_=exc.errno)
 
-    def _open_input(self) -> InputFile:
-        if is_url(self.path):
-            return ObjectInput(self.path, self.options.storage_options)
+    def _open_input(self) -> Input:
         try:
-            return InputFile(self.path, use_o_direct(self.path, "read", self.options.o_direct,
-                                                     self.options.reader_threads))
+            return self.store.open_input(self.path, self.options)
+        except CheckpointError:
+            raise
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.path}: no such checkpoint file", path=self.path) from None
         except OSError as exc:
@@ -183,7 +156,7 @@ class CheckpointFile:
         mine = self.footer.metadata.get("lazyckpt")
         return mine.get("save_id") if isinstance(mine, dict) else None
 
-    def _read_block(self, fd: InputFile, view: memoryview, run_start: int, lo: int, hi: int,
+    def _read_block(self, fd: Input, view: memoryview, run_start: int, lo: int, hi: int,
                     entries: List[fmt.Entry], finished: Optional["_RunDone"] = None) -> None:
         """Read file range [lo, hi) of a run (padded to whole pages) and verify the
         checksums of the entry pieces inside it."""

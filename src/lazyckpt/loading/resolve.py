@@ -14,8 +14,9 @@ from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options, resolve as resolve_options
 from lazyckpt.storage.fileio import read_small_file
 from lazyckpt.storage.layout import CheckpointDir
-from lazyckpt.storage.s3 import ObjectURL, is_url, store_for
+from lazyckpt.storage.s3 import ObjectURL, store_for
 from lazyckpt.storage.s3layout import ObjectCheckpointDir, read_manifest as read_object_manifest
+from lazyckpt.storage.stores import for_path, join as join_path
 
 
 @dataclass
@@ -51,7 +52,7 @@ def read_manifest(step_dir: str) -> Dict[str, Any]:
 def resolve(path: str, options: Optional[Options] = None) -> Target:
     """Resolve a file, a step directory or a Checkpointer directory (-> its latest
     step); or the same on an object store (an ``s3://`` URL)."""
-    if is_url(path):
+    if for_path(path).is_remote:               # objects and prefixes: no directories to stat
         return _resolve_url(path, options or resolve_options())
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
@@ -77,10 +78,6 @@ def resolve(path: str, options: Optional[Options] = None) -> Target:
 def manifest_files(step_dir: str, manifest: Dict[str, Any]) -> List[Tuple[Optional[int], str]]:
     return [(f["rank"], join_path(step_dir, f["name"]))
             for f in sorted(manifest["files"], key=lambda f: f["rank"])]
-
-
-def join_path(base: str, name: str) -> str:
-    return f"{base}/{name}" if is_url(base) else os.path.join(base, name)
 
 
 

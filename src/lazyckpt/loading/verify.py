@@ -10,7 +10,6 @@ import concurrent.futures as cf
 import contextlib
 import math
 import mmap
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -18,11 +17,10 @@ from lazyckpt.errors import CheckpointError
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.knobs import Options, resolve as resolve_options
 from lazyckpt.state.walk import Leaf, itemsize, walk
-from lazyckpt.storage.fileio import anonymous_buffer, open_for_read, pread_into
-from lazyckpt.storage.iomode import use_o_direct
-from lazyckpt.storage.s3 import is_url
+from lazyckpt.storage.fileio import anonymous_buffer
+from lazyckpt.storage.stores import for_path, join as join_path
 from .reader import CheckpointFile, RefResolver, resolver_for
-from .resolve import Target, join_path, resolve
+from .resolve import Target, resolve
 
 # --------------------------------------------------------------------------- targets
 
@@ -98,9 +96,9 @@ def verify(path: str, options: Optional[Options] = None,
     options = options or resolve_options()
     target = resolve(path, options)
     report = VerifyReport(target)
-    # Object stores hold no incremental steps (references name local step
+    # Remote stores hold no incremental steps (references name local step
     # directories): a "ref" entry there is reported as unresolvable.
-    with (contextlib.nullcontext(None) if is_url(target.path)
+    with (contextlib.nullcontext(None) if for_path(target.path).is_remote
           else resolver_for(target.files[0][1], options)) as refs:
         _verify(target, report, options, refs, progress, on_total)
     return report
@@ -158,23 +156,16 @@ def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecuto
         jobs.extend((i, lo, hi) for lo, hi in fmt.block_spans(e.offset, e.length, block))
     damaged: Dict[int, List[int]] = {}
     errors: Dict[int, str] = {}
-    remote = is_url(f.path)
-    if remote:
-        # An object: ranged GETs of exactly the block (no page padding, no fd).
-        source = f._open_input()
-        fd = -1
+    try:
+        source = f.store.open_input(f.path, options, threads)
+    except OSError as exc:
+        report.problems.append(Problem(f.path, "file", f"{f.path}: cannot open: {exc.strerror or exc}"))
+        return
 
-        def read(view: memoryview, lo: int, n: int) -> int:
-            return source.read_into(view[:n], lo)
-    else:
-        try:
-            fd, _direct = open_for_read(f.path, use_o_direct(f.path, "read", options.o_direct, threads))
-        except OSError as exc:
-            report.problems.append(Problem(f.path, "file", f"{f.path}: cannot open: {exc.strerror or exc}"))
-            return
-
-        def read(view: memoryview, lo: int, n: int) -> int:
-            return pread_into(fd, view[:fmt.align_up(n)], lo, f.path)
+    def read(view: memoryview, lo: int, n: int) -> int:
+        # O_DIRECT reads whole pages (the buffer is page-aligned and padded); other
+        # inputs read exactly the block (an object: no ranged GET past it).
+        return source.read_into(view[:fmt.align_up(n)] if source.direct else view[:n], lo)
 
     def check(job: Tuple[int, int, int]) -> Tuple[int, int, int, Optional[str]]:
         i, lo, hi = job
@@ -210,10 +201,7 @@ def _verify_file(f: CheckpointFile, options: Options, pool: cf.ThreadPoolExecuto
                 if progress is not None:
                     progress(hi - lo)
     finally:
-        if remote:
-            source.close()
-        else:
-            os.close(fd)
+        source.close()
     users: Dict[int, List[str]] = {}
     if damaged:
         for leaf in walk(f.footer.tree):

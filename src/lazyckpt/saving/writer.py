@@ -31,19 +31,16 @@ import numpy as np
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.knobs import Options
 from lazyckpt.state.providers import Source
-from lazyckpt.storage.fileio import OutputFile
-from lazyckpt.storage.iomode import use_o_direct
-from lazyckpt.storage.s3 import ObjectOutput, is_url
+from lazyckpt.storage.base import Output
+from lazyckpt.storage.stores import for_path
 from .capture import DeviceCopier, wait_copies
 from .hostcache import HostCache
 
 
-def open_output(path: str, options: Options, block_bytes: int):
+def open_output(path: str, options: Options, block_bytes: int) -> Output:
     """Where a checkpoint file's bytes go: a local file (O_DIRECT or buffered,
     as measured) or an object (multipart upload of ``block_bytes`` windows)."""
-    if is_url(path):
-        return ObjectOutput(path, options.storage_options, block_bytes)
-    return OutputFile(path, use_o_direct(path, "write", options.o_direct, options.writer_threads))
+    return for_path(path).open_output(path, options, block_bytes)
 
 
 class Aborted(Exception):
@@ -113,7 +110,7 @@ class FileWriteJob:
         self._sums: Dict[int, List[int]] = {}
         self._offsets: Dict[int, int] = {}
         self._lengths: Dict[int, int] = {}
-        self._file: Optional[OutputFile] = None
+        self._file: Optional[Output] = None
         self._start = 0.0
         #: After run(): the footer's entries and the file's format version.
         self.entries: List[fmt.Entry] = []

@@ -444,6 +444,9 @@ class CheckpointDir:
     def write_latest(self, step: int) -> None:
         write_file_atomic(os.path.join(self.path, LATEST), f"{step}\n".encode())
 
+    def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False) -> "WriterLease":
+        return WriterLease(self.path, heartbeat_s, expiry_s, takeover=takeover)
+
     # ---------------------------------------------------------------- retention
 
     def apply_retention(self, keep_last: Optional[int]) -> List[int]:

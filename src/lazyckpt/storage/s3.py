@@ -61,31 +61,8 @@ class InvalidURLError(StorageConfigError, ValueError):
     silently becomes a local directory, nor a prefix the store rewrites."""
 
 
-#: Something that starts like a URL: ``scheme:`` (RFC 3986) -- ``s3:/b``, ``S3://b``,
-#: ``gs://b``, ``file:///x``, ``s3:b`` -- as opposed to a local path.
-_URL_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
 #: S3 bucket names (legacy ones included: capitals and "_" are refused by S3 today).
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{1,253}[A-Za-z0-9]$")
-
-
-def is_url(path: Any) -> bool:
-    """Whether ``path`` names an object store: a well-formed ``s3://`` URL.
-    Anything else that looks like a URL -- another scheme (``s3a://``, ``gs://``),
-    another spelling (``S3://``, ``s3:/``), or an ``s3://`` URL that
-    :meth:`ObjectURL.parse` refuses -- raises :class:`InvalidURLError`; a local
-    path (absolute, or relative and not starting with ``scheme:``) is False.
-    Every place that takes "a path or a URL" decides through this function."""
-    if not isinstance(path, str):
-        return False
-    if path.startswith(SCHEME):
-        ObjectURL.parse(path)
-        return True
-    if _URL_LIKE.match(path):
-        scheme = path.partition(":")[0]
-        raise InvalidURLError(f"{path!r}: unsupported URL ({scheme + ':'!r}): only s3:// URLs (lowercase, two "
-                              f"slashes) name an object store; to mean a local directory of this name, "
-                              f"write it as ./{path}", path=path)
-    return False
 
 
 @dataclass(frozen=True)

@@ -461,6 +461,9 @@ class ObjectCheckpointDir:
                 log.debug("lazyckpt: %s: pruning history events failed (retried later): %s", self.url, exc)
         return superseded
 
+    def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False) -> ObjectWriterLease:
+        return ObjectWriterLease(self.store, self.prefix, self.url, heartbeat_s, expiry_s, takeover=takeover)
+
     def write_latest(self, step: int) -> None:
         self.store.put(self._key(LATEST), f"{step}\n".encode())
 

@@ -43,8 +43,8 @@ from lazyckpt.loading.resolve import resolve
 from lazyckpt.state.providers import LoadContext, dtype_from_name
 from lazyckpt.state.walk import walk
 from lazyckpt.storage.layout import CheckpointDir, StepDir
-from lazyckpt.storage.s3 import is_url
 from lazyckpt.storage.s3layout import ObjectCheckpointDir, reading_object_step
+from lazyckpt.storage.stores import for_path
 from .. import api
 from ..errors import CheckpointNotFoundError
 from ..knobs import Options, resolve as resolve_options
@@ -158,13 +158,13 @@ class StepView:
         self.files: Dict[Optional[int], CheckpointFile] = {}
         self.step_files: Optional[StepFiles] = None
         if target.step_dir is None:                       # a lone file
-            if not is_url(target.path):
+            if not for_path(target.path).is_remote:        # references name local steps only
                 self.refs = self._holds.enter_context(resolver_for(target.path, self.options))
             self.files[None] = CheckpointFile(target.path, self.options, self.refs)
             self.root = target.path
             return
         manifest = target.manifest
-        if is_url(target.step_dir):
+        if for_path(target.step_dir).is_remote:
             held = self._holds.enter_context(reading_object_step(target.step_dir, self.options))
             manifest = held.manifest()                    # again, under the lease
             self.root = target.step_dir.rsplit("/", 2)[0]
@@ -272,14 +272,14 @@ class StepView:
         rank = meta.get("rank") if isinstance(meta, dict) else None
         save_id = meta.get("save_id") if isinstance(meta, dict) else None
         if save_id is None:                  # a lone file without identity: only itself
-            return (os.path.realpath(f.path) if not is_url(f.path) else f.path, None, None, None, e,
+            return (os.path.realpath(f.path) if not f.store.is_remote else f.path, None, None, None, e,
                     entry.offset, entry.length, tuple(entry.checksums))
         return (self.root, f.step, save_id, rank, e, entry.offset, entry.length, tuple(entry.checksums))
 
 
 def _step_location(run: str, step: int, options: Options) -> str:
     """``RUN@STEP`` -> that committed step's directory or save prefix."""
-    if is_url(run):
+    if for_path(run).is_remote:
         return ObjectCheckpointDir(run, options).step_path(step)     # CheckpointNotFoundError if absent
     run = os.path.abspath(run)
     if not os.path.isdir(run):

@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from lazyckpt.storage.layout import CheckpointDir
-from lazyckpt.storage.s3 import is_url
 from lazyckpt.storage.s3layout import ObjectCheckpointDir
+from lazyckpt.storage.stores import for_path
 from ..errors import CheckpointNotFoundError, MissingKeyError
 from ..history import Event, History, line
 from ..knobs import Options, resolve as resolve_options
@@ -125,7 +125,7 @@ def run_steps(run: str, persist_to: Optional[str] = None,
     (a save abandoned by a rollback is not one). A step on both tiers is read
     from the local one. ``run`` may itself be an ``s3://`` prefix."""
     options = options or resolve_options()
-    if is_url(run):
+    if for_path(run).is_remote:
         if persist_to is not None:
             raise ValueError("persist_to= is the persistent tier of a local run directory; "
                              f"{run} is itself on an object store")

@@ -1,0 +1,143 @@
+"""The storage interface (lazyckpt/storage/base.py) is what a new store is
+written from: every implementation must provide every member it declares,
+with a signature that accepts every call the interface allows, and one place
+(storage.stores.for_path) decides which store a path belongs to."""
+
+import inspect
+import pytest
+
+from lazyckpt.storage import base, fileio, layout, s3, s3layout, stores
+from lazyckpt.storage.localstore import LocalStore
+from lazyckpt.storage.s3 import InvalidURLError
+from lazyckpt.storage.s3store import S3Store
+
+#: interface -> its implementation on each store (local, S3).
+IMPLEMENTATIONS = [
+    (base.Output, fileio.OutputFile), (base.Output, s3.ObjectOutput),
+    (base.Input, fileio.InputFile), (base.Input, s3.ObjectInput),
+    (base.Lease, layout.Lease), (base.Lease, s3layout.ObjectLease),
+    (base.WriterLease, layout.WriterLease), (base.WriterLease, s3layout.ObjectWriterLease),
+    (base.Directory, layout.CheckpointDir), (base.Directory, s3layout.ObjectCheckpointDir),
+    (base.Store, LocalStore), (base.Store, S3Store),
+]
+
+
+def _members(interface):
+    """Methods and attributes the interface declares itself."""
+    names = {n for n in vars(interface) if not n.startswith("_")} | set(getattr(interface, "__annotations__", {}))
+    return sorted(names)
+
+
+def _attributes_of(cls):
+    """Attributes an instance gets in ``__init__`` (self.X = ...) or the class declares."""
+    source = inspect.getsource(cls)
+    found = set(vars(cls))
+    for line in source.splitlines():
+        line = line.strip()
+        for part in line.split("=")[0].split(","):
+            part = part.strip().split(":")[0]
+            if part.startswith("self.") and part[5:].isidentifier():
+                found.add(part[5:])
+    return found
+
+
+def _compatible(declared: inspect.Signature, actual: inspect.Signature) -> str:
+    """'' if every call ``declared`` allows is accepted by ``actual``, else why not."""
+    params = list(actual.parameters.values())
+    for i, p in enumerate(declared.parameters.values()):
+        if p.name == "self":
+            continue
+        match = [q for q in params if q.name == p.name]
+        if not match:
+            return f"no parameter {p.name!r}"
+        q = match[0]
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and params.index(q) != i:
+            return f"parameter {p.name!r} at position {params.index(q)}, declared at {i}"
+        if p.default is not p.empty and q.default is p.empty:
+            return f"parameter {p.name!r} has no default"
+    extra = [q.name for q in params if q.name not in declared.parameters
+             and q.default is q.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+    return f"required parameters {extra} the interface does not pass" if extra else ""
+
+
+@pytest.mark.parametrize("interface,impl", IMPLEMENTATIONS, ids=lambda c: c.__name__)
+def test_every_implementation_provides_the_interface(interface, impl):
+    have = _attributes_of(impl) | set(dir(impl))
+    for name in _members(interface):
+        assert name in have, f"{impl.__name__} lacks {interface.__name__}.{name}"
+        declared = vars(interface).get(name)
+        if inspect.isfunction(declared):
+            actual = getattr(impl, name)
+            assert callable(actual), f"{impl.__name__}.{name} is not a method"
+            why = _compatible(inspect.signature(declared), inspect.signature(actual))
+            assert not why, f"{impl.__name__}.{name}: {why}"
+
+
+def test_stores_subclass_the_abc_and_are_complete():
+    for cls in (LocalStore, S3Store):
+        assert issubclass(cls, base.Store) and not inspect.isabstract(cls)
+
+
+def test_a_store_missing_a_method_cannot_be_made():
+    class Half(base.Store):
+        def normalize(self, path):
+            return path
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
+
+
+def test_one_place_decides_which_store_a_path_belongs_to(tmp_path):
+    assert isinstance(stores.for_path(str(tmp_path)), LocalStore)
+    assert isinstance(stores.for_path(tmp_path), LocalStore)              # os.PathLike
+    assert isinstance(stores.for_path("relative/dir"), LocalStore)
+    assert isinstance(stores.for_path("s3://bucket/run"), S3Store)
+    assert stores.for_path("s3://bucket/run").is_remote and not stores.for_path("x").is_remote
+    for bad in ("gs://b/x", "S3://bucket/x", "s3:/bucket", "s3://b"):
+        with pytest.raises(InvalidURLError):
+            stores.for_path(bad)
+    assert stores.join("s3://bucket/run", "step_0000000001", "m") == "s3://bucket/run/step_0000000001/m"
+    assert stores.join(str(tmp_path), "a") == str(tmp_path / "a")
+
+
+def test_a_new_store_is_one_registration(monkeypatch):
+    class Fake(S3Store):
+        name, scheme = "fake", "fake://"
+
+        def claims(self, path):
+            return path.startswith(self.scheme)
+    fake = Fake()
+    monkeypatch.setattr(stores, "REMOTE", stores.REMOTE + [fake])
+    assert stores.for_path("fake://x/y") is fake
+    with pytest.raises(InvalidURLError, match=r"only s3:// or fake:// URLs"):
+        stores.for_path("gs://b/x")
+
+
+def test_no_module_outside_storage_decides_by_a_path_s_spelling():
+    """``for_path`` is the one place: no ``is_url`` helper, no ``startswith("s3://")``.
+    The one exception is pure naming in formats/ (below storage/, so it cannot ask
+    a store): ``manifest.step_named_by`` knows that an object store's step has a
+    save-id level. Integrations translate their framework's own path conventions
+    (Lightning's fsspec ``file://``) before a path reaches lazyckpt."""
+    import ast
+    import os
+    import lazyckpt
+    root = os.path.dirname(lazyckpt.__file__)
+    allowed = {os.path.join("formats", "manifest.py"), os.path.join("integrations", "lightning.py")}
+    found = []
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("__pycache__", "storage")]
+        for name in files:
+            rel = os.path.relpath(os.path.join(top, name), root)
+            if not name.endswith(".py") or rel in allowed:
+                continue
+            with open(os.path.join(top, name), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Name) and node.id == "is_url":
+                    found.append(f"{rel}:{node.lineno}: is_url")
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr == "startswith" and any(
+                            isinstance(a, ast.Constant) and isinstance(a.value, str) and "://" in a.value
+                            for a in node.args):
+                    found.append(f"{rel}:{node.lineno}: startswith(URL scheme)")
+    assert not found, "decide through lazyckpt.storage.stores.for_path: " + "; ".join(found)
