@@ -203,8 +203,8 @@ class StepCommit(CommitStrategy):
             self.cost = merge({r: v.pop("cost", None) for r, v in done.items()},
                               sum(v["bytes"] for v in done.values()))
         raw = manifest.build(self.step, done, self.save_id, {"step": self.step, **self.metadata},
-                             planner.replicated, layouts=planner.layouts(done, self._footers()), seq=self.seq,
-                             cost=self.cost)
+                             planner.replicated, layouts=planner.layouts_index(done, self._footers()),
+                             seq=self.seq, cost=self.cost)
         self._publish(raw)
         return planner.outcome(done)
 

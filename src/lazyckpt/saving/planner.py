@@ -24,7 +24,7 @@ Call order, and which ranks call what (the engine's ``run_job`` and
      plan(job, part, resources); with "auto" candidates: the round auto/c<call>
   2) the writer writes what the plan left in part.flat.sources
   3) (every rank, commit) check_references(); references; report(part) -> the round c<call>
-  4) (coordinator, every rank's report in hand) check(done); layouts(done, footer);
+  4) (coordinator, every rank's report in hand) check(done); layouts_index(done, footer);
      replicated -> the manifest; outcome(done) -> what every rank learns
   5) (every rank, the round agreed) learned(outcome)
   6) abort(job, error) after a failure | committed(job) once committed, before
@@ -245,7 +245,7 @@ class StepPlanner(SavePlanner):
                 f"replicated= (DDP with broadcast_buffers=False keeps per-rank BatchNorm statistics) or use "
                 f"replicated='auto'", step=self.step)
 
-    def layouts(self, done: Dict[int, Dict[str, Any]], footer: Callable[[int], Any]) -> Dict[str, Any]:
+    def layouts_index(self, done: Dict[int, Dict[str, Any]], footer: Callable[[int], Any]) -> Dict[str, Any]:
         """Coordinator: the manifest's placement-derived index, each distinct layout
         digest's DTensors read from ``footer(rank)`` of the first rank that
         reported it (O(groups x tensors), not O(ranks x tensors))."""
