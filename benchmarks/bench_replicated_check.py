@@ -35,9 +35,9 @@ from bench_auto_replicated import _state  # noqa: E402  (the same DDP-like state
 
 def _run(rank, world, directory, mode, mib, saves):
     import lazyckpt
-    from lazyckpt.saving.commit import StepCommit
+    from lazyckpt.saving.planner import StepPlanner
     if mode == "nocheck":       # the A/B's baseline: no per-rank hashing, nothing reported
-        StepCommit._hash_named_replicated = lambda self, part, resources: None
+        StepPlanner._hash_named_replicated = lambda self, part, resources: None
     out = {"capture": [], "durable": []}
     with lazyckpt.Checkpointer(directory, keep_last=2, replicated=["model", "optim"]) as ckpt:
         for step in range(1, saves + 1):

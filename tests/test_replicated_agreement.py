@@ -166,7 +166,7 @@ def test_ddp_without_broadcast_buffers_fails_the_save_naming_the_model(tmp_path)
 
 
 def test_the_ranks_are_named_briefly_even_for_many():
-    from lazyckpt.saving.commit import _ranks
+    from lazyckpt.saving.planner import _ranks
     assert _ranks([1]) == "rank 1"
     assert _ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
     assert _ranks(list(range(0, 40, 2))).endswith(", ...")

@@ -25,8 +25,9 @@ from lazyckpt.saving.autorep import AutoReplication
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import ObjectStepCommit, StepCommit
 from lazyckpt.saving.costs import SaveCosts
-from lazyckpt.saving.engine import FilePart, SaveEngine, SaveHandle
+from lazyckpt.saving.engine import FilePart, Job, SaveEngine, SaveHandle
 from lazyckpt.saving.incremental import IncrementalIndex
+from lazyckpt.saving.planner import StepPlanner
 from lazyckpt.state.plancache import PlanCache
 from lazyckpt.storage.base import WriterLease
 from lazyckpt.storage.stores import for_path
@@ -211,16 +212,16 @@ class Checkpointer:
             # A hit leaves the tensors' checks to the capture thread (lazyckpt/plan.py).
             flat = self._plans.gather(state, self._dist.rank, self._dist.world_size, replicated)
             commit = ObjectStepCommit if self.on_object_store else StepCommit
-            strategy = commit(self.layout, self._dist, step, call, keep_last=self.keep_last,
-                              replicated=replicated, metadata=metadata,
-                              heartbeat_s=self.options.lease_heartbeat_s, incremental=self._incremental,
-                              auto=self._auto, history=self.history)
-            if self.persistent is not None or self._replicas is not None:
-                strategy.on_committed = self._drain
+            strategy = commit(self.layout, self._dist, step, call, keep_last=self.keep_last, metadata=metadata,
+                              heartbeat_s=self.options.lease_heartbeat_s, history=self.history)
+            planner = StepPlanner(self.layout, self._dist, step, call, strategy.save_id, replicated=replicated,
+                                  incremental=self._incremental, auto=self._auto)
             strategy.costs = (self._costs, t0, self._costs.last)
             part = FilePart(flat, strategy.footer_metadata(),
                             record_events(flat.live_tensors()))
-            job = self._engine.submit(strategy, [part], name=f"step {step}", step=step, t0=t0)
+            drain = self._drain if self.persistent is not None or self._replicas is not None else None
+            job = self._engine.submit(strategy, [part], name=f"step {step}", step=step, t0=t0, planner=planner,
+                                      on_committed=drain)
             self._costs.queued(step, job.handle, t0)
         except BaseException as exc:
             if self._dist.distributed:
@@ -252,7 +253,9 @@ class Checkpointer:
             return self.replicated
         return self._auto.candidates(state) if self._auto is not None else []
 
-    def _drain(self, handle: SaveHandle, strategy: StepCommit) -> None:
+    def _drain(self, job: Job) -> None:
+        """A step just committed (before local retention, so the tiers hold it from here on)."""
+        handle, strategy = job.handle, job.strategy
         if self._replicas is not None:
             self._replicas.enqueue(handle, strategy.step, strategy.call, self.layout.step_path(strategy.step))
         if self.persistent is not None:

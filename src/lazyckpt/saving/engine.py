@@ -10,10 +10,12 @@ work to this module, so a rule about ordering, barriers, errors, leases or
 shutdown is written once.
 
 A *job* is one checkpoint: one or more *parts* (a file to write, or a
-staging copy) and a :class:`CommitStrategy` that says where the parts are
-written and how they become a checkpoint (single file: temp + rename; a
-step directory, with the multi-rank two-phase commit; a DeepSpeed tag; no
-commit for a DCP staging copy). One :class:`SaveEngine` has
+staging copy), optionally a planner that decides what each file holds before
+it is written (a Checkpointer step's references and dedup:
+:mod:`lazyckpt.saving.planner`), and a :class:`CommitStrategy` that says where
+the parts are written and how they become a checkpoint (single file: temp +
+rename; a step directory, with the multi-rank two-phase commit; a DeepSpeed
+tag; no commit for a DCP staging copy). One :class:`SaveEngine` has
 
 * one FIFO queue of jobs, bounded by ``max_pending_saves`` (or skipping, with
   a warning, under ``queue_policy="skip"``);
@@ -269,7 +271,8 @@ class FilePart(Part):
         if isinstance(flat, PendingFlat):
             flat = self.flat = flat.resolve()
             self.digest = flat.replicated_digest
-        job.strategy.plan(job, self, resources)
+        if job.planner is not None:
+            job.planner.plan(job, self, resources)
         self.path = job.strategy.part_path(job, self)
         writer = FileWriteJob(self.path, flat.tree, flat.sources, self.metadata, options,
                               resources.cache_for(flat.sources), resources.writers, resources.serializer,
@@ -319,19 +322,18 @@ class CopyPart(Part):
 
 class CommitStrategy:
     """How a job's parts become a checkpoint. Runs on the thread running the
-    job. Call order: ``begin``; per part ``part_path`` (before writing) and
-    ``part_done``; then ``commit``, or ``abort`` on any failure; then
-    ``after_commit`` (its errors are only logged: the checkpoint is committed)."""
+    job. Call order (with the job's planner, if any, :mod:`lazyckpt.saving.planner`):
+    ``begin``; per part ``planner.plan`` then ``part_path`` (before writing) and
+    ``part_done``; then ``commit``, or ``abort`` then ``planner.abort`` on any
+    failure; once committed ``planner.committed``, the job's ``on_committed``,
+    then ``after_commit`` (errors of these three are only logged: the
+    checkpoint is committed)."""
 
     #: Where the checkpoint lives, for error messages.
     path: Optional[str] = None
 
     def begin(self, job: "Job") -> None:
         pass
-
-    def plan(self, job: "Job", part: FilePart, resources: Resources) -> None:
-        """Before a part is written, on the capture thread (the state is as at
-        save()): e.g. turn unchanged storages into references."""
 
     def part_path(self, job: "Job", part: FilePart) -> str:
         raise NotImplementedError
@@ -370,6 +372,11 @@ class Job:
     engine: Any = None                 # weak: the engine tracking captures, if any
     #: Called once the job ended (its handle is done), on the job's thread.
     on_end: Optional[Callable[["Job"], None]] = None
+    #: Decides what each file part holds before it is written (a saving.planner.SavePlanner), or None.
+    planner: Any = None
+    #: Called once committed, before the strategy's after_commit (its retention): the
+    #: submitter hands the committed checkpoint on (the Checkpointer's tiers).
+    on_committed: Optional[Callable[["Job"], None]] = None
 
     def captured(self, part: Part) -> None:
         part.captured.set()
@@ -418,10 +425,7 @@ def run_job(job: Job, resources: Resources, options: Options,
         committed = True
     except BaseException as exc:
         _record_failure(job, exc)
-        try:
-            job.strategy.abort(job, exc)
-        except Exception as cleanup:
-            log.warning("lazyckpt: %s: cleaning up after the failure failed too: %s", handle.name, cleanup)
+        _abort(job, exc)
     finally:
         for part in job.parts:
             if not part.captured.is_set():
@@ -435,6 +439,10 @@ def run_job(job: Job, resources: Resources, options: Options,
         job.holds.close()
     if committed:
         try:
+            if job.planner is not None:
+                job.planner.committed(job)      # what the next plan builds on
+            if job.on_committed is not None:
+                job.on_committed(job)
             job.strategy.after_commit(job)
         except Exception as exc:
             # Committed: failing to tidy up must not report it as lost.
@@ -444,6 +452,17 @@ def run_job(job: Job, resources: Resources, options: Options,
             log.info("lazyckpt: %s committed: %.1f MB, blocking %.2f ms, capture %.3f s, durable %.3f s "
                      "(%.2f GB/s)", handle.name, handle.bytes / 1e6, handle.blocking_s * 1e3,
                      handle.capture_s, handle.flush_s, handle.gbps)
+
+
+def _abort(job: Job, exc: BaseException) -> None:
+    """After a failure: the strategy cleans up (and fails its round on the other
+    ranks), then the planner (its own round); one failing does not stop the other."""
+    aborts = [job.strategy.abort] + ([job.planner.abort] if job.planner is not None else [])
+    for abort in aborts:
+        try:
+            abort(job, exc)
+        except Exception as cleanup:
+            log.warning("lazyckpt: %s: cleaning up after the failure failed too: %s", job.handle.name, cleanup)
 
 
 def _record_failure(job: Job, exc: BaseException) -> None:
@@ -515,11 +534,13 @@ class SaveEngine:
 
     def submit(self, strategy: CommitStrategy, parts: List[Part], *, name: str, step: Optional[int] = None,
                sealed: bool = True, t0: Optional[float] = None,
-               on_end: Optional[Callable[[Job], None]] = None) -> Job:
+               on_end: Optional[Callable[[Job], None]] = None, planner: Any = None,
+               on_committed: Optional[Callable[[Job], None]] = None) -> Job:
         """Queue a job; returns it at once (``job.handle`` is its handle). An
         unsealed job takes more parts (``add_part``) until ``seal``."""
         handle = SaveHandle(name, step, strategy.path, t0)
-        job = Job(handle, strategy, list(parts), sealed, engine=weakref.ref(self), on_end=on_end)
+        job = Job(handle, strategy, list(parts), sealed, engine=weakref.ref(self), on_end=on_end,
+                  planner=planner, on_committed=on_committed)
         with self._cond:
             self._check_open()
             # The job in flight plus max_pending_saves waiting behind it.

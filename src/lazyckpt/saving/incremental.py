@@ -41,7 +41,7 @@ Rules that keep references safe:
 * it points only at a strictly older step, so superseding (a rollback, which
   removes steps >= the new one) can never leave one dangling;
 * before it is written, the referred-to step's manifest must still carry the
-  save id the reference names (lazyckpt/commit.py ``StepCommit.plan``):
+  save id the reference names (lazyckpt/saving/planner.py ``StepPlanner.plan``):
   another writer may have re-saved that step; its bytes are then written in
   full instead;
 * ``full_every=K`` makes every K-th save write everything, bounding how far
