@@ -56,12 +56,21 @@ from lazyckpt.storage.layout import Lease
 from .barrier import CaptureBarrier
 from .capture import DeviceCopier, device_guard
 from .resources import Resources
+from .tierstate import PERSISTENT, REPLICA, TierState
 from .writer import Aborted, FileWriteJob, WriteStats
 
 log = logging.getLogger("lazyckpt")
 
 
 # --------------------------------------------------------------------------- handles
+
+
+def _tier_view(tier: str, attribute: str, doc: str) -> property:
+    """A read-only attribute of a handle: ``attribute`` of its state on ``tier``, or None."""
+    def get(handle: "SaveHandle") -> Any:
+        state = handle.tier_states.get(tier)
+        return None if state is None else getattr(state, attribute)
+    return property(get, doc=f"The {tier} tier: {doc}; None without it.")
 
 
 class SaveHandle:
@@ -94,21 +103,10 @@ class SaveHandle:
         self._t0 = time.perf_counter() if t0 is None else t0
         #: True where the commit itself is on persistent storage (an s3:// Checkpointer).
         self.persistent = False
-        #: The persistent tier (Checkpointer(persist_to=)): None without one, else
-        #: "pending", "persisted", "failed" or "superseded by step N".
-        self.persist_state: Optional[str] = None
-        self.persist_error: Optional[CheckpointError] = None
-        #: Its persist_error was raised (by this handle's wait or the Checkpointer's): never again elsewhere.
-        self.persist_reported = False
-        #: Seconds from save() until the persistent tier had it; where it is.
-        self.persisted_s: Optional[float] = None
-        self.persist_url: Optional[str] = None
-        self._persisted: Optional[threading.Event] = None
-        self._superseded_by: Optional["SaveHandle"] = None
-        #: The replica tier (Checkpointer(replicas=k)): None without one, else "pending",
-        #: "replicated", "failed: ..." or "superseded by step N"; seconds from save() until then.
-        self.replica_state: Optional[str] = None
-        self.replicated_s: Optional[float] = None
+        #: Where this save stands on each tier beyond the local commit, by tier:
+        #: PERSISTENT (Checkpointer(persist_to=)), REPLICA (Checkpointer(replicas=k)).
+        #: Attached and ended by the tier's drain (track_tier); read through the properties below.
+        self.tier_states: Dict[str, TierState] = {}
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -131,40 +129,32 @@ class SaveHandle:
             self.reported = True            # raised here: the engine will not raise it again
             raise self.error
         if persisted:
-            if self._persisted is None:
+            mine = self.tier_states.get(PERSISTENT)
+            if mine is None:
                 if self.persistent:
                     return self
                 raise CheckpointError(f"{self.name}: there is no persistent tier to wait for (pass "
                                       f"persist_to= to the Checkpointer)", step=self.step)
-            handle = self
-            while True:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not handle._persisted.wait(left):
-                    raise CheckpointError(f"{self.name}: not persisted within {timeout} s", step=self.step)
-                if handle._superseded_by is None:
-                    break
-                handle = handle._superseded_by
-            if handle.persist_error is not None:
-                handle.persist_reported = True      # the Checkpointer's wait() will not raise it again
-                raise handle.persist_error
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            final = mine.final(left)
+            if final is None:
+                raise CheckpointError(f"{self.name}: not persisted within {timeout} s", step=self.step)
+            final.raise_error()       # marked reported: the Checkpointer's wait() will not raise it again
         return self
 
-    def _persist_pending(self) -> None:
-        self._persisted = threading.Event()
-        self.persist_state = "pending"
+    def track_tier(self, tier: str) -> TierState:
+        """A tier's drain queued this save: its state there, pending until the drain ends it."""
+        state = self.tier_states[tier] = TierState(self._t0)
+        return state
 
-    def _persist_end(self, error: Optional[CheckpointError] = None, superseded_by: Optional["SaveHandle"] = None,
-                     url: Optional[str] = None) -> None:
-        self.persisted_s = time.perf_counter() - self._t0
-        if error is not None:
-            self.persist_state, self.persist_error = "failed", error
-        elif superseded_by is not None:
-            self.persist_state = f"superseded by step {superseded_by.step}"
-            self._superseded_by = superseded_by
-            self.persisted_s = None
-        else:
-            self.persist_state, self.persist_url = "persisted", url
-        self._persisted.set()
+    # What the docs and benchmarks read of each tier: read-only views of its TierState
+    # (None where the save was never queued on that tier).
+    persist_state = _tier_view(PERSISTENT, "state", '"pending", "persisted", "failed" or "superseded by step N"')
+    persist_error = _tier_view(PERSISTENT, "error", "why the upload failed")
+    persisted_s = _tier_view(PERSISTENT, "seconds", "seconds from save() until uploaded (or failed)")
+    persist_url = _tier_view(PERSISTENT, "where", "the uploaded object's URL")
+    replica_state = _tier_view(REPLICA, "state", '"pending", "replicated", "failed: ..." or "superseded by step N"')
+    replicated_s = _tier_view(REPLICA, "seconds", "seconds from save() until replicated (or failed)")
 
     def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:
         if not self.snapshot_done.wait(timeout):

@@ -21,16 +21,17 @@ rank with the same local rank ``l`` on nodes ``node + 1 .. node + k``
 one node spread over k other nodes' disks.
 
 Save side (``ReplicaTier``): a committed local step is queued; a background
-thread replicates the newest queued one (older ones are superseded, as on
-the persistent tier), over point-to-point messages on a dedicated gloo
-group, in chunks (rate-limited by ``replica_bandwidth``), while training
-goes on. The receiver checks the bytes against the sender's xxh3 and the
-file's footer against the manifest, writes them under a temporary name and
-renames them into ``<dir>/.replicas/node_NNNNN/rank_LLLLL/step_S/``. Every
-rank then reports through the store; only when every replica of the step
-is complete on every rank does each holder mark its copies ``COMPLETE`` and
-drop its older replicas of that source rank (one step per source rank is
-kept: bounded at ``k`` rank files per rank).
+thread replicates the newest queued one (older ones are superseded: the
+newest-wins queue of :mod:`lazyckpt.tiers.drain`, as on the persistent
+tier), over point-to-point messages on a dedicated gloo group, in chunks
+(rate-limited by ``replica_bandwidth``), while training goes on. The
+receiver checks the bytes against the sender's xxh3 and the file's footer
+against the manifest, writes them under a temporary name and renames them
+into ``<dir>/.replicas/node_NNNNN/rank_LLLLL/step_S/``. Every rank then
+reports through the store; only when every replica of the step is complete
+on every rank does each holder mark its copies ``COMPLETE`` and drop its
+older replicas of that source rank (one step per source rank is kept:
+bounded at ``k`` rank files per rank).
 
 Restore side (``restore``): collective. Every rank reports its node's
 local steps, the complete replicas it holds and (with a persistent tier)
@@ -51,8 +52,6 @@ import logging
 import os
 import shutil
 import socket
-import threading
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,9 +68,10 @@ from lazyckpt.history import Event, line, manifest_event
 from lazyckpt.knobs import Options
 from lazyckpt.loading.reader import CheckpointFile
 from lazyckpt.loading.verify import verify
+from lazyckpt.saving.tierstate import REPLICA
 from lazyckpt.storage.fileio import fsync_dir, read_small_file
 from lazyckpt.storage.layout import StepDir
-from .persistent import RateLimit
+from .drain import NewestWinsDrain, RateLimit, Waiting
 
 log = logging.getLogger("lazyckpt")
 
@@ -308,27 +308,25 @@ def check_replica(path: str, manifest_raw: bytes, local_rank: int) -> None:
 # --------------------------------------------------------------------------- save side
 
 
-class _Queued:
-    def __init__(self, handle: Any, step: int, call: int, local_path: str, hold: contextlib.ExitStack):
-        self.handle, self.step, self.call, self.local_path, self.hold = handle, step, call, local_path, hold
+class ReplicaTier(NewestWinsDrain):
+    """Replicates committed node-local steps to partner nodes in the background,
+    on the newest-wins queue of :mod:`lazyckpt.tiers.drain`."""
 
-
-class ReplicaTier:
-    """Replicates committed node-local steps to partner nodes in the background."""
+    tier = REPLICA
+    thread_name = "lazyckpt-replicas"
+    round_prefix = "rep"
+    choice_what = "the choice of step to replicate"
+    choice_of = "replicas"
 
     def __init__(self, directory: str, topo: Topology, replicas: int, world: Any, bandwidth: float,
                  timeout_s: float):
         import torch.distributed as dist
+        super().__init__(world, "replicas")
         self.root = os.path.join(directory, REPLICAS_DIR)
-        self.topo, self.k, self.world = topo, replicas, world
+        self.topo, self.k = topo, replicas
         #: A group of its own: replica traffic never interleaves with training collectives.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._limit = RateLimit(bandwidth)
-        self._cond = threading.Condition()
-        self._pending: "collections.deque[_Queued]" = collections.deque()
-        self._thread: Optional[threading.Thread] = None
-        self._round = 0
-        self.errors: List[BaseException] = []
         #: Replicas this rank holds (source node, local rank, step) and their bytes.
         self.held_bytes = 0
 
@@ -341,74 +339,20 @@ class ReplicaTier:
         """Queue a step just committed (called before the commit's retention):
         a read lock on it keeps retention from deleting it until it is
         replicated or superseded (the node's coordinator catches up later)."""
-        handle.replica_state = "pending"
         hold = contextlib.ExitStack()
         try:
             hold.enter_context(StepDir(local_path, step).reading())
         except CheckpointError as exc:      # gone already; the round sends nothing for it
             log.warning("lazyckpt: step %d cannot be held for replication: %s", step, exc)
-        with self._cond:
-            self._pending.append(_Queued(handle, step, call, local_path, hold))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="lazyckpt-replicas", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+        self._queue(handle, step, call, local_path, hold)
 
-    def wait(self, timeout: Optional[float] = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._thread is not None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise CheckpointError("replicas: not finished within the timeout")
-                self._cond.wait(left)
+    def _round_failed(self, exc: BaseException) -> None:
+        log.warning("lazyckpt: replicating a step failed (training goes on, the step is not "
+                    "replicated): %s", exc)
+        # What was queued cannot be replicated with a broken round.
+        self._drop_waiting(lambda q: q.state.failed(exc, f"failed: {exc}"))
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._pending:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-            try:
-                self._one_round()
-            except BaseException as exc:      # recorded and logged; training goes on
-                self.errors.append(exc)
-                log.warning("lazyckpt: replicating a step failed (training goes on, the step is not "
-                            "replicated): %s", exc)
-                with self._cond:              # what was queued cannot be replicated with a broken round
-                    for q in self._pending:
-                        q.hold.close()
-                        q.handle.replica_state = f"failed: {exc}"
-                    self._pending.clear()
-
-    def _one_round(self) -> None:
-        w = self.world
-        key = f"rep/{self._round}"
-        self._round += 1
-        if w.coordinator:
-            with self._cond:
-                call = max(q.call for q in self._pending)
-            w.publish(f"{key}/target", {"call": call})
-        else:
-            call = w.wait_for([f"{key}/target"], "the choice of step to replicate", "replicas")[
-                f"{key}/target"]["call"]
-        deadline = time.monotonic() + w.timeout_s
-        with self._cond:
-            while not any(q.call == call for q in self._pending):
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"replicas: the step of call {call} never reached this rank's queue")
-                self._cond.wait(0.1)
-            item = next(q for q in self._pending if q.call == call)
-            for q in self._pending:
-                if q.call < call:
-                    q.hold.close()          # before this round's agreement: the coordinator's
-                    q.handle.replica_state = f"superseded by step {item.step}"   # retention may go on
-            self._pending = collections.deque(q for q in self._pending if q.call > call)
-        with item.hold:
-            self._replicate(item, key)
-
-    def _replicate(self, item: _Queued, key: str) -> None:
+    def _send(self, item: Waiting, key: str) -> None:
         w, topo = self.world, self.topo
         report: Dict[str, Any] = {"ok": True}
         received: List[Dict[str, Any]] = []
@@ -446,7 +390,7 @@ class ReplicaTier:
             for r in received:
                 if r["path"] is not None:
                     shutil.rmtree(os.path.dirname(r["path"]), ignore_errors=True)
-            item.handle.replica_state = f"failed: {exc}"
+            item.state.failed(exc, f"failed: {exc}")
             raise
         # Every replica of the step is complete on every rank: mark them, drop older ones.
         for r in received:
@@ -468,8 +412,7 @@ class ReplicaTier:
             fsync_dir(base)
         self.held_bytes = sum(os.path.getsize(os.path.join(dp, f)) for n, lr, _ in self.holds()
                               for dp, _, fs in os.walk(_replica_dir(self.root, n, lr)) for f in fs)
-        item.handle.replica_state = "replicated"
-        item.handle.replicated_s = time.perf_counter() - item.handle._t0
+        item.state.done("replicated")
         log.info("lazyckpt: step %d replicated to ranks %s", item.step, topo.partners(self.k))
 
 
