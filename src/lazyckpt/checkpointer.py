@@ -426,7 +426,7 @@ class Checkpointer:
         r = self._replicas
         return {"node": self.topology.node, "partners": self.topology.partners(r.k),
                 "holds": r.holds(), "held_bytes": r.held_bytes,
-                "failed_rounds": len(r.errors)}
+                "failed_rounds": r.failed_rounds}
 
     def _load_from(self, tier: str, path: str, kwargs: Dict[str, Any]) -> Any:
         pool = self._engine.resources.readers

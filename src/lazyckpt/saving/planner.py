@@ -200,8 +200,9 @@ class StepPlanner(SavePlanner):
         return self._plan.referenced_steps if self._plan else []
 
     def report(self, part: FilePart) -> Dict[str, Any]:
-        """Several ranks: this rank's plan as its commit report carries it. No
-        ``layouts`` digest: the rank's DTensor pieces travel listed instead."""
+        """Several ranks: this rank's plan as its commit report carries it (its
+        key set, ``"auto"``'s digests, the named replicated sums, and its DTensor
+        pieces listed under ``layouts``)."""
         out: Dict[str, Any] = {"keyset": self._keyset}
         if self.auto is not None and self.auto.reporting:
             out["keys"] = AutoReplication.commit_digests(self._auto_nodes, part.entries)

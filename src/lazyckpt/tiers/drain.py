@@ -84,8 +84,10 @@ class NewestWinsDrain:
         self._busy = False
         self._thread: Optional[threading.Thread] = None
         self._round = 0
-        #: Every round that failed, in order (the replica tier's stats count them).
-        self.errors: List[BaseException] = []
+        #: How many rounds failed (the replica tier's stats report it) and the last
+        #: failure: a count, not a list, so a long outage keeps no tracebacks.
+        self.failed_rounds = 0
+        self.last_error: Optional[BaseException] = None
         #: Failed steps whose error no wait() raised yet.
         self._unraised: List[TierState] = []
 
@@ -137,7 +139,8 @@ class NewestWinsDrain:
                 finally:
                     item.hold.close()
             except BaseException as exc:        # recorded, reported by the tier; never kills training
-                self.errors.append(exc)
+                self.failed_rounds += 1
+                self.last_error = exc
                 self._round_failed(exc)
             finally:
                 with self._cond:
@@ -186,7 +189,7 @@ class NewestWinsDrain:
         raise NotImplementedError
 
     def _round_failed(self, exc: BaseException) -> None:
-        """A round raised ``exc`` (already recorded in :attr:`errors`)."""
+        """A round raised ``exc`` (already counted in :attr:`failed_rounds`)."""
 
     # ---------------------------------------------------------------- waiting
 
