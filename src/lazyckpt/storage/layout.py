@@ -139,7 +139,15 @@ class _Keeper:
             thread = self._thread if not self._leases else None
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
-            thread.join(1.0)        # gone with the last lease: no thread outlives the saves
+            # Gone with the last lease: no thread outlives the saves. Not a fixed 1 s join: on
+            # a loaded machine the thread may take longer to wake (the CI run that leaked it);
+            # stop waiting only if a new lease took the thread over (or after 30 s).
+            deadline = time.monotonic() + 30.0
+            while thread.is_alive() and time.monotonic() < deadline:
+                thread.join(0.1)
+                with self._cond:
+                    if self._leases:
+                        break
 
     def _run(self) -> None:
         while True:
