@@ -29,9 +29,16 @@ SRC = os.path.join(os.path.dirname(HERE), "src")
 KEYS = ("iter_s", "overhead_pct", "blocking_s", "stall_s", "durable_s")
 
 
+def bench_script(src: str) -> str:
+    """The tree's own bench_training.py where it has one: the script imports
+    helpers from the package, whose module paths a refactor may move."""
+    own = os.path.join(os.path.dirname(src), "benchmarks", "bench_training.py")
+    return own if os.path.exists(own) else os.path.join(HERE, "bench_training.py")
+
+
 def run(src: str, extra: list, out: str) -> dict:
     env = dict(os.environ, PYTHONPATH=src)
-    cmd = [sys.executable, os.path.join(HERE, "bench_training.py"), "--modes", "none,lazyckpt",
+    cmd = [sys.executable, bench_script(src), "--modes", "none,lazyckpt",
            "--json", out, *extra]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
