@@ -35,6 +35,8 @@ METRICS = ("file_save_s", "file_load_s", "step_save_s", "step_load_s", "s3_save_
 
 
 def _drop_caches() -> None:
+    # Not _common.drop_caches: that one goes through the package's own helper, whose
+    # module path differs between the trees this script compares.
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:

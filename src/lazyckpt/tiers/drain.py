@@ -84,10 +84,9 @@ class NewestWinsDrain:
         self._busy = False
         self._thread: Optional[threading.Thread] = None
         self._round = 0
-        #: How many rounds failed (the replica tier's stats report it) and the last
-        #: failure: a count, not a list, so a long outage keeps no tracebacks.
+        #: How many rounds failed (the replica tier's stats report it): a count, not
+        #: the errors, so a long outage keeps no tracebacks (each failed step's state has its own).
         self.failed_rounds = 0
-        self.last_error: Optional[BaseException] = None
         #: Failed steps whose error no wait() raised yet.
         self._unraised: List[TierState] = []
 
@@ -140,7 +139,6 @@ class NewestWinsDrain:
                     item.hold.close()
             except BaseException as exc:        # recorded, reported by the tier; never kills training
                 self.failed_rounds += 1
-                self.last_error = exc
                 self._round_failed(exc)
             finally:
                 with self._cond:
