@@ -125,7 +125,7 @@ def test_bad_arguments(ckpt_dir):
 def _fail_commit_step(monkeypatch, which):
     """Inject an I/O error into one step of the commit protocol (FORMAT.md 11.3)."""
     import errno
-    import lazyckpt.saving.commit as cp
+    import lazyckpt.storage.layout as cp     # the local store's commit (PendingStepDir.publish)
     enospc = OSError(errno.ENOSPC, "No space left on device")
     if which == "manifest":
         real = cp.write_file_atomic

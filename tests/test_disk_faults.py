@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import lazyckpt
-import lazyckpt.saving.commit
+import lazyckpt.storage.layout
 from lazyckpt.storage import fileio
 from lzc_tools import assert_same, clone_state
 
@@ -487,7 +487,7 @@ def test_commit_failure_before_the_rename_removes_the_step(tmp_path, monkeypatch
     temporary directory. (Without this, a disk that fills at the manifest keeps
     the whole data file until another process opens the directory.)"""
     d = tmp_path / "run"
-    real_write, real_fsync = lazyckpt.saving.commit.write_file_atomic, lazyckpt.saving.commit.fsync_dir
+    real_write, real_fsync = lazyckpt.storage.layout.write_file_atomic, lazyckpt.storage.layout.fsync_dir
 
     def write(path, data):
         if what == "manifest" and os.path.basename(path) == "manifest.json":
@@ -500,8 +500,8 @@ def test_commit_failure_before_the_rename_removes_the_step(tmp_path, monkeypatch
         return real_fsync(path)
     with lazyckpt.Checkpointer(d, **INJECT_KNOBS) as ckpt:
         ckpt.save({"a": torch.ones(2)}, step=1).wait(WAIT_S)
-        monkeypatch.setattr(lazyckpt.saving.commit, "write_file_atomic", write)
-        monkeypatch.setattr(lazyckpt.saving.commit, "fsync_dir", fsync)
+        monkeypatch.setattr(lazyckpt.storage.layout, "write_file_atomic", write)
+        monkeypatch.setattr(lazyckpt.storage.layout, "fsync_dir", fsync)
         with pytest.raises(lazyckpt.CheckpointWriteError) as info:
             ckpt.save(tensor_state(50_000, 14), step=2).wait(WAIT_S)
         monkeypatch.undo()

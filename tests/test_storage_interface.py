@@ -18,6 +18,8 @@ IMPLEMENTATIONS = [
     (base.Lease, layout.Lease), (base.Lease, s3layout.ObjectLease),
     (base.WriterLease, layout.WriterLease), (base.WriterLease, s3layout.ObjectWriterLease),
     (base.Directory, layout.CheckpointDir), (base.Directory, s3layout.ObjectCheckpointDir),
+    (base.PendingFile, layout.PendingSiblingFile), (base.PendingFile, s3layout.PendingObject),
+    (base.PendingStep, layout.PendingStepDir), (base.PendingStep, s3layout.PendingSavePrefix),
     (base.Store, LocalStore), (base.Store, S3Store),
 ]
 

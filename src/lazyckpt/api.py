@@ -10,7 +10,7 @@ from lazyckpt.formats.manifest import check_metadata
 from lazyckpt.formats.names import MANIFEST
 from lazyckpt.loading.loader import KeySpec, MapLocation, load_file, load_step_dir, load_url
 from lazyckpt.loading.restore import RestoreHandle
-from lazyckpt.saving.commit import FileCommit, ObjectCommit
+from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import FilePart, run_now
 from lazyckpt.saving.file_formats import check_file_format
 from lazyckpt.saving.foreign import plan_layout
@@ -66,15 +66,8 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
             raise ValueError(f"file_format={file_format!r} is written to local files only, not to {path}")
     else:
         part = FilePart(flatten(state), check_metadata(metadata))
-    store = for_path(path)
-    if store.is_remote:           # no rename there: the object appears whole when its upload completes
-        store.check(path, opts)     # credentials, bucket: one clear error first
-        strategy = ObjectCommit(path, message="save failed")
-    else:
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            raise CheckpointNotFoundError(f"{path}: directory {directory} does not exist", path=path)
-        strategy = FileCommit(path, opts.lease_heartbeat_s, message="save failed")
+    for_path(path).check(path, opts)     # credentials, a bucket: one clear error first
+    strategy = FileCommit(path, opts.lease_heartbeat_s, message="save failed", options=opts, make_parents=False)
     handle = run_now(strategy, [part], _resources(opts), opts, name=path)
     return handle.bytes
 

@@ -23,7 +23,7 @@ from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.loading.verify import verify
 from lazyckpt.saving.autorep import AutoReplication
 from lazyckpt.saving.capture import record_events
-from lazyckpt.saving.commit import ObjectStepCommit, StepCommit
+from lazyckpt.saving.commit import StepCommit
 from lazyckpt.saving.costs import SaveCosts
 from lazyckpt.saving.engine import FilePart, Job, SaveEngine, SaveHandle
 from lazyckpt.saving.incremental import IncrementalIndex
@@ -211,9 +211,9 @@ class Checkpointer:
             replicated = self._replicated_keys(state)
             # A hit leaves the tensors' checks to the capture thread (lazyckpt/plan.py).
             flat = self._plans.gather(state, self._dist.rank, self._dist.world_size, replicated)
-            commit = ObjectStepCommit if self.on_object_store else StepCommit
-            strategy = commit(self.layout, self._dist, step, call, keep_last=self.keep_last, metadata=metadata,
-                              heartbeat_s=self.options.lease_heartbeat_s, history=self.history)
+            strategy = StepCommit(self.layout, self._dist, step, call, keep_last=self.keep_last, metadata=metadata,
+                                  heartbeat_s=self.options.lease_heartbeat_s, history=self.history,
+                                  options=self.options)
             planner = StepPlanner(self.layout, self._dist, step, call, strategy.save_id, replicated=replicated,
                                   incremental=self._incremental, auto=self._auto)
             strategy.costs = (self._costs, t0, self._costs.last)
@@ -456,8 +456,7 @@ class Checkpointer:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""
         if self.persistent is None:
             # One tier: its steps are one line by construction (committing S removes every step >= S).
-            local = {s: self.layout.step_path(s) for s in self.layout.steps()} if not self.on_object_store \
-                else {s: self.layout.save_url(s, sid) for s, sid in self.layout.committed().items()}
+            local = self.layout.step_paths()
             order = sorted(local, reverse=True) if step is None else [step] if step in local else []
             return [(s, "local" if not self.on_object_store else "object store", local[s]) for s in order]
         # Two tiers: a copy counts only if it is the live save of its step (the same save_id), so

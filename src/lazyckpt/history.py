@@ -206,8 +206,8 @@ class History:
 
     def recorded(self, event: Event) -> None:
         """Coordinator, before the commit's renames: the record says it first."""
-        if self.record is not None:
-            self.record.add(event, self.layout.steps())
+        if self.layout is not None:
+            self.layout.record_event(event)
 
     # ------------------------------------------------------------ the local tier
 

@@ -1,15 +1,18 @@
 """Commit strategies: how the files of one job become a checkpoint.
 
 * :class:`FileCommit` -- one file at a path (``lazyckpt.save``, Lightning, the
-  HF Trainer, DCP's per-rank files): written under a leased hidden sibling,
-  fsynced, renamed over the path, directory fsynced.
-* :class:`StepCommit` -- one step of a Checkpointer directory: every rank
-  writes its file into one leased temporary directory; then (two-phase,
-  through the store, with several ranks) the coordinator writes the manifest
-  and renames the directory into place (``CheckpointDir.commit``), then applies
-  retention and writes ``latest``. What each rank wrote (references, dedup,
-  digests) was decided by the job's planner (:mod:`lazyckpt.saving.planner`);
-  the commit carries its report and makes the step visible.
+  HF Trainer, DCP's per-rank files), through the store's ``PendingFile``: a
+  leased hidden sibling renamed over the path, or an object whose upload
+  completes whole.
+* :class:`StepCommit` -- one step of a Checkpointer directory, through the
+  directory's ``PendingStep``: every rank writes its file into the save's
+  temporary place (a directory, an object prefix); then (two-phase, through
+  the rendezvous store, with several ranks) the coordinator writes the
+  manifest and publishes it, then applies retention and writes ``latest``.
+  What each rank wrote (references, dedup, digests) was decided by the job's
+  planner (:mod:`lazyckpt.saving.planner`); the commit carries its report and
+  makes the step visible. Where the bytes go and how a step becomes visible
+  is the store's (``lazyckpt.storage.base``): no code here asks which store.
 
 DeepSpeed's tag groups add their own strategy in
 :mod:`lazyckpt.integrations.deepspeed`, on the same base.
@@ -19,20 +22,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from typing import Any, Callable, Dict, Optional
 
 from lazyckpt.distributed import RankInfo, agree, refuse
 from lazyckpt.errors import CheckpointError
 from lazyckpt.formats import datafile, manifest
-from lazyckpt.formats.names import MANIFEST, rank_filename
 from lazyckpt.history import Event
-from lazyckpt.knobs import resolve
-from lazyckpt.storage.fileio import fsync_dir, remove_quietly, write_file_atomic
-from lazyckpt.storage.layout import CheckpointDir, new_token, remove_tree, sibling_temp
-from lazyckpt.storage.s3 import store_for
-from lazyckpt.storage.s3layout import LEASE_PREFIX, ObjectLease
+from lazyckpt.knobs import Options, resolve
+from lazyckpt.storage.base import Directory, PendingFile
+from lazyckpt.storage.layout import new_token
+from lazyckpt.storage.stores import for_path
 from .costs import merge
 from .engine import CommitStrategy, FilePart, Job
 
@@ -40,49 +40,43 @@ log = logging.getLogger("lazyckpt")
 
 
 class FileCommit(CommitStrategy):
-    """One file at ``path``. ``on_commit(handle)`` runs once it is durable (still
-    on the job's thread: e.g. to move it into a directory being assembled)."""
+    """One file at ``path``, on any store. ``on_commit(handle)`` runs once it is
+    durable (still on the job's thread: e.g. to move it into a directory being
+    assembled). ``make_parents``: create missing parent directories (the
+    frameworks' layouts) instead of refusing the save (``lazyckpt.save``)."""
 
     def __init__(self, path: str, heartbeat_s: float, on_commit: Optional[Callable[[Any], None]] = None,
-                 message: str = "checkpoint save failed"):
-        self.path = os.path.abspath(os.fspath(path))
+                 message: str = "checkpoint save failed", options: Optional[Options] = None,
+                 make_parents: bool = True):
+        self.store = for_path(path)
+        self.path = self.store.normalize(path)
         self.heartbeat_s = heartbeat_s
         self.on_commit = on_commit
         self.message = message
-        self._tmp: Optional[str] = None
+        self.options = options or resolve()
+        self.make_parents = make_parents
+        self._pending: Optional[PendingFile] = None
+        if not make_parents:
+            # A missing directory is refused here, on the caller's thread, before any
+            # byte moves (a pending file creates nothing until it is written).
+            self.store.pending_file(self.path, self.options)
 
     def part_path(self, job: Job, part: FilePart) -> str:
-        self._tmp = sibling_temp(part.final_path or self.path)
-        os.makedirs(os.path.dirname(self._tmp), exist_ok=True)
-        job.lease(self._tmp, self.heartbeat_s)
-        return self._tmp
+        self._pending = self.store.pending_file(self.path, self.options, self.make_parents, beside=part.final_path)
+        lease = self._pending.hold(self.heartbeat_s)
+        if lease is not None:
+            job.leases.append(lease)
+        return self._pending.path
 
     def commit(self, job: Job) -> None:
-        os.replace(self._tmp, self.path)
-        self._tmp = None
-        fsync_dir(os.path.dirname(self.path))
+        self._pending.publish()
+        self._pending = None
         if self.on_commit is not None:
             self.on_commit(job.handle)
 
     def abort(self, job: Job, error: BaseException) -> None:
-        if self._tmp is not None:
-            remove_quietly(self._tmp)
-
-    def failure_message(self, job: Job, cause: str) -> str:
-        return f"{self.path}: {self.message}: {cause}"
-
-
-class ObjectCommit(CommitStrategy):
-    """One file as one object at an ``s3://`` URL. No temporary name is
-    needed: a multipart upload is invisible until completed, and completing
-    it replaces the old object atomically; a failed one is aborted."""
-
-    def __init__(self, url: str, message: str = "checkpoint save failed"):
-        self.path = url
-        self.message = message
-
-    def part_path(self, job: Job, part: FilePart) -> str:
-        return self.path
+        if self._pending is not None:
+            self._pending.discard()
 
     def failure_message(self, job: Job, cause: str) -> str:
         return f"{self.path}: {self.message}: {cause}"
@@ -97,10 +91,11 @@ class StepCommit(CommitStrategy):
     :class:`~lazyckpt.saving.planner.StepPlanner`: its report rides in the
     commit round, and the manifest lists what it planned."""
 
-    def __init__(self, layout: CheckpointDir, dist: RankInfo, step: int, call: int, *,
+    def __init__(self, layout: Directory, dist: RankInfo, step: int, call: int, *,
                  keep_last: Optional[int], metadata: Dict[str, Any], heartbeat_s: float,
-                 history: Any = None):
+                 history: Any = None, options: Optional[Options] = None):
         self.layout = layout
+        self.options = options or resolve()
         #: The Checkpointer's line of history (lazyckpt/history.py): numbers the commit.
         self.history = history
         #: This commit's seq (set by the coordinator at commit).
@@ -113,8 +108,11 @@ class StepCommit(CommitStrategy):
         self.metadata = metadata            # the user's, as it goes into the manifest
         self.heartbeat_s = heartbeat_s
         self.key = f"c{call}"
-        self.tmp = layout.temp_path(step, f"r{dist.run_id}-{self.key}" if dist.distributed else new_token())
         self.save_id = f"{dist.run_id}-{self.key}" if dist.distributed else uuid.uuid4().hex
+        #: Where this save is written until it is published (the store's PendingStep).
+        self.pending = layout.pending(step, self.save_id,
+                                      f"r{dist.run_id}-{self.key}" if dist.distributed else new_token())
+        self.tmp = self.pending.path
         self._reported = False
         #: (SaveCosts, save() start, the previous save) when the save costs are recorded
         #: (lazyckpt/saving/costs.py); the merged figures, once committed.
@@ -133,14 +131,17 @@ class StepCommit(CommitStrategy):
                 "lazyckpt": {"save_id": self.save_id, "rank": d.rank, "world_size": d.world_size}}
 
     def begin(self, job: Job) -> None:
-        """Only the coordinator creates the temporary directory (one ``mkdir``,
-        not N racing ones) and then publishes ``<key>/ready``; the other ranks
-        wait for it (deadline: ``commit_timeout_s``) before they write into it.
-        A call refused or failed on the coordinator publishes it failed
+        """Where the save's place must be created first (a directory), only the
+        coordinator creates it (one ``mkdir``, not N racing ones) and then
+        publishes ``<key>/ready``; the other ranks wait for it (deadline:
+        ``commit_timeout_s``) before they write into it. A call refused or
+        failed on the coordinator publishes it failed
         (:func:`~lazyckpt.distributed.refuse`), so they fail at once."""
         d = self.dist
+        if not self.pending.needs_create:
+            return
         if not d.distributed or d.coordinator:
-            os.makedirs(self.tmp, exist_ok=False)
+            self.pending.create()
             if d.distributed:
                 ready = f"{self.key}/ready"
                 d.publish(ready, {"ok": True})
@@ -152,9 +153,9 @@ class StepCommit(CommitStrategy):
             raise CheckpointError(f"step {self.step}: not committed: {value.get('error')}", step=self.step)
 
     def part_path(self, job: Job, part: FilePart) -> str:
-        path = os.path.join(self.tmp, rank_filename(self.dist.rank))
-        job.lease(path, self.heartbeat_s)
-        return path
+        # The hold keeps cleanup (any process) off this save while it is written.
+        job.leases.append(self.pending.hold(self.dist.rank, self.heartbeat_s))
+        return self.pending.file_path(self.dist.rank)
 
     def commit(self, job: Job) -> None:
         planner = job.planner
@@ -177,7 +178,7 @@ class StepCommit(CommitStrategy):
             # The store refuses large values (about 8 MiB): shard geometry travels
             # through a side file in the temporary directory instead.
             name = f".shards_{self.dist.rank:05d}.json"
-            self._put_side(name, json.dumps(flat_shards, separators=(",", ":")).encode())
+            self.pending.put_side(name, json.dumps(flat_shards, separators=(",", ":")).encode())
             report["shards_file"] = name
         self._reported = True
         outcome = agree(self.dist, self.key, report, self.step, lambda done: self._commit(done, planner),
@@ -196,7 +197,7 @@ class StepCommit(CommitStrategy):
         for v in done.values():
             name = v.pop("shards_file", None)
             if name is not None:
-                v["shards"] = json.loads(self._take_side(name))
+                v["shards"] = json.loads(self.pending.take_side(name))
         if self.history is not None:
             self.seq = self.history.next_seq()
         if self.costs is not None:
@@ -211,43 +212,17 @@ class StepCommit(CommitStrategy):
     def _footers(self) -> Callable[[int], Any]:
         """footer(rank): the footer of the file a rank of this save wrote (for the
         planner's DTensor layouts index)."""
-        options = getattr(self.layout, "options", None) or resolve()
+        limit = self.options.max_footer_bytes
 
         def footer(rank: int) -> Any:
-            path = f"{self.tmp}/{rank_filename(rank)}"
-            size, read, done_reading = self._reader(path)
-            try:
-                return datafile.read_ends(size, read, path, options.max_footer_bytes)[1]
-            finally:
-                done_reading()
+            path = self.pending.file_path(rank)
+            return self.pending.read_ends(rank, self.options,
+                                          lambda size, read: datafile.read_ends(size, read, path, limit)[1])
         return footer
 
-    # Where the step is assembled: a local temporary directory (here) or an
-    # object-store prefix (ObjectStepCommit).
-
-    def _reader(self, path: str):
-        """(size, read(offset, n), close) of a file this save wrote."""
-        fd = os.open(path, os.O_RDONLY)
-        return os.fstat(fd).st_size, lambda offset, n: os.pread(fd, n, offset), lambda: os.close(fd)
-
-    def _put_side(self, name: str, data: bytes) -> None:
-        with open(os.path.join(self.tmp, name), "wb") as f:
-            f.write(data)
-
-    def _take_side(self, name: str) -> bytes:
-        with open(os.path.join(self.tmp, name), "rb") as f:
-            data = f.read()
-        os.unlink(os.path.join(self.tmp, name))
-        return data
-
     def _publish(self, raw: bytes) -> None:
-        write_file_atomic(os.path.join(self.tmp, MANIFEST), raw)
-        fsync_dir(self.tmp)
-        if self.history is not None:
-            # Recorded before the renames: a crash in between leaves the record
-            # saying the superseded steps are abandoned, never live.
-            self.history.recorded(Event(self.step, self.save_id, self.seq))
-        self.layout.commit(self.tmp, self.step, keep_superseded=self.keep_last is None)
+        event = Event(self.step, self.save_id, self.seq) if self.seq is not None else None
+        self.pending.publish(raw, event, keep_superseded=self.keep_last is None)
 
     def _refuse_unreported(self, error: BaseException) -> None:
         """A failed job: if this rank has not reported to the commit round, the
@@ -260,8 +235,7 @@ class StepCommit(CommitStrategy):
         d = self.dist
         self._refuse_unreported(error)
         if not d.distributed or d.coordinator:
-            if os.path.isdir(self.tmp):     # not renamed: nothing of this step may remain
-                remove_tree(self.tmp)
+            self.pending.discard()          # not published: nothing of this step may remain
 
     def after_commit(self, job: Job) -> None:
         # The engine ran the planner's committed() and the job's on_committed (the
@@ -277,68 +251,3 @@ class StepCommit(CommitStrategy):
 
     def failure_message(self, job: Job, cause: str) -> str:
         return f"{self.path}: checkpoint of step {self.step} failed: {cause}"
-
-
-class ObjectStepCommit(StepCommit):
-    """One step of a Checkpointer on an object store (``Checkpointer("s3://...")``).
-
-    Every rank uploads its file under the save's own prefix
-    (``step_X/<save_id>/``; nothing there is visible yet); the coordinator
-    then writes the manifest object -- the commit -- and ``latest`` after it.
-    There is no rename: a failed save aborts its uploads and the coordinator
-    deletes what was completed under its prefix."""
-
-    def __init__(self, layout: Any, dist: RankInfo, step: int, call: int, **kwargs: Any):
-        super().__init__(layout, dist, step, call, **kwargs)
-        self.tmp = layout.save_url(step, self.save_id)
-
-    def begin(self, job: Job) -> None:
-        store, key = self._store()
-        # The heartbeat keeps clean_leftovers (any process) off this save's prefix.
-        job.leases.append(ObjectLease(store, f"{key}/{LEASE_PREFIX}{self.dist.rank:05d}", self.heartbeat_s))
-
-    def part_path(self, job: Job, part: FilePart) -> str:
-        return f"{self.tmp}/{rank_filename(self.dist.rank)}"
-
-    def _store(self):
-        return store_for(self.tmp, self.layout.options.storage_options)
-
-    def _reader(self, path: str):
-        store, key = store_for(path, self.layout.options.storage_options)
-
-        def read(offset: int, n: int) -> bytes:
-            buf = bytearray(n)
-            return bytes(buf[:store.read_into(key, memoryview(buf), offset)])
-        return store.size(key) or 0, read, lambda: None
-
-    def _put_side(self, name: str, data: bytes) -> None:
-        store, key = self._store()
-        store.put(f"{key}/{name}", data)
-
-    def _take_side(self, name: str) -> bytes:
-        store, key = self._store()
-        data = store.get(f"{key}/{name}")
-        if data is None:
-            raise CheckpointError(f"{self.tmp}/{name}: a rank's shard report is missing", step=self.step)
-        store.delete([f"{key}/{name}"])
-        return data
-
-    def _publish(self, raw: bytes) -> None:
-        if self.seq is not None:
-            # The event before the manifest: a second manifest of this step left
-            # by a crash inside the supersede is told apart by seq.
-            self.layout.put_event(Event(self.step, self.save_id, self.seq))
-        self.layout.commit(self.step, self.save_id, raw)
-
-    def abort(self, job: Job, error: BaseException) -> None:
-        d = self.dist
-        self._refuse_unreported(error)
-        if not d.distributed or d.coordinator:
-            store, key = self._store()
-            try:
-                if store.size(f"{key}/{MANIFEST}") is None:     # never delete a committed step
-                    store.delete([o["Key"] for o in store.list(key + "/")])
-            except CheckpointError as exc:      # the store may be what failed; prune cleans up later
-                import logging
-                logging.getLogger("lazyckpt").warning("lazyckpt: %s: could not remove a failed save: %s",
-                                                      self.tmp, exc)

@@ -25,17 +25,17 @@ patch their methods): they keep their own hierarchy and are checked
 structurally against the protocols below, by ``tests/test_storage_interface.py``
 (every member present, every signature compatible).
 
-What is *not* here, on purpose: making a step visible. A local step is a
-directory renamed into place, an object-store step is a manifest object
-written last; the two commit strategies (``saving.commit.StepCommit`` and
-``ObjectStepCommit``) differ in more than the storage call, so each
-directory's ``commit`` stays its own.
+Making a save visible is the store's too (:class:`PendingFile`,
+:class:`PendingStep`): a local step is a directory renamed into place, an
+object-store step a manifest object written last, and the commit strategies
+of :mod:`lazyckpt.saving.commit` (which agree between ranks and decide what
+goes into the manifest) only call ``publish``.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, List, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from lazyckpt.knobs import Options
@@ -78,6 +78,74 @@ class Input(Protocol):
 
     def close(self) -> None:
         """Release the handle."""
+
+
+# ---------------------------------------------------------------------- pending saves
+
+@runtime_checkable
+class PendingFile(Protocol):
+    """One file being saved to ``final`` (``lazyckpt.save``, the frameworks'
+    single files): written at :attr:`path`, where no reader of ``final`` sees
+    it, until :meth:`publish` makes the complete file appear there at once."""
+
+    #: Where the bytes are written now (a hidden sibling, or ``final`` itself where
+    #: the store only shows an upload once it completed).
+    path: str
+    #: Where the complete file appears.
+    final: str
+
+    def hold(self, heartbeat_s: float) -> Optional[Lease]:
+        """What keeps cleanup (any process) off :attr:`path` while it is written;
+        None where nothing can remove it."""
+
+    def publish(self) -> None:
+        """The complete, durable file at :attr:`path` becomes ``final`` atomically."""
+
+    def discard(self) -> None:
+        """Nothing of this save remains (never the old ``final``); idempotent."""
+
+
+@runtime_checkable
+class PendingStep(Protocol):
+    """One save of one step of a :class:`Directory`, being written by every rank
+    of its commit group: invisible to readers and listings until
+    :meth:`publish`, removable by cleanup only once its holds have lapsed."""
+
+    #: Where this save's files go (a temporary directory, a save prefix).
+    path: str
+    step: int
+    save_id: str
+    #: Whether :meth:`create` must run (on the coordinator) before any rank writes
+    #: into :attr:`path` (a directory must exist; a prefix needs nothing).
+    needs_create: bool
+
+    def create(self) -> None:
+        """Make :attr:`path` exist (refused if it does)."""
+
+    def file_path(self, rank: int) -> str:
+        """Where ``rank`` writes its data file."""
+
+    def hold(self, rank: int, heartbeat_s: float) -> Lease:
+        """What keeps cleanup off this save while ``rank`` writes into it."""
+
+    def put_side(self, name: str, data: bytes) -> None:
+        """A small side file next to the data files (a rank's report too large for
+        the rendezvous store); never part of the committed step."""
+
+    def take_side(self, name: str) -> bytes:
+        """Read and remove a side file (``CheckpointError`` if it is missing)."""
+
+    def read_ends(self, rank: int, options: "Options", parse: Any) -> Any:
+        """``parse(size, read)`` on ``rank``'s data file (see :meth:`Store.read_ends`)."""
+
+    def publish(self, manifest_raw: bytes, event: Optional[Any], keep_superseded: bool) -> List[int]:
+        """Record the commit ``event`` (``history.Event``, or None) where the
+        directory keeps its line of history, then write the manifest: the step
+        is committed. Committed steps >= this step are superseded first (kept
+        aside where ``keep_superseded`` and the store can); returns them."""
+
+    def discard(self) -> None:
+        """Remove what this save wrote, never a committed step; idempotent."""
 
 
 # ---------------------------------------------------------------------- directory
@@ -140,6 +208,18 @@ class Directory(Protocol):
     def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False) -> WriterLease:
         """Become this directory's one writer (refused with the holder's name)."""
 
+    def pending(self, step: int, save_id: str, token: str) -> PendingStep:
+        """A new save of ``step`` (nothing is created yet). ``save_id`` names it in
+        the manifest; ``token`` makes its temporary name unique where the store
+        names it by something else than ``save_id``."""
+
+    def record_event(self, event: Any) -> None:
+        """Record a commit event (``history.Event``) where this directory keeps its
+        line of history (before the step it numbers becomes visible)."""
+
+    def step_paths(self) -> Dict[int, str]:
+        """Every committed step -> where it is read from, from one listing."""
+
 
 # ---------------------------------------------------------------------- store
 
@@ -196,3 +276,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def checkpoint_dir(self, path: str, options: "Options") -> Directory:
         """The Checkpointer directory at ``path`` (nothing is created or checked)."""
+
+    @abc.abstractmethod
+    def pending_file(self, final: str, options: "Options", make_parents: bool = False,
+                     beside: Optional[str] = None) -> PendingFile:
+        """A save of one file to ``final``; nothing is written yet but, with
+        ``make_parents``, missing parent directories (else a missing parent is
+        ``CheckpointNotFoundError`` here, where the store has directories).
+        ``beside``: where a temporary name is needed, make it a sibling of this
+        path (a directory a framework assembles and then moves into place)."""

@@ -39,11 +39,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
-from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, step_dirname
+from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
+from lazyckpt.history import LocalRecord
 from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
 
 log = logging.getLogger("lazyckpt")
@@ -449,6 +450,16 @@ class CheckpointDir:
                 self._remove_trash(trash)
         return superseded
 
+    def pending(self, step: int, save_id: str, token: str) -> "PendingStepDir":
+        return PendingStepDir(self, step, save_id, token)
+
+    def record_event(self, event: Any) -> None:
+        """The local record of the line of history (``DIR/history.json``)."""
+        LocalRecord(self.path).add(event, self.steps())
+
+    def step_paths(self) -> Dict[int, str]:
+        return {s: self.step_path(s) for s in self.steps()}
+
     def write_latest(self, step: int) -> None:
         write_file_atomic(os.path.join(self.path, LATEST), f"{step}\n".encode())
 
@@ -601,6 +612,91 @@ class CheckpointDir:
         if removed:
             log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", self.path, removed)
         return removed
+
+
+# --------------------------------------------------------------------------- saves in progress
+
+class PendingStepDir:
+    """A save of one step into a :class:`CheckpointDir` (``base.PendingStep``):
+    a temporary directory ``.tmp-step_X-<token>`` that the commit renames into
+    place once every rank's file and the manifest are durable."""
+
+    needs_create = True
+
+    def __init__(self, directory: CheckpointDir, step: int, save_id: str, token: str):
+        self.directory, self.step, self.save_id = directory, step, save_id
+        self.path = directory.temp_path(step, token)
+
+    def create(self) -> None:
+        os.makedirs(self.path, exist_ok=False)
+
+    def file_path(self, rank: int) -> str:
+        return os.path.join(self.path, rank_filename(rank))
+
+    def hold(self, rank: int, heartbeat_s: float) -> "Lease":
+        # On the data file itself: cleanup sees it locked (and its mtime fresh).
+        return Lease(self.file_path(rank), heartbeat_s)
+
+    def put_side(self, name: str, data: bytes) -> None:
+        with open(os.path.join(self.path, name), "wb") as f:
+            f.write(data)
+
+    def take_side(self, name: str) -> bytes:
+        path = os.path.join(self.path, name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: a rank's shard report is missing", path=path, step=self.step) from None
+        os.unlink(path)
+        return data
+
+    def read_ends(self, rank: int, options: Any, parse: Callable[[int, Callable[[int, int], bytes]], Any]) -> Any:
+        fd = os.open(self.file_path(rank), os.O_RDONLY)
+        try:
+            return parse(os.fstat(fd).st_size, lambda offset, n: os.pread(fd, n, offset))
+        finally:
+            os.close(fd)
+
+    def publish(self, manifest_raw: bytes, event: Optional[Any], keep_superseded: bool) -> List[int]:
+        write_file_atomic(os.path.join(self.path, MANIFEST), manifest_raw)
+        fsync_dir(self.path)
+        if event is not None:
+            # Recorded before the renames: a crash in between leaves the record
+            # saying the superseded steps are abandoned, never live.
+            self.directory.record_event(event)
+        return self.directory.commit(self.path, self.step, keep_superseded)
+
+    def discard(self) -> None:
+        if os.path.isdir(self.path):     # not renamed: nothing of this step may remain
+            remove_tree(self.path)
+
+
+class PendingSiblingFile:
+    """A save of one file (``base.PendingFile``): written as a hidden sibling
+    (``.NAME.tmp-<token>``, which cleanup recognizes) of ``final`` -- or of
+    ``beside``, the directory a framework is assembling around it --
+    fsynced, renamed over the final path, the directory fsynced."""
+
+    def __init__(self, final: str, make_parents: bool, beside: Optional[str] = None):
+        self.final = os.path.abspath(os.fspath(final))
+        near = os.path.abspath(os.fspath(beside)) if beside else self.final
+        if make_parents:
+            os.makedirs(os.path.dirname(near), exist_ok=True)
+        elif not os.path.isdir(os.path.dirname(self.final)):
+            raise CheckpointNotFoundError(f"{final}: directory {os.path.dirname(self.final)} does not exist",
+                                          path=final)
+        self.path = sibling_temp(near)
+
+    def hold(self, heartbeat_s: float) -> "Lease":
+        return Lease(self.path, heartbeat_s)
+
+    def publish(self) -> None:
+        os.replace(self.path, self.final)
+        fsync_dir(os.path.dirname(self.final))
+
+    def discard(self) -> None:
+        remove_quietly(self.path)
 
 
 def clean_sibling_temps(directory: str, expiry_s: float = DEFAULT_EXPIRY_S) -> List[str]:

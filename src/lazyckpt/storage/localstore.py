@@ -12,7 +12,7 @@ from lazyckpt.knobs import Options
 from .base import Store
 from .fileio import InputFile, NotARegularFile, OutputFile, open_regular
 from .iomode import use_o_direct
-from .layout import CheckpointDir
+from .layout import CheckpointDir, PendingSiblingFile
 
 
 class LocalStore(Store):
@@ -55,3 +55,7 @@ class LocalStore(Store):
 
     def checkpoint_dir(self, path: str, options: Options) -> CheckpointDir:
         return CheckpointDir(path, options.lease_expiry_s)
+
+    def pending_file(self, final: str, options: Options, make_parents: bool = False,
+                     beside: Optional[str] = None) -> PendingSiblingFile:
+        return PendingSiblingFile(final, make_parents, beside)

@@ -25,11 +25,11 @@ import re
 import threading
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
-from lazyckpt.formats.names import LATEST, MANIFEST, step_dirname
+from lazyckpt.formats.names import LATEST, MANIFEST, rank_filename, step_dirname
 from lazyckpt.history import Event, event_key, line, parse_event_key, prunable
 from lazyckpt.knobs import Options
 from .layout import deleted_while_reading, describe_writer
@@ -464,6 +464,15 @@ class ObjectCheckpointDir:
     def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False) -> ObjectWriterLease:
         return ObjectWriterLease(self.store, self.prefix, self.url, heartbeat_s, expiry_s, takeover=takeover)
 
+    def pending(self, step: int, save_id: str, token: str) -> "PendingSavePrefix":
+        return PendingSavePrefix(self, step, save_id)      # the save id names the prefix: no token needed
+
+    def record_event(self, event: Event) -> None:
+        self.put_event(event)
+
+    def step_paths(self) -> Dict[int, str]:
+        return {s: self.save_url(s, sid) for s, sid in self.committed().items()}
+
     def write_latest(self, step: int) -> None:
         self.store.put(self._key(LATEST), f"{step}\n".encode())
 
@@ -570,6 +579,88 @@ class ObjectCheckpointDir:
             self.store.delete([o["Key"] for o in self.store.list(prefix)])
             removed.append(self.store.url(prefix))
         return removed
+
+
+# ---------------------------------------------------------------------- saves in progress
+
+class PendingSavePrefix:
+    """A save of one step into an :class:`ObjectCheckpointDir`
+    (``base.PendingStep``): every rank uploads its file under the save's own
+    prefix ``step_X/<save_id>/`` (invisible until its manifest exists), a
+    heartbeat object per rank keeps ``clean_leftovers`` off it, and the
+    manifest object, written last, is the commit. There is no rename: a
+    failed save aborts its uploads and :meth:`discard` deletes what was
+    completed under its prefix."""
+
+    needs_create = False        # a prefix exists as soon as something is put under it
+
+    def __init__(self, directory: "ObjectCheckpointDir", step: int, save_id: str):
+        self.directory, self.step, self.save_id = directory, step, save_id
+        self.store = directory.store
+        self.key = directory._key(step_dirname(step), save_id)
+        self.path = self.store.url(self.key)
+
+    def create(self) -> None:
+        pass
+
+    def file_path(self, rank: int) -> str:
+        return f"{self.path}/{rank_filename(rank)}"
+
+    def hold(self, rank: int, heartbeat_s: float) -> ObjectLease:
+        return ObjectLease(self.store, f"{self.key}/{LEASE_PREFIX}{rank:05d}", heartbeat_s)
+
+    def put_side(self, name: str, data: bytes) -> None:
+        self.store.put(f"{self.key}/{name}", data)
+
+    def take_side(self, name: str) -> bytes:
+        data = self.store.get(f"{self.key}/{name}")
+        if data is None:
+            raise CheckpointError(f"{self.path}/{name}: a rank's shard report is missing", step=self.step)
+        self.store.delete([f"{self.key}/{name}"])
+        return data
+
+    def read_ends(self, rank: int, options: Options, parse: Callable[[int, Callable[[int, int], bytes]], Any]) -> Any:
+        key = f"{self.key}/{rank_filename(rank)}"
+
+        def read(offset: int, n: int) -> bytes:
+            buf = bytearray(n)
+            return bytes(buf[:self.store.read_into(key, memoryview(buf), offset)])
+        return parse(self.store.size(key) or 0, read)
+
+    def publish(self, manifest_raw: bytes, event: Optional[Event], keep_superseded: bool) -> List[int]:
+        # No place to keep superseded steps aside here: they are deleted (keep_superseded unused).
+        if event is not None:
+            # The event before the manifest: a second manifest of this step left
+            # by a crash inside the supersede is told apart by seq.
+            self.directory.put_event(event)
+        return self.directory.commit(self.step, self.save_id, manifest_raw)
+
+    def discard(self) -> None:
+        try:
+            if self.store.size(f"{self.key}/{MANIFEST}") is None:     # never delete a committed step
+                self.store.delete([o["Key"] for o in self.store.list(self.key + "/")])
+        except CheckpointError as exc:      # the store may be what failed; prune cleans up later
+            log.warning("lazyckpt: %s: could not remove a failed save: %s", self.path, exc)
+
+
+class PendingObject:
+    """A save of one file as one object (``base.PendingFile``). No temporary
+    name is needed: a multipart upload is invisible until completed
+    (``ObjectOutput.finish``), and completing it replaces the old object
+    atomically; an upload closed unfinished is aborted."""
+
+    def __init__(self, url: str):
+        self.final = url
+        self.path = url                 # written in place: invisible until the upload completes
+
+    def hold(self, heartbeat_s: float) -> None:
+        return None                     # an open upload is no object: nothing can remove it
+
+    def publish(self) -> None:
+        pass                            # the upload's completion was the commit
+
+    def discard(self) -> None:
+        pass                            # the output's close aborted the upload
 
 
 def store_key(url: str) -> str:

@@ -10,7 +10,7 @@ from lazyckpt.errors import CheckpointNotFoundError
 from lazyckpt.knobs import Options
 from .base import Store
 from .s3 import SCHEME, ObjectInput, ObjectOutput, ObjectURL, store_for
-from .s3layout import ObjectCheckpointDir
+from .s3layout import ObjectCheckpointDir, PendingObject
 
 
 class S3Store(Store):
@@ -53,3 +53,7 @@ class S3Store(Store):
 
     def checkpoint_dir(self, path: str, options: Options) -> ObjectCheckpointDir:
         return ObjectCheckpointDir(path, options)
+
+    def pending_file(self, final: str, options: Options, make_parents: bool = False,
+                     beside: Optional[str] = None) -> PendingObject:
+        return PendingObject(self.normalize(final))

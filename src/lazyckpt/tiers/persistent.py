@@ -1,7 +1,9 @@
 """The persistent tier: a background drain of each committed local step into
-an object-store Checkpointer directory (:class:`PersistentTier`, on the
+a Checkpointer directory on another store (:class:`PersistentTier`, on the
 newest-wins queue of :mod:`lazyckpt.tiers.drain`), and the upload of one
-local file as a multipart object. See docs/STORAGE.md."""
+local file in parts. Which store, and how a step becomes visible there, is
+the store's (its ``Directory.pending``): nothing here is S3's. See
+docs/STORAGE.md."""
 
 from __future__ import annotations
 
@@ -20,8 +22,7 @@ from lazyckpt.knobs import Options
 from lazyckpt.saving.tierstate import PERSISTENT
 from lazyckpt.storage.fileio import anonymous_buffer, open_for_read, pread_into
 from lazyckpt.storage.layout import StepDir
-from lazyckpt.storage.s3 import ObjectOutput
-from lazyckpt.storage.s3layout import LEASE_PREFIX, ObjectCheckpointDir, ObjectLease, store_key
+from lazyckpt.storage.stores import for_path
 from .drain import NewestWinsDrain, RateLimit, Waiting
 
 log = logging.getLogger("lazyckpt")
@@ -29,11 +30,12 @@ log = logging.getLogger("lazyckpt")
 
 def upload_file(path: str, url: str, options: Options, part_bytes: int, pool: cf.ThreadPoolExecutor,
                 limit: Optional[RateLimit] = None, stop: Optional[threading.Event] = None) -> int:
-    """Upload a local file as one object, ``part_bytes`` per part, parts read and
-    sent in parallel on ``pool`` (memory: one part buffer per thread); returns
-    the bytes uploaded. A failure aborts the upload: no object appears."""
+    """Upload a local file to ``url`` (any store's output), ``part_bytes`` per part
+    (at least the store's smallest part), parts read and sent in parallel on
+    ``pool`` (memory: one part buffer per thread); returns the bytes
+    uploaded. A failure aborts the upload: no object appears."""
     size = os.path.getsize(path)
-    out = ObjectOutput(url, options.storage_options, part_bytes)
+    out = for_path(url).open_output(url, options, part_bytes)
     fd, _ = open_for_read(path, False)
     slots = threading.Semaphore(max(1, options.writer_threads))
 
@@ -41,7 +43,7 @@ def upload_file(path: str, url: str, options: Options, part_bytes: int, pool: cf
         try:
             if stop is not None and stop.is_set():
                 raise CheckpointWriteError(f"{url}: upload cancelled", path=url)
-            n = min(out.part_bytes, size - offset)
+            n = min(part_bytes, size - offset)
             buf = anonymous_buffer(n)
             view = memoryview(buf)[:n]
             if pread_into(fd, view, offset, path) != n:
@@ -54,7 +56,7 @@ def upload_file(path: str, url: str, options: Options, part_bytes: int, pool: cf
             slots.release()
     try:
         futures = []
-        for offset in range(0, size, out.part_bytes):
+        for offset in range(0, size, part_bytes):
             slots.acquire()
             futures.append(pool.submit(send, offset))
         for f in futures:
@@ -83,12 +85,17 @@ class PersistentTier(NewestWinsDrain):
     choice_of = "persist"
 
     def __init__(self, url: str, options: Options, dist: Any, keep_last: Optional[int]):
-        self.dir = ObjectCheckpointDir(url, options)
-        self.url = self.dir.url
+        store = for_path(url)
+        if not store.is_remote:
+            # Its saves need no directory created before the ranks upload (and the
+            # Checkpointer refuses a local persist_to before it gets here).
+            raise ValueError(f"persist_to must be on a remote store, got {url!r}")
+        self.url = store.normalize(url)
+        store.check(self.url, options)  # wrong credentials, a missing bucket: one clear error, now
+        self.dir = store.checkpoint_dir(self.url, options)
         super().__init__(dist, self.url)
         self.options = options
         self.keep_last = keep_last
-        self.dir.store.check()          # wrong credentials, a missing bucket: one clear error, now
         self._stop = threading.Event()
         self._limit = RateLimit(options.persist_bandwidth)
         self._pool = cf.ThreadPoolExecutor(max(1, options.writer_threads), thread_name_prefix="lazyckpt-persist")
@@ -137,11 +144,11 @@ class PersistentTier(NewestWinsDrain):
         try:
             if d.coordinator:
                 self._flush_events()        # never a manifest here before its commit event
-            save_url = self.dir.save_url(item.step, item.save_id)
-            lease = ObjectLease(self.dir.store, f"{store_key(save_url)}/{LEASE_PREFIX}{d.rank:05d}",
-                                self.options.lease_heartbeat_s)
+            # The local step's own save id names the copy: one line of history over both tiers.
+            pending = self.dir.pending(item.step, item.save_id, item.save_id)
+            lease = pending.hold(d.rank, self.options.lease_heartbeat_s)
             local = os.path.join(item.local_path, rank_filename(d.rank))
-            remote = f"{self.dir.save_url(item.step, item.save_id)}/{rank_filename(d.rank)}"
+            remote = pending.file_path(d.rank)
             report: Dict[str, Any] = {"ok": True, "step": item.step}
             try:
                 nbytes = upload_file(local, remote, self.options, max(self.options.chunk_bytes, 8 << 20),
@@ -155,7 +162,7 @@ class PersistentTier(NewestWinsDrain):
             def commit(_done: Dict[int, Dict[str, Any]]) -> None:
                 with open(os.path.join(item.local_path, MANIFEST), "rb") as f:
                     raw = f.read()
-                self.dir.commit(item.step, item.save_id, raw)
+                pending.publish(raw, None, keep_superseded=False)    # its event went up at enqueue
             if d.distributed:
                 agree(d, key, report, item.step, commit)
                 if not report["ok"]:
