@@ -18,6 +18,7 @@ IMPLEMENTATIONS = [
     (base.Lease, layout.Lease), (base.Lease, s3layout.ObjectLease),
     (base.WriterLease, layout.WriterLease), (base.WriterLease, s3layout.ObjectWriterLease),
     (base.Directory, layout.CheckpointDir), (base.Directory, s3layout.ObjectCheckpointDir),
+    (base.HeldStep, layout._Held), (base.HeldStep, s3layout._HeldObjectStep),
     (base.Store, LocalStore), (base.Store, S3Store),
 ]
 
