@@ -14,6 +14,7 @@ bytes         ``fileio.OutputFile`` /            ``s3.ObjectOutput`` / ``s3.Obje
 directory     ``layout.CheckpointDir``,          ``s3layout.ObjectCheckpointDir``,
               ``layout.Lease``,                  ``s3layout.ObjectLease``,
               ``layout.WriterLease``             ``s3layout.ObjectWriterLease``
+held step     ``layout.StepDir.reading``         ``s3layout.reading_object_step``
 ============  =================================  ==========================================
 
 Why an ABC for :class:`Store` and ``Protocol`` classes for the rest: a store is
@@ -24,6 +25,11 @@ existing hot-path classes (the writer's ``pwrite_all`` runs per chunk, tests
 patch their methods): they keep their own hierarchy and are checked
 structurally against the protocols below, by ``tests/test_storage_interface.py``
 (every member present, every signature compatible).
+
+The read side is here too: :meth:`Store.locate` is the one resolver (what a
+path designates), :meth:`Store.reading_step` holds a step while it is read,
+and the ``Directory`` read members give listing and prune one record per step
+and per leftover on every store.
 
 What is *not* here, on purpose: making a step visible. A local step is a
 directory renamed into place, an object-store step is a manifest object
