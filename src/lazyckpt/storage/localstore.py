@@ -64,7 +64,9 @@ class LocalStore(Store):
     def locate(self, path: str, options: Options, empty_ok: bool = False) -> Located:
         path = self.normalize(path)
         if not os.path.exists(path):
-            raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
+            # empty_ok: a listing, which only takes a directory
+            what = "directory" if empty_ok else "file or directory"
+            raise CheckpointNotFoundError(f"{path}: no such {what}", path=path)
         if os.path.isfile(path):
             return Located("file", path)
         if not os.path.isdir(path):
