@@ -4,6 +4,7 @@ with a signature that accepts every call the interface allows, and one place
 (storage.stores.for_path) decides which store a path belongs to."""
 
 import inspect
+import os
 import pytest
 
 from lazyckpt.storage import base, fileio, layout, s3, s3layout, stores
@@ -20,6 +21,7 @@ IMPLEMENTATIONS = [
     (base.Directory, layout.CheckpointDir), (base.Directory, s3layout.ObjectCheckpointDir),
     (base.PendingFile, layout.PendingSiblingFile), (base.PendingFile, s3layout.PendingObject),
     (base.PendingStep, layout.PendingStepDir), (base.PendingStep, s3layout.PendingSavePrefix),
+    (base.HeldStep, layout._Held), (base.HeldStep, s3layout._HeldObjectStep),
     (base.Store, LocalStore), (base.Store, S3Store),
 ]
 
@@ -143,3 +145,65 @@ def test_no_module_outside_storage_decides_by_a_path_s_spelling():
                             for a in node.args):
                     found.append(f"{rel}:{node.lineno}: startswith(URL scheme)")
     assert not found, "decide through lazyckpt.storage.stores.for_path: " + "; ".join(found)
+
+
+#: Modules outside storage/ that still import an S3 module directly: only the knobs'
+#: ``storage_options`` check (the options of the one remote store there is, validated
+#: when the options are resolved). Shrink this list; never grow it.
+_S3_IMPORTERS = {"knobs.py"}
+
+
+def test_nothing_outside_storage_reaches_object_stores_but_through_the_interface():
+    """A new store is one module: nothing outside storage/ imports the S3 modules
+    (the save side, the tiers, the read side, the CLI and the study tools ask
+    ``for_path(p)`` and its ``Store``/``Directory``), except those listed above."""
+    import ast
+    import lazyckpt
+    root = os.path.dirname(lazyckpt.__file__)
+    s3_modules = {"lazyckpt.storage.s3", "lazyckpt.storage.s3layout", "lazyckpt.storage.s3store"}
+    found = []
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("__pycache__", "storage")]
+        for name in files:
+            rel = os.path.relpath(os.path.join(top, name), root)
+            if not name.endswith(".py") or rel in _S3_IMPORTERS:
+                continue
+            with open(os.path.join(top, name), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                if any(n in s3_modules for n in names):
+                    found.append(f"{rel}:{node.lineno}")
+    assert not found, "reach object stores through storage.stores.for_path: " + "; ".join(found)
+
+
+def test_local_store_locates_and_holds_steps(tmp_path):
+    """The one resolver on the local file system: a file, a step, a directory
+    (its latest step), an empty directory (refused unless empty_ok)."""
+    import lazyckpt
+    from lazyckpt.errors import CheckpointNotFoundError
+    from lazyckpt.knobs import resolve as resolve_options
+    options = resolve_options()
+    store = stores.for_path(str(tmp_path))
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint in this directory"):
+        store.locate(str(tmp_path), options)
+    assert store.locate(str(tmp_path), options, empty_ok=True).kind == "directory"
+    with lazyckpt.Checkpointer(str(tmp_path)) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"x": step}, step=step).wait()
+    located = store.locate(str(tmp_path), options)
+    assert (located.kind, located.steps, located.step) == ("directory", [1, 2], 2)
+    step_path = located.step_path
+    assert store.locate(step_path, options).kind == "step"
+    directory = store.checkpoint_dir(str(tmp_path), options)
+    assert directory.step_paths() == {1: directory.step_path(1), 2: step_path}
+    assert [r.step for r in directory.step_records()] == [1, 2]
+    with store.reading_step(step_path, options) as held:
+        assert isinstance(held, base.HeldStep) and held.step == 2 and held.still_there()
+        assert held.read_manifest()["step"] == 2 == store.read_manifest(step_path, options)["step"]
+        assert held.directory == os.path.realpath(str(tmp_path))
+        assert directory.retire_old(1) == ([1], [])                  # not the one being read

@@ -7,8 +7,7 @@ import threading
 from typing import Any, Dict, Iterable, Optional
 
 from lazyckpt.formats.manifest import check_metadata
-from lazyckpt.formats.names import MANIFEST
-from lazyckpt.loading.loader import KeySpec, MapLocation, load_file, load_step_dir, load_url
+from lazyckpt.loading.loader import KeySpec, MapLocation, load_path
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import FilePart, run_now
@@ -16,7 +15,6 @@ from lazyckpt.saving.file_formats import check_file_format
 from lazyckpt.saving.foreign import plan_layout
 from lazyckpt.saving.resources import Resources
 from lazyckpt.state.providers import flatten
-from lazyckpt.storage.layout import CheckpointDir
 from lazyckpt.storage.stores import for_path
 from .errors import CheckpointNotFoundError
 from .knobs import Options, resolve
@@ -89,17 +87,7 @@ def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[Ke
     path = os.fspath(path)
     opts = resolve(options, **knobs)
     kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
-    pool = _resources(opts).readers
-    if for_path(path).is_remote:
-        return load_url(path, opts, pool, **kwargs)
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, MANIFEST)):
-            return load_step_dir(path, opts, pool, **kwargs)
-        latest = CheckpointDir(path).latest()
-        if latest is None:
-            raise CheckpointNotFoundError(f"{path}: no committed checkpoint in this directory", path=path)
-        return load_step_dir(CheckpointDir(path).step_path(latest), opts, pool, **kwargs)
-    return load_file(path, opts, pool, **kwargs)
+    return load_path(path, opts, _resources(opts).readers, **kwargs)
 
 
 def load_async(path: str, map_location: MapLocation = None, keys: Optional[Iterable[KeySpec]] = None,

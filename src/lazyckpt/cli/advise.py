@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from typing import Any, Dict, List, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
-from lazyckpt.knobs import parse_duration, resolve
+from lazyckpt.knobs import parse_duration
 from lazyckpt.loading.resolve import read_manifest
 from lazyckpt.saving.costs import advise, problems, steps_text, time_text
-from lazyckpt.storage.s3layout import read_manifest as read_object_manifest
+from lazyckpt.storage.stores import join as join_path
 from .inspect import list_directory
 
 
@@ -73,10 +72,7 @@ def read_run(run: str) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], str]
         if "error" in row:
             skipped.append({"step": row["step"], "reason": f"manifest unreadable: {row['error']}"})
             continue
-        if "url" in row:
-            manifest = read_object_manifest(row["url"], resolve())
-        else:
-            manifest = read_manifest(os.path.join(listing["directory"], row["name"]))
+        manifest = read_manifest(join_path(listing["directory"], row["name"]))
         cost = manifest.get("cost")
         if cost is None:
             skipped.append({"step": row["step"], "reason": "no save costs recorded (saved by a lazyckpt "

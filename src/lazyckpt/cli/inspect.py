@@ -5,25 +5,21 @@ footers only."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.errors import CheckpointError
 from lazyckpt.formats import datafile as fmt
-from lazyckpt.formats.names import LATEST, MANIFEST, STEP_DIR, step_dirname
 from lazyckpt.formats.placement import check, pieces
 from lazyckpt.knobs import Options, resolve as resolve_options
 from lazyckpt.loading.reader import CheckpointFile
-from lazyckpt.loading.resolve import object_dir, read_manifest, resolve
+from lazyckpt.loading.resolve import resolve
 from lazyckpt.saving.incremental import owned_bytes, referenced_steps
 from lazyckpt.state.walk import Leaf, itemsize, value_text, walk
-from lazyckpt.storage.layout import CheckpointDir, tree_bytes
-from lazyckpt.storage.s3 import ObjectURL
 from lazyckpt.storage.stores import for_path
-from lazyckpt.storage.s3layout import read_manifest as read_object_manifest
 
 
 def leaf_info(leaf: Leaf, entries: List[fmt.Entry]) -> Dict[str, Any]:
@@ -162,34 +158,42 @@ def _shard_info(key: str, info: Any) -> Dict[str, Any]:
 
 def list_directory(directory: str, lease_expiry_s: Optional[float] = None) -> Dict[str, Any]:
     """Committed steps (with size, commit time, world size) and leftovers of a
-    Checkpointer directory. Reads only: nothing is removed or renamed.
+    Checkpointer directory, on any store. Reads only: nothing is removed or
+    renamed.
 
     On an object store (an ``s3://`` prefix) a step's ``bytes`` are those of
     every object under its committed save prefix, ``mtime`` is when its
     manifest (the commit) was written, and the leftovers are the save
     prefixes without a manifest whose newest object is older than the lease
     expiry (younger ones may be a save in progress and are not listed)."""
-    if for_path(directory).is_remote:
-        return list_url(directory, lease_expiry_s)
-    directory = os.path.abspath(os.fspath(directory))
-    if not os.path.exists(directory):
-        raise CheckpointNotFoundError(f"{directory}: no such directory", path=directory)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: not a directory (use `lazyckpt inspect` for a file)",
-                              path=directory)
-    if os.path.isfile(os.path.join(directory, MANIFEST)):
-        raise CheckpointError(f"{directory}: this is one step directory; list its parent, or use "
-                              f"`lazyckpt inspect`", path=directory)
-    layout = CheckpointDir(directory, lease_expiry_s or resolve_options().lease_expiry_s)
+    options = resolve_options()
+    if lease_expiry_s is not None:
+        options = dataclasses.replace(options, lease_expiry_s=lease_expiry_s)
+    store = for_path(directory)
+    located = store.locate(directory, options, empty_ok=True)
+    if located.kind == "file":
+        raise CheckpointError(f"{located.path}: not a directory but one checkpoint file (use `lazyckpt inspect` "
+                              f"for a file)", path=located.path)
+    if located.kind == "step":
+        raise CheckpointError(f"{located.path}: this is one step directory; list its parent, or use "
+                              f"`lazyckpt inspect`", path=located.path)
+    layout = store.checkpoint_dir(located.path, options)
     steps = []
-    for step in layout.steps():
-        path = layout.step_path(step)
-        row: Dict[str, Any] = {"step": step, "name": os.path.basename(path), "bytes": tree_bytes(path)}
-        _add_manifest(row, lambda: read_manifest(path))
+    for record in layout.step_records():
+        row: Dict[str, Any] = {"step": record.step, "name": record.name, "bytes": record.bytes}
+        if store.is_remote:             # a URL is not its name below the directory's
+            row.update(url=record.path, mtime=record.mtime)
+        _add_manifest(row, lambda: store.read_manifest(record.path, options))
         steps.append(row)
-    leftovers = [{"name": lo.name, "kind": lo.kind, "bytes": lo.bytes, "step": lo.step,
-                  "description": lo.describe()} for lo in layout.leftovers()]
-    return {"directory": directory, "steps": steps, "leftovers": leftovers,
+    leftovers = []
+    for lo in layout.leftovers():
+        row = {"name": lo.name, "kind": lo.kind, "bytes": lo.bytes, "step": lo.step, "description": lo.describe()}
+        if lo.path is not None:
+            row["url"] = lo.path
+        if lo.age_s is not None:
+            row["age_s"] = lo.age_s
+        leftovers.append(row)
+    return {"directory": located.path, "steps": steps, "leftovers": leftovers,
             "latest": steps[-1]["step"] if steps else None, "latest_file": layout.latest_file(),
             "bytes": sum(r["bytes"] for r in steps)}
 
@@ -204,62 +208,6 @@ def _add_manifest(row: Dict[str, Any], read: Callable[[], Dict[str, Any]]) -> No
                    references=manifest.get("references", []))
     except CheckpointError as exc:
         row["error"] = str(exc)
-
-
-def list_url(url: str, lease_expiry_s: Optional[float] = None) -> Dict[str, Any]:
-    options = resolve_options()
-    url = str(ObjectURL.parse(url))
-    directory = object_dir(url, options)
-    store, key = directory.store, directory.prefix
-    if key and store.size(key) is not None:
-        raise CheckpointError(f"{url}: this is one checkpoint object, not a directory (use `lazyckpt inspect`)",
-                              path=url)
-    if store.size(f"{key}/{MANIFEST}" if key else MANIFEST) is not None \
-            or (key and STEP_DIR.match(key.rsplit("/", 1)[-1])):
-        raise CheckpointError(f"{url}: this is one step; list the prefix above its step_* prefix, "
-                              f"or use `lazyckpt inspect`", path=url)
-    committed = directory.committed()
-    # One listing for the sizes and commit times of every save prefix.
-    sizes: Dict[str, int] = {}
-    mtimes: Dict[str, float] = {}
-    base = f"{key}/" if key else ""
-    found = False
-    for obj in store.list(base):
-        found = True
-        rel = obj["Key"][len(base):]
-        parts = rel.split("/")
-        if len(parts) < 3:
-            continue
-        save = "/".join(parts[:2])
-        sizes[save] = sizes.get(save, 0) + int(obj["Size"])
-        if len(parts) == 3 and parts[2] == MANIFEST:
-            mtimes[save] = obj["LastModified"].timestamp()
-    if key and not found:
-        raise CheckpointNotFoundError(f"{url}: no such prefix (no object under it)", path=url)
-    steps = []
-    for step in sorted(committed):
-        name = f"{step_dirname(step)}/{committed[step]}"
-        step_url = directory.save_url(step, committed[step])
-        row: Dict[str, Any] = {"step": step, "name": name, "url": step_url, "bytes": sizes.get(name, 0),
-                               "mtime": mtimes.get(name)}
-        _add_manifest(row, lambda: read_object_manifest(step_url, options))
-        steps.append(row)
-    leftovers = []
-    for prefix, nbytes, age in sorted(directory.leftovers(lease_expiry_s)):
-        name = prefix[len(base):].rstrip("/")
-        m = STEP_DIR.match(name.split("/")[0])
-        leftovers.append({"name": name, "kind": "interrupted-save", "bytes": nbytes,
-                          "step": int(m.group(1)) if m else None, "url": store.url(prefix.rstrip("/")),
-                          "age_s": age,
-                          "description": f"interrupted save: no {MANIFEST}, last written {age:.0f} s ago"})
-    raw = store.get(f"{base}{LATEST}", 64)
-    try:
-        latest_file: Optional[int] = int(raw.decode().strip()) if raw is not None else None
-    except (UnicodeDecodeError, ValueError):
-        latest_file = None
-    return {"directory": url, "steps": steps, "leftovers": leftovers,
-            "latest": steps[-1]["step"] if steps else None, "latest_file": latest_file,
-            "bytes": sum(r["bytes"] for r in steps)}
 
 
 def format_time(unix: Any) -> str:

@@ -48,7 +48,8 @@ from lazyckpt.loading.stepfiles import StepFiles, plain_tensor_entry
 from lazyckpt.state.providers import LoadContext
 from lazyckpt.state.walk import Leaf, walk
 from lazyckpt.storage.fileio import fsync_dir
-from lazyckpt.storage.layout import StepDir, new_token, remove_tree
+from lazyckpt.storage.layout import new_token, remove_tree
+from lazyckpt.storage.stores import for_path
 from .convert import write_safetensors
 from .sources import ST_CODES, SafetensorsSource, TensorSpec, itemsize, read_safetensors_header
 
@@ -142,11 +143,11 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise CheckpointError(f"{config}: no config.json there (--config takes a Hugging Face model or "
                               f"config directory)", path=config)
-    target = resolve_target(src)
-    step = StepDir(target.step_dir, target.step) if target.step_dir else None
+    options = resolve_options(None, **knobs)
+    target = resolve_target(src, options)
     # Hold the step for the whole export: retention elsewhere must not delete it between batches.
-    with (step.reading() if step is not None else contextlib.nullcontext()):
-        options = resolve_options(None, **knobs)
+    with (for_path(target.step_dir).reading_step(target.step_dir, options, target.step) if target.step_dir
+          else contextlib.nullcontext()):
         chosen, tensors = _model_tensors(target, key, prefix, strip, out_dtype, options)
         if config is not None:
             _check_against_config(config, tensors)

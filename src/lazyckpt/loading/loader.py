@@ -1,5 +1,5 @@
-"""Turning a checkpoint back into state: the entry points (a file, a step
-directory, a step on an object store, an ``s3://`` URL) and ``load_tree``,
+"""Turning a checkpoint back into state: the entry points (a path on any
+store, a file, a committed step) and ``load_tree``,
 which selects keys, refuses pickles, reads the entries in parallel, maps
 devices (map_location) and fills ``into=``.
 
@@ -10,6 +10,7 @@ files and the DTensor assembly from their pieces)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import os
 import warnings
@@ -19,14 +20,9 @@ import torch
 
 from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError,
                              CorruptCheckpointError, MissingKeyError, UnsafeObjectError)
-from lazyckpt.formats import manifest as manifests
-from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
 from lazyckpt.state.providers import LoadContext, referenced_entries
-from lazyckpt.storage.fileio import NotARegularFile, read_small_file
-from lazyckpt.storage.layout import StepDir
-from lazyckpt.storage.s3 import store_for
-from lazyckpt.storage.s3layout import ObjectCheckpointDir, reading_object_step
+from lazyckpt.storage.stores import for_path
 from .graft import graft_missing, grafted_node, restrict_to
 from .into import direct_fills, fill_into, unfilled_tensors
 from .reader import CheckpointFile, RefResolver, resolver_for
@@ -128,35 +124,40 @@ def _storage_mapper(map_location: MapLocation) -> Callable[[torch.UntypedStorage
 
 def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, **kwargs: Any) -> Any:
     """Load one checkpoint file (written by a single rank)."""
-    with _os_errors_as_read_errors(path), resolver_for(path, options) as refs:
+    # A lone file inside DIR/step_X/ may refer to DIR's earlier steps (where the store holds references).
+    refs = resolver_for(path, options) if for_path(path).holds_references else contextlib.nullcontext(None)
+    with _os_errors_as_read_errors(path), refs as refs:
         return load_tree(CheckpointFile(path, options, refs), None, pool, **kwargs)
 
 
 def load_step_dir(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
                   **kwargs: Any) -> Any:
-    """Load a committed step directory through its manifest.
+    """Load a committed step (a local step directory or an object store's save
+    prefix) through its manifest, read under the hold: :func:`load_step`."""
+    return load_step(path, None, options, pool, rank, **kwargs)
+
+
+def load_step(path: str, manifest: Optional[Dict[str, Any]], options: Options, pool: cf.ThreadPoolExecutor,
+              rank: Optional[int] = None, **kwargs: Any) -> Any:
+    """Load a committed step on any store (its parsed manifest, or None to
+    read it here, under the hold).
 
     With several saving ranks, rank ``r`` loads the state of saving rank
     ``r % world_size`` (replicated entries and DTensor shards are gathered from
     whichever files hold them). ``rank`` defaults to this process's rank. The
-    step is held (a shared lock on its manifest) while it is read, so that
-    retention in another process does not delete it meanwhile; where it is
-    deleted anyway, the error says so.
-    """
-    m = STEP_DIR.match(os.path.basename(path))
-    step_dir = StepDir(path, int(m.group(1)) if m else None)
-    with _os_errors_as_read_errors(path), step_dir.reading() as held, \
-            RefResolver(os.path.dirname(os.path.abspath(path)), options) as refs:
+    step is held while it is read (``Store.reading_step``: a shared lock on
+    its manifest, a reader lease on an object store), so that retention and
+    prune in another process keep it; where it is deleted anyway (a file
+    system without locks, an expired lease, another tool), the error says so
+    instead of reporting the vanished files as damage."""
+    store = for_path(path)
+    with _os_errors_as_read_errors(path), store.reading_step(path, options) as held, \
+            _references(store, held, options) as refs:
         try:
-            manifest_path = os.path.join(path, MANIFEST)
-            try:
-                raw = read_small_file(manifest_path, manifests.MAX_MANIFEST_BYTES)
-            except NotARegularFile:
-                raise CorruptCheckpointError(f"{manifest_path}: not a regular file",
-                                             path=manifest_path) from None
-            if raw is None:
-                raise CheckpointNotFoundError(f"{path}: no committed checkpoint (no {MANIFEST})", path=path)
-            manifest = manifests.parse(raw, manifest_path)
+            if manifest is None:
+                manifest = held.read_manifest()
+            elif not held.still_there():        # gone between the caller's read and our hold
+                raise held.deleted()
             if rank is None:
                 rank = _current_rank()
             step = StepFiles(path, manifest, options, refs)
@@ -167,28 +168,12 @@ def load_step_dir(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank
             raise
 
 
-def load_step(url: str, manifest: Dict[str, Any], options: Options, pool: cf.ThreadPoolExecutor,
-              rank: Optional[int] = None, **kwargs: Any) -> Any:
-    """Load a committed step on an object store (its save prefix, and its
-    parsed manifest or None to read it here): as :func:`load_step_dir`. The
-    step is held by a reader lease (``tiers.reading_object_step``) while it is
-    read, so that retention and prune elsewhere keep it; where it is deleted
-    anyway (an expired lease, another tool) the error says so, as on a local
-    directory, instead of reporting the vanished objects as damage."""
-    with reading_object_step(url, options) as held:
-        if manifest is None:
-            manifest = held.manifest()
-        elif not held.still_there():        # gone between the caller's read and our lease
-            raise held.deleted()
-        if rank is None:
-            rank = _current_rank()
-        try:
-            step = StepFiles(url, manifest, options, None)
-            return load_tree(step.file(rank % manifest["world_size"]), step, pool, **kwargs)
-        except CheckpointError as exc:
-            if not held.still_there():
-                raise held.deleted() from exc
-            raise
+def _references(store: Any, held: Any, options: Options) -> Any:
+    """The resolver of a step's incremental references (its directory's earlier
+    steps), where the store holds any."""
+    if not store.holds_references:
+        return contextlib.nullcontext(None)
+    return RefResolver(os.path.dirname(os.path.abspath(held.path)), options)
 
 
 def _current_rank() -> int:
@@ -381,18 +366,11 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     return state
 
 
-def load_url(url: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
-             **kwargs: Any) -> Any:
-    """Load an object (one checkpoint file), a committed save prefix (with its
-    manifest), or the latest step of an object-store checkpoint directory."""
-    store, key = store_for(url, options.storage_options)
-    if key and store.size(key) is not None:
-        return load_file(url, options, pool, **kwargs)
-    if store.size(f"{key}/{MANIFEST}" if key else MANIFEST) is not None:
-        return load_step(url, None, options, pool, rank, **kwargs)     # its manifest: read under the lease
-    directory = ObjectCheckpointDir(url, options)
-    latest = directory.latest()
-    if latest is None:
-        raise CheckpointNotFoundError(f"{url}: no checkpoint object and no committed step here", path=url)
-    step_url = directory.step_path(latest)
-    return load_step(step_url, None, options, pool, rank, **kwargs)
+def load_path(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
+              **kwargs: Any) -> Any:
+    """Load what ``path`` designates on its store (``Store.locate``): one data
+    file, a committed step, or the latest step of a Checkpointer directory."""
+    located = for_path(path).locate(path, options)
+    if located.kind == "file":
+        return load_file(located.path, options, pool, **kwargs)
+    return load_step(located.step_path, None, options, pool, rank, **kwargs)     # its manifest: read under the hold

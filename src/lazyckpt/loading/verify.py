@@ -96,10 +96,10 @@ def verify(path: str, options: Optional[Options] = None,
     options = options or resolve_options()
     target = resolve(path, options)
     report = VerifyReport(target)
-    # Remote stores hold no incremental steps (references name local step
-    # directories): a "ref" entry there is reported as unresolvable.
-    with (contextlib.nullcontext(None) if for_path(target.path).is_remote
-          else resolver_for(target.files[0][1], options)) as refs:
+    # Only a store that holds incremental steps resolves references; elsewhere
+    # a "ref" entry is reported as unresolvable.
+    with (resolver_for(target.files[0][1], options) if for_path(target.path).holds_references
+          else contextlib.nullcontext(None)) as refs:
         _verify(target, report, options, refs, progress, on_total)
     return report
 

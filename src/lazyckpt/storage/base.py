@@ -14,6 +14,7 @@ bytes         ``fileio.OutputFile`` /            ``s3.ObjectOutput`` / ``s3.Obje
 directory     ``layout.CheckpointDir``,          ``s3layout.ObjectCheckpointDir``,
               ``layout.Lease``,                  ``s3layout.ObjectLease``,
               ``layout.WriterLease``             ``s3layout.ObjectWriterLease``
+held step     ``layout.StepDir.reading``         ``s3layout.reading_object_step``
 ============  =================================  ==========================================
 
 Why an ABC for :class:`Store` and ``Protocol`` classes for the rest: a store is
@@ -30,14 +31,23 @@ Making a save visible is the store's too (:class:`PendingFile`,
 object-store step a manifest object written last, and the commit strategies
 of :mod:`lazyckpt.saving.commit` (which agree between ranks and decide what
 goes into the manifest) only call ``publish``.
+
+The read side is here too: :meth:`Store.locate` is the one resolver (what a
+path designates), :meth:`Store.reading_step` holds a step while it is read,
+and the ``Directory`` read members give listing and prune one record per step
+and per leftover on every store.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Protocol, Tuple, runtime_checkable
+
+from lazyckpt.formats.names import MANIFEST
 
 if TYPE_CHECKING:
+    from lazyckpt.errors import CheckpointNotFoundError
     from lazyckpt.knobs import Options
 
 
@@ -147,8 +157,99 @@ class PendingStep(Protocol):
     def discard(self) -> None:
         """Remove what this save wrote, never a committed step; idempotent."""
 
+# ---------------------------------------------------------------------- records
+
+# Plain data the read side gets from any store: what a path designates, the
+# committed steps and the leftovers of a directory. Dataclasses, not protocols:
+# a store fills them in, callers only read them.
+
+@dataclass
+class Located:
+    """What a path designates (:meth:`Store.locate`)."""
+    #: "file" (one data file), "step" (a committed step) or "directory" (a
+    #: Checkpointer directory: its latest committed step is the one to read).
+    kind: str
+    #: The path, normalized by its store.
+    path: str
+    #: Where the step to read is ("step": the path itself or its committed save;
+    #: "directory": its latest step); None for a file.
+    step_path: Optional[str] = None
+    #: That step's number where its name says it, else None.
+    step: Optional[int] = None
+    #: Committed steps, oldest first ("directory" only).
+    steps: List[int] = field(default_factory=list)
+
+
+@dataclass
+class StepRecord:
+    """One committed step in a directory's listing (:meth:`Directory.step_records`)."""
+    step: int
+    #: Its name relative to the directory (``step_X``, or ``step_X/<save_id>``).
+    name: str
+    #: Where it is read from (:meth:`Directory.step_path`).
+    path: str
+    #: Bytes of everything it holds.
+    bytes: int
+    #: When its commit was written, where the listing says so without another
+    #: request (an object's LastModified); None otherwise.
+    mtime: Optional[float] = None
+
+
+@dataclass
+class Leftover:
+    """A name in a checkpoint directory that is not a committed step."""
+    name: str
+    #: "saving" (a live save), "interrupted-save" (provably dead), "deleting",
+    #: "abandoned" (superseded by a rollback), "small-tmp", "incomplete-step", "dead-writer"
+    kind: str
+    bytes: int
+    step: Optional[int] = None
+    #: Its full address, where the name alone is not enough to reach it (an object prefix).
+    path: Optional[str] = None
+    #: Seconds since it was last written, where the store measures leftovers by age.
+    age_s: Optional[float] = None
+
+    def describe(self) -> str:
+        if self.kind == "interrupted-save" and self.age_s is not None:
+            return f"interrupted save: no {MANIFEST}, last written {self.age_s:.0f} s ago"
+        return {"saving": "save in progress (leased)",
+                "interrupted-save": "interrupted save (its lease expired)",
+                "deleting": "interrupted delete",
+                "abandoned": "abandoned: superseded by a save of an older step (rollback)",
+                "small-tmp": "interrupted update of a small file",
+                "dead-writer": "writer lease of a Checkpointer that died (unlocked, heartbeat expired)",
+                "incomplete-step": f"not committed: no {MANIFEST}"}[self.kind]
+
+    @property
+    def removable(self) -> bool:
+        """What a cleanup may remove without asking: provably dead leftovers."""
+        return self.kind in ("interrupted-save", "deleting", "small-tmp", "dead-writer")
+
 
 # ---------------------------------------------------------------------- directory
+
+@runtime_checkable
+class HeldStep(Protocol):
+    """A committed step held for reading (:meth:`Store.reading_step`): while it
+    is held, retention and prune in any process leave it alone."""
+
+    #: The step's location, as given.
+    path: str
+    #: Its number where its name says it, else None.
+    step: Optional[int]
+    #: The Checkpointer directory it belongs to (the identity of its run).
+    directory: str
+
+    def read_manifest(self) -> Dict[str, Any]:
+        """Its manifest, read under the hold (``CheckpointNotFoundError`` if none)."""
+
+    def still_there(self) -> bool:
+        """Whether the step is still committed; True when the store cannot say
+        (then the caller's original error is the one to report)."""
+
+    def deleted(self) -> "CheckpointNotFoundError":
+        """The error that says the step was deleted while it was being read."""
+
 
 @runtime_checkable
 class Lease(Protocol):
@@ -220,6 +321,31 @@ class Directory(Protocol):
     def step_paths(self) -> Dict[int, str]:
         """Every committed step -> where it is read from, from one listing."""
 
+    # The read side: what listing, prune and the study tools ask of a directory.
+
+    def step_records(self) -> List[StepRecord]:
+        """The committed steps with their sizes, oldest first (reads nothing else)."""
+
+    def latest_file(self) -> Optional[int]:
+        """What the advisory ``latest`` says, or None (missing or unreadable)."""
+
+    def leftovers(self, expiry_s: Optional[float] = None) -> List[Leftover]:
+        """What is here besides committed steps (reads only); a save counts as
+        dead once older than ``expiry_s`` (default: the directory's lease expiry)."""
+
+    def remove_leftovers(self, leftovers: List[Leftover]) -> Dict[str, Optional[str]]:
+        """Remove these leftovers (of :meth:`leftovers`, removable or abandoned):
+        name -> None when gone, or why it was kept. One that became live since
+        it was listed stays where the store can tell."""
+
+    def retention_plan(self, keep: int) -> Tuple[List[int], List[int]]:
+        """(steps to delete to keep the ``keep`` newest, newest first; older steps
+        kept because a kept step refers to them)."""
+
+    def retire_old(self, keep: int) -> Tuple[List[int], List[int]]:
+        """Apply :meth:`retention_plan`: (deleted, kept because referred to or
+        being read)."""
+
 
 # ---------------------------------------------------------------------- store
 
@@ -238,6 +364,10 @@ class Store(abc.ABC):
     #: incremental references and replicas need a local directory, foreign file formats
     #: are written locally), never the path's spelling.
     is_remote: bool = False
+    #: Whether a step here may refer to bytes of earlier steps (incremental saves):
+    #: a reader then resolves references in the step's directory. Only stores
+    #: that write incremental steps say so (today the local file system).
+    holds_references: bool = False
 
     def claims(self, path: str) -> bool:
         """Whether ``path`` names this store; a malformed path of this store's
@@ -285,3 +415,25 @@ class Store(abc.ABC):
         ``CheckpointNotFoundError`` here, where the store has directories).
         ``beside``: where a temporary name is needed, make it a sibling of this
         path (a directory a framework assembles and then moves into place)."""
+
+    # The read side: the one resolver (what a path means), a step's manifest, a held step.
+
+    @abc.abstractmethod
+    def locate(self, path: str, options: "Options", empty_ok: bool = False) -> Located:
+        """What ``path`` designates: one data file, a committed step, or a
+        Checkpointer directory (and its latest step). Raises
+        ``CheckpointNotFoundError`` if nothing is there, or (unless ``empty_ok``)
+        a directory without a committed step. Reads no manifest."""
+
+    @abc.abstractmethod
+    def read_manifest(self, step_path: str, options: "Options") -> Dict[str, Any]:
+        """The parsed manifest of the committed step at ``step_path``
+        (``CheckpointNotFoundError`` if it has none)."""
+
+    @abc.abstractmethod
+    def reading_step(self, step_path: str, options: "Options",
+                     step: Optional[int] = None) -> ContextManager[HeldStep]:
+        """Hold the committed step at ``step_path`` while it is read (a shared
+        lock, a reader lease): ``with store.reading_step(p, options) as held``.
+        Raises ``CheckpointNotFoundError`` if it is not (or no longer) committed
+        where the store can tell at once."""

@@ -38,14 +38,14 @@ import stat
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
 from lazyckpt.history import LocalRecord
-from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
+from .base import Leftover, StepRecord
+from .fileio import NotARegularFile, fsync_dir, read_small_file, remove_quietly, write_file_atomic
 
 log = logging.getLogger("lazyckpt")
 
@@ -260,8 +260,24 @@ class StepDir:
 
 
 class _Held:
+    """A step held by :meth:`StepDir.reading` (a ``base.HeldStep``)."""
+
     def __init__(self, step_dir: StepDir, fd: int, manifest: str):
-        self.step_dir, self.fd, self.manifest = step_dir, fd, manifest
+        self.step_dir, self.fd, self.manifest = step_dir, fd, manifest     # the manifest's path
+        self.path, self.step = step_dir.path, step_dir.step
+        self.directory = os.path.realpath(os.path.dirname(step_dir.path))
+
+    def read_manifest(self) -> Dict:
+        """The manifest, read again now that the step is held."""
+        try:
+            raw = read_small_file(self.manifest, manifests.MAX_MANIFEST_BYTES)
+        except NotARegularFile:
+            raise CorruptCheckpointError(f"{self.manifest}: not a regular file",
+                                         path=self.manifest) from None
+        if raw is None:
+            raise CheckpointNotFoundError(f"{self.path}: no committed checkpoint (no {MANIFEST})",
+                                          path=self.path, step=self.step)
+        return manifests.parse(raw, self.manifest)
 
     def still_there(self) -> bool:
         """Whether the step's path still names the manifest being held."""
@@ -309,31 +325,6 @@ def _lock_for_delete(step_path: str) -> Tuple[Optional[int], bool]:
 
 
 # --------------------------------------------------------------------------- leftovers
-
-
-@dataclass
-class Leftover:
-    """A name in a checkpoint directory that is not a committed step."""
-    name: str
-    #: "saving" (a live save), "interrupted-save" (provably dead), "deleting",
-    #: "abandoned" (superseded by a rollback), "small-tmp", "incomplete-step", "dead-writer"
-    kind: str
-    bytes: int
-    step: Optional[int] = None
-
-    def describe(self) -> str:
-        return {"saving": "save in progress (leased)",
-                "interrupted-save": "interrupted save (its lease expired)",
-                "deleting": "interrupted delete",
-                "abandoned": "abandoned: superseded by a save of an older step (rollback)",
-                "small-tmp": "interrupted update of a small file",
-                "dead-writer": "writer lease of a Checkpointer that died (unlocked, heartbeat expired)",
-                "incomplete-step": f"not committed: no {MANIFEST}"}[self.kind]
-
-    @property
-    def removable(self) -> bool:
-        """What a cleanup may remove without asking: provably dead leftovers."""
-        return self.kind in ("interrupted-save", "deleting", "small-tmp", "dead-writer")
 
 
 def tree_bytes(path: str) -> int:
@@ -457,9 +448,6 @@ class CheckpointDir:
         """The local record of the line of history (``DIR/history.json``)."""
         LocalRecord(self.path).add(event, self.steps())
 
-    def step_paths(self) -> Dict[int, str]:
-        return {s: self.step_path(s) for s in self.steps()}
-
     def write_latest(self, step: int) -> None:
         write_file_atomic(os.path.join(self.path, LATEST), f"{step}\n".encode())
 
@@ -570,21 +558,22 @@ class CheckpointDir:
 
     # ---------------------------------------------------------------- leftovers
 
-    def leftovers(self) -> List[Leftover]:
+    def leftovers(self, expiry_s: Optional[float] = None) -> List[Leftover]:
+        expiry = self.lease_expiry_s if expiry_s is None else expiry_s
         out = []
         now = time.time()
         for name in sorted(os.listdir(self.path)):
             path = os.path.join(self.path, name)
             if name.startswith(TEMP_PREFIX + "step_"):
-                kind = "saving" if is_live(path, self.lease_expiry_s, now) else "interrupted-save"
+                kind = "saving" if is_live(path, expiry, now) else "interrupted-save"
             elif name.startswith(DELETING_PREFIX + "step_"):
                 kind = "deleting"
             elif name.startswith(ABANDONED_PREFIX + "step_"):
                 kind = "abandoned"
             elif SMALL_TEMP.match(name):
-                kind = "saving" if is_live(path, self.lease_expiry_s, now) else "small-tmp"
+                kind = "saving" if is_live(path, expiry, now) else "small-tmp"
             elif name == WRITER:
-                if is_live(path, self.lease_expiry_s, now):
+                if is_live(path, expiry, now):
                     continue            # a live writer's lease: not a leftover
                 kind = "dead-writer"
             elif STEP_DIR.match(name) and os.path.isdir(path) and \
@@ -612,6 +601,27 @@ class CheckpointDir:
         if removed:
             log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", self.path, removed)
         return removed
+
+    # ---------------------------------------------------------------- the read side (base.Directory)
+
+    def step_paths(self) -> Dict[int, str]:
+        return {step: self.step_path(step) for step in self.steps()}
+
+    def step_records(self) -> List[StepRecord]:
+        return [StepRecord(step, os.path.basename(path), path, tree_bytes(path))
+                for step, path in self.step_paths().items()]
+
+    def remove_leftovers(self, leftovers: List[Leftover]) -> Dict[str, Optional[str]]:
+        """What ``leftovers()`` listed goes as it is (prune asked for it); locks
+        were checked when it was listed."""
+        out: Dict[str, Optional[str]] = {}
+        for leftover in leftovers:
+            try:
+                remove_tree(os.path.join(self.path, leftover.name))
+                out[leftover.name] = None
+            except OSError as exc:
+                out[leftover.name] = f"{exc.strerror or exc}"
+        return out
 
 
 # --------------------------------------------------------------------------- saves in progress

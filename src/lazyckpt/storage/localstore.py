@@ -5,19 +5,22 @@ written and read at explicit offsets (O_DIRECT or buffered, as measured by
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
-from lazyckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.formats import manifest as manifests
+from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
-from .base import Store
-from .fileio import InputFile, NotARegularFile, OutputFile, open_regular
+from .base import HeldStep, Located, Store
+from .fileio import InputFile, NotARegularFile, OutputFile, open_regular, read_small_file
 from .iomode import use_o_direct
-from .layout import CheckpointDir, PendingSiblingFile
+from .layout import CheckpointDir, PendingSiblingFile, StepDir
 
 
 class LocalStore(Store):
     name = "local"
     is_remote = False
+    holds_references = True             # incremental steps refer to their siblings' files
 
     def claims(self, path: str) -> bool:
         return True                     # the registry asks it last, after every URL scheme
@@ -59,3 +62,44 @@ class LocalStore(Store):
     def pending_file(self, final: str, options: Options, make_parents: bool = False,
                      beside: Optional[str] = None) -> PendingSiblingFile:
         return PendingSiblingFile(final, make_parents, beside)
+
+    # ---------------------------------------------------------------- the read side
+
+    def locate(self, path: str, options: Options, empty_ok: bool = False) -> Located:
+        path = self.normalize(path)
+        if not os.path.exists(path):
+            # empty_ok: a listing, which only takes a directory
+            what = "directory" if empty_ok else "file or directory"
+            raise CheckpointNotFoundError(f"{path}: no such {what}", path=path)
+        if os.path.isfile(path):
+            return Located("file", path)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: not a regular file or directory", path=path)
+        if os.path.isfile(os.path.join(path, MANIFEST)):
+            m = STEP_DIR.match(os.path.basename(path))
+            return Located("step", path, path, int(m.group(1)) if m else None)
+        directory = self.checkpoint_dir(path, options)
+        steps = directory.steps()
+        if not steps:
+            if empty_ok:
+                return Located("directory", path)
+            hint = ""
+            if os.path.isfile(os.path.join(path, ".metadata")):
+                hint = " (it looks like a torch.distributed.checkpoint directory: use `lazyckpt convert`)"
+            raise CheckpointNotFoundError(f"{path}: no committed checkpoint in this directory{hint}", path=path)
+        return Located("directory", path, directory.step_path(steps[-1]), steps[-1], steps)
+
+    def read_manifest(self, step_path: str, options: Options) -> Dict[str, Any]:
+        path = os.path.join(step_path, MANIFEST)
+        raw = read_small_file(path, manifests.MAX_MANIFEST_BYTES)
+        if raw is None:
+            raise CheckpointNotFoundError(f"{step_path}: not a committed step (no {MANIFEST})", path=step_path)
+        return manifests.parse(raw, path)
+
+    def reading_step(self, step_path: str, options: Options,
+                     step: Optional[int] = None) -> ContextManager[HeldStep]:
+        """A shared lock on its manifest (``layout.StepDir.reading``)."""
+        if step is None:
+            m = STEP_DIR.match(os.path.basename(os.path.abspath(step_path)))
+            step = int(m.group(1)) if m else None
+        return StepDir(step_path, step).reading()

@@ -32,6 +32,7 @@ from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import LATEST, MANIFEST, rank_filename, step_dirname
 from lazyckpt.history import Event, event_key, line, parse_event_key, prunable
 from lazyckpt.knobs import Options
+from .base import Leftover, StepRecord
 from .layout import deleted_while_reading, describe_writer
 from .s3 import ObjectURL, store_for
 
@@ -315,12 +316,17 @@ def reading_object_step(step_url: str, options: Options) -> Iterator["_HeldObjec
 
 
 class _HeldObjectStep:
+    """A save prefix held by :func:`reading_object_step` (a ``base.HeldStep``)."""
+
     def __init__(self, store: Any, key: str, url: str):
         self.store, self.key, self.url = store, key, url
+        self.path = url
         m = re.search(r"step_(\d{10})/[^/]+$", key)
         self.step = int(m.group(1)) if m else None
+        # DIR/step_X/<save_id>: the run is two levels up (a bare save prefix: itself).
+        self.directory = url.rsplit("/", 2)[0] if m else url
 
-    def manifest(self) -> Dict[str, Any]:
+    def read_manifest(self) -> Dict[str, Any]:
         raw = self.store.get(f"{self.key}/{MANIFEST}", manifests.MAX_MANIFEST_BYTES)
         if raw is None:
             raise CheckpointNotFoundError(f"{self.url}: no committed checkpoint (no {MANIFEST})",
@@ -470,9 +476,6 @@ class ObjectCheckpointDir:
     def record_event(self, event: Event) -> None:
         self.put_event(event)
 
-    def step_paths(self) -> Dict[int, str]:
-        return {s: self.save_url(s, sid) for s, sid in self.committed().items()}
-
     def write_latest(self, step: int) -> None:
         self.store.put(self._key(LATEST), f"{step}\n".encode())
 
@@ -533,10 +536,12 @@ class ObjectCheckpointDir:
 
     # ---------------------------------------------------------------- leftovers
 
-    def leftovers(self, expiry_s: Optional[float] = None) -> List[Tuple[str, int, float]]:
+    def leftovers(self, expiry_s: Optional[float] = None) -> List[Leftover]:
         """Save prefixes without a manifest that are provably dead: their newest
         object (the heartbeat included) and their newest open multipart upload
-        are older than the lease expiry. (prefix key, bytes, age in seconds)."""
+        are older than the lease expiry ("interrupted-save", named
+        ``step_X/<save_id>`` relative to the directory, oldest name first).
+        Younger ones may be a save in progress and are not listed."""
         expiry = self.options.lease_expiry_s if expiry_s is None else expiry_s
         groups: Dict[str, List[Any]] = {}
         uploads: Dict[str, List[Any]] = {}
@@ -562,8 +567,11 @@ class ObjectCheckpointDir:
             age = min((now - t).total_seconds() for t in times)
             # expiry 0: whatever its age (server stamps have 1 s resolution: "now" may equal them).
             if age > expiry or expiry <= 0:
-                out.append((prefix, sum(o["Size"] for o in groups.get(prefix, [])), age))
-        return out
+                name = self._relative(prefix).rstrip("/")
+                m = _SAVE_KEY.match(name + "/")
+                out.append(Leftover(name, "interrupted-save", sum(o["Size"] for o in groups.get(prefix, [])),
+                                    int(m.group(1)) if m else None, self.store.url(prefix.rstrip("/")), age))
+        return sorted(out, key=lambda lo: lo.name)
 
     def _save_prefix(self, key: str) -> Optional[str]:
         m = _SAVE_KEY.match(self._relative(key))
@@ -573,12 +581,87 @@ class ObjectCheckpointDir:
         """Delete dead saves' prefixes and abort their open uploads (never a
         save whose heartbeat or upload is younger than the lease expiry)."""
         removed = []
-        for prefix, _, _ in self.leftovers(expiry_s):
+        for leftover in self.leftovers(expiry_s):
+            prefix = self._key(leftover.name) + "/"
             for up in self.store.uploads(prefix):
                 self.store.abort_upload(up["Key"], up["UploadId"])
             self.store.delete([o["Key"] for o in self.store.list(prefix)])
             removed.append(self.store.url(prefix))
         return removed
+
+    # ---------------------------------------------------------------- the read side (base.Directory)
+
+    def step_paths(self) -> Dict[int, str]:
+        committed = self.committed()
+        return {s: self.save_url(s, committed[s]) for s in sorted(committed)}
+
+    def step_records(self) -> List[StepRecord]:
+        """From two listings (the committed saves, then every object for the
+        sizes and the manifests' LastModified: the commit times)."""
+        committed = self.committed()
+        sizes: Dict[str, int] = {}
+        mtimes: Dict[str, float] = {}
+        for obj in self.store.list(self._key("")):
+            parts = self._relative(obj["Key"]).split("/")
+            if len(parts) < 3:
+                continue
+            save = "/".join(parts[:2])
+            sizes[save] = sizes.get(save, 0) + int(obj["Size"])
+            if len(parts) == 3 and parts[2] == MANIFEST:
+                mtimes[save] = obj["LastModified"].timestamp()
+        out = []
+        for step in sorted(committed):
+            name = f"{step_dirname(step)}/{committed[step]}"
+            out.append(StepRecord(step, name, self.save_url(step, committed[step]), sizes.get(name, 0),
+                                  mtimes.get(name)))
+        return out
+
+    def latest_file(self) -> Optional[int]:
+        raw = self.store.get(self._key(LATEST), 64)
+        try:
+            return int(raw.decode().strip()) if raw is not None else None
+        except (UnicodeDecodeError, ValueError):
+            return None
+
+    def remove_leftovers(self, leftovers: List[Leftover]) -> Dict[str, Optional[str]]:
+        """Through :meth:`clean_leftovers`, which lists again: a prefix written to
+        since it was listed is young again and stays (no lock says so here)."""
+        try:
+            removed = {u.rstrip("/") for u in self.clean_leftovers()}
+        except CheckpointError as exc:
+            return {lo.name: str(exc) for lo in leftovers}
+        out: Dict[str, Optional[str]] = {}
+        for lo in leftovers:
+            prefix = self._key(lo.name)
+            if self.store.url(prefix) in removed or next(iter(self.store.list(prefix + "/")), None) is None:
+                out[lo.name] = None     # removed (by us, or concurrently: the outcome wanted)
+            else:
+                out[lo.name] = "written to since it was listed (a save may be in progress); kept"
+        return out
+
+    def retention_plan(self, keep: int) -> Tuple[List[int], List[int]]:
+        """No references here (incremental steps are local only): the older steps, newest first."""
+        steps = self.steps()
+        return list(reversed(steps[:-keep] if keep else steps)), []
+
+    def retire_old(self, keep: int) -> Tuple[List[int], List[int]]:
+        """Each step's manifest first, then its data; a step with a live reader
+        lease stays, as a locked one does locally. Then the history events of
+        the deleted steps (FORMAT.md §11.10)."""
+        doomed, _ = self.retention_plan(keep)
+        deleted, kept = [], []
+        for step in doomed:
+            if self.delete_step(step) or step not in self.committed():
+                deleted.append(step)        # (or deleted concurrently: the outcome wanted)
+            else:
+                log.info("lazyckpt: %s: step %d is being read; deleting it later", self.url, step)
+                kept.append(step)
+        if doomed:
+            try:
+                self.prune_events()
+            except CheckpointError as exc:
+                log.warning("lazyckpt: %s: pruning history events failed: %s", self.url, exc)
+        return deleted, sorted(kept)
 
 
 # ---------------------------------------------------------------------- saves in progress

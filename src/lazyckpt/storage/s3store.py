@@ -4,13 +4,14 @@ committed by a manifest object (``s3layout``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 from lazyckpt.errors import CheckpointNotFoundError
+from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
-from .base import Store
+from .base import HeldStep, Located, Store
 from .s3 import SCHEME, ObjectInput, ObjectOutput, ObjectURL, store_for
-from .s3layout import ObjectCheckpointDir, PendingObject
+from .s3layout import ObjectCheckpointDir, PendingObject, read_manifest, reading_object_step
 
 
 class S3Store(Store):
@@ -57,3 +58,43 @@ class S3Store(Store):
     def pending_file(self, final: str, options: Options, make_parents: bool = False,
                      beside: Optional[str] = None) -> PendingObject:
         return PendingObject(self.normalize(final))
+
+    # ---------------------------------------------------------------- the read side
+
+    def locate(self, path: str, options: Options, empty_ok: bool = False) -> Located:
+        """An object, a committed save prefix (``.../step_X/<save_id>`` or
+        ``.../step_X``) or a Checkpointer directory prefix (-> its latest step).
+        Objects and prefixes: nothing to stat, so a HEAD per candidate."""
+        url = self.normalize(path)
+        store, key = store_for(url, options.storage_options)
+        store.check()           # wrong credentials, a missing bucket: one clear error first
+        if key and store.size(key) is not None:
+            return Located("file", url)
+        u = ObjectURL.parse(url)
+        m = STEP_DIR.match(u.name) if u.key else None
+        if store.size(f"{key}/{MANIFEST}" if key else MANIFEST) is not None:
+            return Located("step", url, url)
+        if m is not None:                           # DIR/step_X: its committed save
+            parent = ObjectCheckpointDir(str(ObjectURL(u.bucket, u.key.rpartition("/")[0])), options)
+            committed = parent.committed()
+            if int(m.group(1)) in committed:
+                return Located("step", url, f"{url}/{committed[int(m.group(1))]}", int(m.group(1)))
+        directory = ObjectCheckpointDir(url, options)
+        paths = directory.step_paths()
+        if not paths:
+            if empty_ok and (not key or next(iter(store.list(f"{key}/")), None) is not None):
+                return Located("directory", url)
+            if empty_ok:
+                raise CheckpointNotFoundError(f"{url}: no such prefix (no object under it)", path=url)
+            raise CheckpointNotFoundError(f"{url}: no checkpoint object, committed save or committed checkpoint "
+                                          f"under this prefix", path=url)
+        steps = sorted(paths)
+        return Located("directory", url, paths[steps[-1]], steps[-1], steps)
+
+    def read_manifest(self, step_path: str, options: Options) -> Dict[str, Any]:
+        return read_manifest(step_path, options)
+
+    def reading_step(self, step_path: str, options: Options,
+                     step: Optional[int] = None) -> ContextManager[HeldStep]:
+        """A reader lease under the save prefix (``s3layout.reading_object_step``)."""
+        return reading_object_step(step_path, options)

@@ -36,14 +36,11 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
-from lazyckpt.formats.names import step_dirname
 from lazyckpt.loading.stepfiles import StepFiles, plain_tensor_entry
 from lazyckpt.loading.reader import CheckpointFile, RefResolver, resolver_for
 from lazyckpt.loading.resolve import resolve
 from lazyckpt.state.providers import LoadContext, dtype_from_name
 from lazyckpt.state.walk import walk
-from lazyckpt.storage.layout import CheckpointDir, StepDir
-from lazyckpt.storage.s3layout import ObjectCheckpointDir, reading_object_step
 from lazyckpt.storage.stores import for_path
 from .. import api
 from ..errors import CheckpointNotFoundError
@@ -157,20 +154,17 @@ class StepView:
         self.refs: Optional[RefResolver] = None
         self.files: Dict[Optional[int], CheckpointFile] = {}
         self.step_files: Optional[StepFiles] = None
+        store = for_path(target.path)
         if target.step_dir is None:                       # a lone file
-            if not for_path(target.path).is_remote:        # references name local steps only
+            if store.holds_references:
                 self.refs = self._holds.enter_context(resolver_for(target.path, self.options))
             self.files[None] = CheckpointFile(target.path, self.options, self.refs)
             self.root = target.path
             return
-        manifest = target.manifest
-        if for_path(target.step_dir).is_remote:
-            held = self._holds.enter_context(reading_object_step(target.step_dir, self.options))
-            manifest = held.manifest()                    # again, under the lease
-            self.root = target.step_dir.rsplit("/", 2)[0]
-        else:
-            self._holds.enter_context(StepDir(target.step_dir, self.step).reading())
-            self.root = os.path.realpath(os.path.dirname(target.step_dir))
+        held = self._holds.enter_context(store.reading_step(target.step_dir, self.options, self.step))
+        manifest = held.read_manifest()                   # again, under the hold
+        self.root = held.directory
+        if store.holds_references:
             self.refs = self._holds.enter_context(RefResolver(os.path.dirname(target.step_dir), self.options))
         self.step_files = StepFiles(target.step_dir, manifest, self.options, self.refs)
         for rank in range(manifest["world_size"]):
@@ -279,16 +273,16 @@ class StepView:
 
 def _step_location(run: str, step: int, options: Options) -> str:
     """``RUN@STEP`` -> that committed step's directory or save prefix."""
-    if for_path(run).is_remote:
-        return ObjectCheckpointDir(run, options).step_path(step)     # CheckpointNotFoundError if absent
-    run = os.path.abspath(run)
-    if not os.path.isdir(run):
+    store = for_path(run)
+    run = store.normalize(run)
+    if not store.is_remote and not os.path.isdir(run):     # nothing to stat on a remote store
         raise CheckpointNotFoundError(f"{run}: no such Checkpointer directory", path=run)
-    steps = CheckpointDir(run).steps()
-    if step not in steps:
-        shown = ", ".join(map(str, steps[-10:])) or "none"
+    store.check(run, options)
+    paths = store.checkpoint_dir(run, options).step_paths()
+    if step not in paths:
+        shown = ", ".join(map(str, sorted(paths)[-10:])) or "none"
         raise CheckpointNotFoundError(f"{run}: no committed step {step} (committed: {shown})", path=run, step=step)
-    return os.path.join(run, step_dirname(step))
+    return paths[step]
 
 
 # --------------------------------------------------------------------------- reading boxes

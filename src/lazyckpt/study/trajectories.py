@@ -20,8 +20,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
-from lazyckpt.storage.layout import CheckpointDir
-from lazyckpt.storage.s3layout import ObjectCheckpointDir
 from lazyckpt.storage.stores import for_path
 from ..errors import CheckpointNotFoundError, MissingKeyError
 from ..history import Event, History, line
@@ -125,22 +123,22 @@ def run_steps(run: str, persist_to: Optional[str] = None,
     (a save abandoned by a rollback is not one). A step on both tiers is read
     from the local one. ``run`` may itself be an ``s3://`` prefix."""
     options = options or resolve_options()
-    if for_path(run).is_remote:
-        if persist_to is not None:
+    store = for_path(run)
+    run = store.normalize(run)
+    if store.is_remote:
+        if persist_to is not None:      # policy: a persistent tier backs a local directory
             raise ValueError("persist_to= is the persistent tier of a local run directory; "
                              f"{run} is itself on an object store")
-        directory = ObjectCheckpointDir(run, options)
-        directory.store.check()
-        committed = directory.committed()
-        return [(s, "object store", directory.save_url(s, committed[s])) for s in sorted(committed)]
-    run = os.path.abspath(run)
-    if not os.path.isdir(run):
+    elif not os.path.isdir(run):        # nothing to stat on a remote store
         raise CheckpointNotFoundError(f"{run}: no such Checkpointer directory", path=run)
-    layout = CheckpointDir(run)
+    store.check(run, options)
+    layout = store.checkpoint_dir(run, options)
     if persist_to is None:
-        return [(s, "local", layout.step_path(s)) for s in layout.steps()]
-    remote_dir = ObjectCheckpointDir(persist_to, options)
-    remote_dir.store.check()
+        tier = "object store" if store.is_remote else "local"
+        return [(s, tier, path) for s, path in sorted(layout.step_paths().items())]
+    tier_store = for_path(persist_to)
+    tier_store.check(persist_to, options)
+    remote_dir = tier_store.checkpoint_dir(persist_to, options)
     history = History(layout, remote_dir)
     local = history.local_saves()
     remote, remote_events = remote_dir.listing()
