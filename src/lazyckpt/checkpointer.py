@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from lazyckpt.formats.manifest import check_metadata
-from lazyckpt.loading.loader import KeySpec, MapLocation, load_step, load_step_dir
+from lazyckpt.loading.loader import KeySpec, MapLocation, load_step
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.loading.verify import verify
 from lazyckpt.saving.autorep import AutoReplication
@@ -430,9 +430,8 @@ class Checkpointer:
 
     def _load_from(self, tier: str, path: str, kwargs: Dict[str, Any]) -> Any:
         pool = self._engine.resources.readers
-        if tier == "local" and not self.on_object_store:
-            return load_step_dir(path, self.options, pool, rank=self._dist.rank, **kwargs)
-        return load_step(path, None, self.options, pool, self._dist.rank, **kwargs)   # manifest read under its reader lease
+        # Any tier, any store: the manifest is read under the step's hold.
+        return load_step(path, None, self.options, pool, self._dist.rank, **kwargs)
 
     def _line(self) -> Any:
         """(the live saves [(step, save_id)], oldest first; local step -> Event;

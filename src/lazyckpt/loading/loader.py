@@ -130,13 +130,6 @@ def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, **kwargs
         return load_tree(CheckpointFile(path, options, refs), None, pool, **kwargs)
 
 
-def load_step_dir(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
-                  **kwargs: Any) -> Any:
-    """Load a committed step (a local step directory or an object store's save
-    prefix) through its manifest, read under the hold: :func:`load_step`."""
-    return load_step(path, None, options, pool, rank, **kwargs)
-
-
 def load_step(path: str, manifest: Optional[Dict[str, Any]], options: Options, pool: cf.ThreadPoolExecutor,
               rank: Optional[int] = None, **kwargs: Any) -> Any:
     """Load a committed step on any store (its parsed manifest, or None to
