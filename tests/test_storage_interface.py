@@ -202,6 +202,13 @@ def test_local_store_locates_and_holds_steps(tmp_path):
     directory = store.checkpoint_dir(str(tmp_path), options)
     assert directory.step_paths() == {1: directory.step_path(1), 2: step_path}
     assert [r.step for r in directory.step_records()] == [1, 2]
+    # The line of history's inputs, as an object-store directory gives them: save ids
+    # from the manifests, the events from the local record (the Checkpointer's commits).
+    committed, events = directory.listing()
+    manifests = {s: store.read_manifest(directory.step_path(s), options) for s in (1, 2)}
+    assert committed == {s: m["save_id"] for s, m in manifests.items()}
+    assert {(e.step, e.save_id, e.seq) for e in events} >= {(s, m["save_id"], m["seq"]) for s, m in manifests.items()}
+    assert directory.save_path(2, committed[2]) == step_path
     with store.reading_step(step_path, options) as held:
         assert isinstance(held, base.HeldStep) and held.step == 2 and held.still_there()
         assert held.read_manifest()["step"] == 2 == store.read_manifest(step_path, options)["step"]

@@ -474,7 +474,7 @@ class Checkpointer:
             elif s in local and sid.startswith("?unreadable-"):
                 out.append((s, "local", self.layout.step_path(s)))
             if remote.get(s) == sid:
-                out.append((s, "persistent", self.persistent.dir.save_url(s, sid)))
+                out.append((s, "persistent", self.persistent.dir.save_path(s, sid)))
         return out
 
     def load_async(self, step: Optional[int] = None, map_location: MapLocation = None,

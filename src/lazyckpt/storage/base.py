@@ -321,6 +321,14 @@ class Directory(Protocol):
     def step_paths(self) -> Dict[int, str]:
         """Every committed step -> where it is read from, from one listing."""
 
+    def listing(self) -> Tuple[Dict[int, str], List[Any]]:
+        """(committed step -> its save id, the commit events recorded here as
+        ``history.Event``s): what the line of history over two tiers is built
+        from. A step whose save id cannot be read is left out of the first."""
+
+    def save_path(self, step: int, save_id: str) -> str:
+        """Where the committed save ``save_id`` of ``step`` is read from."""
+
     # The read side: what listing, prune and the study tools ask of a directory.
 
     def step_records(self) -> List[StepRecord]:

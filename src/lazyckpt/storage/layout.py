@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
-from lazyckpt.history import LocalRecord
+from lazyckpt.history import LocalRecord, manifest_event
 from .base import Leftover, StepRecord
 from .fileio import NotARegularFile, fsync_dir, read_small_file, remove_quietly, write_file_atomic
 
@@ -443,6 +443,19 @@ class CheckpointDir:
 
     def pending(self, step: int, save_id: str, token: str) -> "PendingStepDir":
         return PendingStepDir(self, step, save_id, token)
+
+    def listing(self) -> Tuple[Dict[int, str], List[Any]]:
+        # The save ids are in the manifests (one small read per step); the events in DIR/history.json.
+        committed = {}
+        for step in self.steps():
+            event = manifest_event(read_small_file(os.path.join(self.step_path(step), MANIFEST),
+                                                   manifests.MAX_MANIFEST_BYTES))
+            if event is not None and event.step == step:
+                committed[step] = event.save_id
+        return committed, LocalRecord(self.path).read()[1]
+
+    def save_path(self, step: int, save_id: str) -> str:
+        return self.step_path(step)         # one save per step name here: the committed one
 
     def record_event(self, event: Any) -> None:
         """The local record of the line of history (``DIR/history.json``)."""

@@ -473,6 +473,9 @@ class ObjectCheckpointDir:
     def pending(self, step: int, save_id: str, token: str) -> "PendingSavePrefix":
         return PendingSavePrefix(self, step, save_id)      # the save id names the prefix: no token needed
 
+    def save_path(self, step: int, save_id: str) -> str:
+        return self.save_url(step, save_id)
+
     def record_event(self, event: Event) -> None:
         self.put_event(event)
 

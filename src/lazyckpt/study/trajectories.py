@@ -143,25 +143,31 @@ def run_steps(run: str, persist_to: Optional[str] = None,
     local = history.local_saves()
     remote, remote_events = remote_dir.listing()
     if not remote and not remote_events:
-        _refuse_a_replicas_run_tier(remote_dir, persist_to)
+        _refuse_a_replicas_run_tier(tier_store, persist_to, options)
     events = history.local_events() + remote_events + [Event(s, sid, None) for s, sid in remote.items()]
     out = []
     for step, sid in line(events):
         if step in local and local[step].save_id in (sid, None):
             out.append((step, "local", layout.step_path(step)))
         elif remote.get(step) == sid:
-            out.append((step, "persistent", remote_dir.save_url(step, sid)))
+            out.append((step, "persistent", remote_dir.save_path(step, sid)))
     return out
 
 
-def _refuse_a_replicas_run_tier(remote_dir: Any, persist_to: str) -> None:
+def _refuse_a_replicas_run_tier(tier_store: Any, persist_to: str, options: Options) -> None:
     """With replicas=, each node persists under ``persist_to/node_NNNNN``
     (checkpointer.py): the URL the Checkpointer was given holds no step itself,
-    and reading it as the tier would silently leave every persisted step out."""
-    nodes = sorted({o["Key"][len(remote_dir._key("")):].split("/", 1)[0]
-                    for o in remote_dir.store.list(remote_dir._key("node_"))})
+    and reading it as the tier would silently leave every persisted step out.
+    The nodes are numbered from 0 without gaps, so the probe stops at the first
+    node without a step (or after the few a message shows)."""
+    nodes = []
+    while len(nodes) < 5:
+        node = tier_store.join(persist_to.rstrip("/"), f"node_{len(nodes):05d}")
+        if not tier_store.checkpoint_dir(node, options).step_paths():
+            break
+        nodes.append(node)
     if nodes:
-        shown = ", ".join(f"{persist_to.rstrip('/')}/{n}" for n in nodes[:4]) + (", ..." if len(nodes) > 4 else "")
+        shown = ", ".join(nodes[:4]) + (", ..." if len(nodes) > 4 else "")
         raise ValueError(f"persist_to={persist_to} holds the per-node tiers of a replicas= run; pass the one of "
                          f"this directory's node: {shown}")
 

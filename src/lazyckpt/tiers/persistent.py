@@ -118,7 +118,7 @@ class PersistentTier(NewestWinsDrain):
     def _publish_event(self, event: Event) -> None:
         """PUT a commit event; one that fails is retried by the drain before any upload."""
         try:
-            self.dir.put_event(event)
+            self.dir.record_event(event)
         except CheckpointError as exc:
             log.warning("lazyckpt: %s: the commit event of step %d could not be written yet (%s); the drain "
                         "retries it", self.url, event.step, exc)
@@ -130,7 +130,7 @@ class PersistentTier(NewestWinsDrain):
             events, self._unpublished = self._unpublished, []
         try:
             for i, event in enumerate(events):
-                self.dir.put_event(event)
+                self.dir.record_event(event)
         except BaseException:
             with self._cond:
                 self._unpublished = events[i:] + self._unpublished
