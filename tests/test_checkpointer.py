@@ -249,7 +249,7 @@ def test_steps_ignores_everything_but_committed_steps(ckpt_dir):
 
 
 def test_leftovers_are_cleaned_only_once_provably_dead(ckpt_dir):
-    from lazyckpt.storage import layout
+    from lazyckpt.storage import locks
     with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
     names = {".tmp-step_0000000002-0123abcd4567": False,        # old, unlocked: dead
@@ -261,7 +261,7 @@ def test_leftovers_are_cleaned_only_once_provably_dead(ckpt_dir):
         os.mkdir(os.path.join(ckpt_dir, name))
         with open(os.path.join(ckpt_dir, name, "rank_00000.lzc"), "wb") as f:
             f.write(b"partial")
-    lease = layout.Lease(os.path.join(ckpt_dir, ".tmp-step_0000000003-89abcdef0123", "rank_00000.lzc"))
+    lease = locks.Lease(os.path.join(ckpt_dir, ".tmp-step_0000000003-89abcdef0123", "rank_00000.lzc"))
     old = time.time() - 3600
     with open(os.path.join(ckpt_dir, "latest.tmp-1234"), "w") as f:
         f.write("2\n")

@@ -215,10 +215,10 @@ def test_an_evaluation_process_never_destroys_a_multi_rank_save_in_flight(tmp_pa
 
 def _lease_holder(directory: str, ready: str) -> None:
     """A process that holds a save's lease and then dies or lingers (used below)."""
-    from lazyckpt.storage import layout
+    from lazyckpt.storage import locks
     tmp = os.path.join(directory, ".tmp-step_0000000007-x")
     os.makedirs(tmp)
-    lease = layout.Lease(os.path.join(tmp, "rank_00000.lzc"), heartbeat_s=0.05)
+    lease = locks.Lease(os.path.join(tmp, "rank_00000.lzc"), heartbeat_s=0.05)
     open(ready, "w").close()
     time.sleep(60)
     lease.release()
@@ -349,10 +349,10 @@ def test_checkpointer_load_into_is_strict_too(tmp_path):
 
 
 def test_retention_does_not_delete_a_step_while_another_process_reads_it(tmp_path):
-    from lazyckpt.storage import layout
+    from lazyckpt.storage import locks
     with lazyckpt.Checkpointer(tmp_path, keep_last=1) as ckpt:
         ckpt.save(_value(1), step=1).wait()
-        with layout.StepDir(ckpt.step_path(1)).reading():     # what load() holds while it reads
+        with locks.StepDir(ckpt.step_path(1)).reading():     # what load() holds while it reads
             ckpt.save(_value(2), step=2).wait()
             assert ckpt.steps() == [1, 2]                    # step 1 kept while it is read
         ckpt.save(_value(3), step=3).wait()
@@ -360,7 +360,7 @@ def test_retention_does_not_delete_a_step_while_another_process_reads_it(tmp_pat
 
 
 def test_a_step_deleted_under_a_reader_is_reported_as_deleted(tmp_path, monkeypatch):
-    from lazyckpt.storage import layout
+    from lazyckpt.storage import locks
     from lazyckpt.loading import reader
     with lazyckpt.Checkpointer(tmp_path) as ckpt:
         ckpt.save(_value(1), step=1).wait()
@@ -376,7 +376,7 @@ def test_a_step_deleted_under_a_reader_is_reported_as_deleted(tmp_path, monkeypa
         if os.path.isdir(step):
             os.rename(step, tmp_path / ".deleting-step_0000000001-00000000")
         real(self, path, options, *rest)
-    monkeypatch.setattr(layout, "_flock", no_locks)
+    monkeypatch.setattr(locks, "_flock", no_locks)
     monkeypatch.setattr(reader.CheckpointFile, "__init__", delete_then_open)
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match="deleted while it was being read"):
         lazyckpt.load(str(tmp_path))

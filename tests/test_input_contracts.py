@@ -279,11 +279,11 @@ def test_without_file_locks_the_heartbeat_alone_decides(tmp_path, monkeypatch):
     holder is one whose heartbeat is younger than lease_expiry_s."""
     import errno
     import json
-    from lazyckpt.storage import layout
+    from lazyckpt.storage import locks
 
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "no locks")
-    monkeypatch.setattr(layout, "_flock", no_locks)
+    monkeypatch.setattr(locks, "_flock", no_locks)
     d = tmp_path / "run"
     first = lazyckpt.Checkpointer(d, lease_expiry_s=30)
     first.save(_state(1), 1).wait()

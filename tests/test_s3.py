@@ -437,7 +437,8 @@ def test_a_live_save_is_never_a_leftover(s3env, s3_bucket):
     """A save whose first object is older than the lease expiry but whose
     heartbeat is young (a long upload elsewhere in it) is kept; once its
     heartbeat stops, it is a leftover, its open uploads aborted too."""
-    from lazyckpt.storage.s3layout import LEASE_PREFIX, ObjectCheckpointDir, ObjectLease
+    from lazyckpt.storage.s3layout import ObjectCheckpointDir
+    from lazyckpt.storage.s3leases import LEASE_PREFIX, ObjectLease
     opts = lazyckpt.knobs.resolve()
     d = ObjectCheckpointDir(f"s3://{s3_bucket}/run", opts)
     client = s3env.client()

@@ -24,6 +24,7 @@ import torch
 
 import lazyckpt
 import lazyckpt.storage.s3layout
+import lazyckpt.storage.s3leases
 import lazyckpt.loading.verify
 from lazyckpt.errors import CheckpointWriteError
 from lazyckpt.knobs import resolve as resolve_options
@@ -208,10 +209,11 @@ class _ClockBehind(datetime):
 
 def _skew_local_clock(monkeypatch, clock):
     """Skew the clock the cleaner's code could read (the server stays real)."""
-    monkeypatch.setattr(lazyckpt.storage.s3layout, "datetime", clock, raising=False)
+    for module in (lazyckpt.storage.s3layout, lazyckpt.storage.s3leases):
+        monkeypatch.setattr(module, "datetime", clock, raising=False)
     real = time.time
     offset = (clock.now(timezone.utc) - datetime.now(timezone.utc)).total_seconds()
-    monkeypatch.setattr(lazyckpt.storage.s3layout.time, "time", lambda: real() + offset)
+    monkeypatch.setattr(time, "time", lambda: real() + offset)     # every module's time.time()
 
 
 def test_a_cleaner_whose_clock_runs_ahead_keeps_live_saves(s3_server, s3_bucket, monkeypatch):
@@ -221,7 +223,7 @@ def test_a_cleaner_whose_clock_runs_ahead_keeps_live_saves(s3_server, s3_bucket,
     directory = lazyckpt.storage.s3layout.ObjectCheckpointDir(f"s3://{s3_bucket}/run", options)
     prefix = directory._key("step_0000000001", uuid.uuid4().hex)
     directory.store.put(f"{prefix}/rank_00000.lzc", b"x" * 100)
-    lease = lazyckpt.storage.s3layout.ObjectLease(directory.store, f"{prefix}/{lazyckpt.storage.s3layout.LEASE_PREFIX}00000", 5)
+    lease = lazyckpt.storage.s3leases.ObjectLease(directory.store, f"{prefix}/{lazyckpt.storage.s3leases.LEASE_PREFIX}00000", 5)
     try:
         _skew_local_clock(monkeypatch, _ClockAhead)
         assert directory.leftovers() == []

@@ -7,7 +7,7 @@ import inspect
 import os
 import pytest
 
-from lazyckpt.storage import base, fileio, layout, s3, s3layout, stores
+from lazyckpt.storage import base, fileio, layout, locks, s3, s3layout, s3leases, stores
 from lazyckpt.storage.localstore import LocalStore
 from lazyckpt.storage.s3 import InvalidURLError
 from lazyckpt.storage.s3store import S3Store
@@ -16,12 +16,12 @@ from lazyckpt.storage.s3store import S3Store
 IMPLEMENTATIONS = [
     (base.Output, fileio.OutputFile), (base.Output, s3.ObjectOutput),
     (base.Input, fileio.InputFile), (base.Input, s3.ObjectInput),
-    (base.Lease, layout.Lease), (base.Lease, s3layout.ObjectLease),
-    (base.WriterLease, layout.WriterLease), (base.WriterLease, s3layout.ObjectWriterLease),
+    (base.Lease, locks.Lease), (base.Lease, s3leases.ObjectLease),
+    (base.WriterLease, locks.WriterLease), (base.WriterLease, s3leases.ObjectWriterLease),
     (base.Directory, layout.CheckpointDir), (base.Directory, s3layout.ObjectCheckpointDir),
     (base.PendingFile, layout.PendingSiblingFile), (base.PendingFile, s3layout.PendingObject),
     (base.PendingStep, layout.PendingStepDir), (base.PendingStep, s3layout.PendingSavePrefix),
-    (base.HeldStep, layout._Held), (base.HeldStep, s3layout._HeldObjectStep),
+    (base.HeldStep, locks._Held), (base.HeldStep, s3leases._HeldObjectStep),
     (base.Store, LocalStore), (base.Store, S3Store),
 ]
 

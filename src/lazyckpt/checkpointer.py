@@ -237,7 +237,7 @@ class Checkpointer:
         later one (a takeover by another Checkpointer fails this save, and the
         commit of any save already queued). Released by close(), or once this
         Checkpointer is collected and its pending saves are done (the engine's
-        lifetime). On an object store the lease is an object (storage.s3layout.ObjectWriterLease)."""
+        lifetime). On an object store the lease is an object (storage.s3leases.ObjectWriterLease)."""
         if not self._dist.coordinator:
             return
         if self._writer is not None:

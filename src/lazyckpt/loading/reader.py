@@ -23,7 +23,7 @@ from lazyckpt.formats.names import rank_filename, step_dirname
 from lazyckpt.knobs import Options
 from lazyckpt.storage.base import Input
 from lazyckpt.storage.fileio import anonymous_buffer
-from lazyckpt.storage.layout import StepDir
+from lazyckpt.storage.locks import StepDir
 from lazyckpt.storage.stores import for_path
 
 

@@ -31,7 +31,7 @@ from lazyckpt.formats import datafile, manifest
 from lazyckpt.history import Event
 from lazyckpt.knobs import Options, resolve
 from lazyckpt.storage.base import Directory, PendingFile
-from lazyckpt.storage.layout import new_token
+from lazyckpt.storage.locks import new_token
 from lazyckpt.storage.stores import for_path
 from .costs import merge
 from .engine import CommitStrategy, FilePart, Job

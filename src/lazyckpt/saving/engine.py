@@ -52,7 +52,7 @@ from lazyckpt.errors import CheckpointError, CheckpointWriteError
 from lazyckpt.knobs import Options
 from lazyckpt.state.plancache import PendingFlat
 from lazyckpt.state.providers import Flattened
-from lazyckpt.storage.layout import Lease
+from lazyckpt.storage.locks import Lease
 from .barrier import CaptureBarrier
 from .capture import DeviceCopier, device_guard
 from .resources import Resources

@@ -46,7 +46,7 @@ from lazyckpt.distributed import RankInfo, agree, refuse
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest
 from lazyckpt.state.walk import dtensor_nodes, layouts_digest
-from lazyckpt.storage.layout import StepDir
+from lazyckpt.storage.locks import StepDir
 from .autorep import AutoReplication
 from .engine import FilePart, Job
 from .incremental import IncrementalIndex, Plan

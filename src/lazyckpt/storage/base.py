@@ -12,9 +12,9 @@ store         ``localstore.LocalStore``          ``s3store.S3Store``
 bytes         ``fileio.OutputFile`` /            ``s3.ObjectOutput`` / ``s3.ObjectInput``
               ``fileio.InputFile``
 directory     ``layout.CheckpointDir``,          ``s3layout.ObjectCheckpointDir``,
-              ``layout.Lease``,                  ``s3layout.ObjectLease``,
-              ``layout.WriterLease``             ``s3layout.ObjectWriterLease``
-held step     ``layout.StepDir.reading``         ``s3layout.reading_object_step``
+              ``locks.Lease``,                   ``s3leases.ObjectLease``,
+              ``locks.WriterLease``              ``s3leases.ObjectWriterLease``
+held step     ``locks.StepDir.reading``          ``s3leases.reading_object_step``
 ============  =================================  ==========================================
 
 Why an ABC for :class:`Store` and ``Protocol`` classes for the rest: a store is

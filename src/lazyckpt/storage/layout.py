@@ -1,327 +1,40 @@
-# Why one module of ~770 lines (issue 23 asks for a reason above 600): it is the one set of rules
-# for what a process may delete in a Checkpointer directory. Retention, leftovers and the writer
-# lease all consult the same leases and read locks, so they are read and changed together; the
-# names live in formats/names.py and the bytes in storage/fileio.py.
 """Directory layout: how checkpoints are named, listed, committed, retired and
-protected on a file system. This module knows checkpoints, not bytes; it is
+cleaned up on a file system. This module knows checkpoints, not bytes; it is
 the one place the Checkpointer, the CLI tools and the integrations use for
-names, `latest`, retention, leftovers and the protection of live saves and
-of steps being read (docs/FORMAT.md §11).
+names, `latest`, retention, leftovers and pending saves (docs/FORMAT.md §11).
 
-Live saves are protected by **leases**, not pid guessing: a process writing a
-temporary file holds an exclusive ``flock`` on it for as long as the save is
-in progress and refreshes its modification time every ``heartbeat_s`` (one
-small keeper thread per process). A temporary file or directory is removed
-only when it is *provably dead*: no file of it is locked by anyone and none
-was modified within ``lease_expiry_s``. Either signal alone keeps it: the lock
-covers a clock skew between hosts, the heartbeat covers file systems whose
-locks are node-local or absent. A process never probes its own leases (a
-POSIX lock emulation would drop them on close).
-
-Steps being read are protected by a shared lock on their manifest: retention
-skips a step whose manifest another process holds, and retries at its next
-pass; a reader that finds its step gone (a file system without locks, or a
-superseded step) reports precisely that it was deleted.
+It decides what a process may delete: a temporary file or directory is
+removed only when it is *provably dead* (``locks.is_live`` is false: no file
+of it locked by anyone, none modified within ``lease_expiry_s``); retention
+skips a step whose manifest a reader holds (``locks.StepDir.reading``) and
+retries at its next pass. Who holds what is ``storage/locks.py``; the names
+are ``formats/names.py``; the bytes are ``storage/fileio.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import logging
 import os
 import re
 import shutil
-import socket
-import stat
-import threading
 import time
-import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
 from lazyckpt.history import LocalRecord, manifest_event
 from .base import Leftover, StepRecord
-from .fileio import NotARegularFile, fsync_dir, read_small_file, remove_quietly, write_file_atomic
+from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
+from .locks import DEFAULT_EXPIRY_S, Lease, WriterLease, is_live, lock_for_delete, new_token
 
 log = logging.getLogger("lazyckpt")
-
-
-DEFAULT_HEARTBEAT_S = 5.0
-DEFAULT_EXPIRY_S = 60.0
-
-
-def new_token() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 def sibling_temp(path: str) -> str:
     """A hidden sibling of ``path`` for a save in progress (renamed over ``path`` once durable)."""
     directory, base = os.path.split(os.path.abspath(path))
     return os.path.join(directory, f".{base}.tmp-{new_token()}")
-
-
-# --------------------------------------------------------------------------- leases
-
-_LOCK_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-_held: Dict[Tuple[int, int], int] = {}          # (st_dev, st_ino) -> count, leases of this process
-_held_lock = threading.Lock()
-
-
-class Lease:
-    """A save in progress holds this on a file it writes: an exclusive flock for
-    as long as the save lives, and a heartbeat (the file's mtime refreshed every
-    ``heartbeat_s`` by the keeper thread). The file is created if missing and
-    never truncated here. ``release()`` is idempotent."""
-
-    def __init__(self, path: str, heartbeat_s: float = DEFAULT_HEARTBEAT_S):
-        self.path = path
-        self.heartbeat_s = heartbeat_s
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        st = os.fstat(self.fd)
-        self.key = (st.st_dev, st.st_ino)
-        self.locked = False
-        try:
-            _flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.locked = True
-        except OSError as exc:
-            if exc.errno not in _LOCK_UNSUPPORTED:
-                os.close(self.fd)
-                raise
-            log.debug("lazyckpt: %s: no file locks here (%s); the heartbeat alone protects it", path, exc)
-        with _held_lock:
-            _held[self.key] = _held.get(self.key, 0) + 1
-        _keeper.add(self)
-
-    def beat(self) -> None:
-        try:
-            os.utime(self.fd)
-        except OSError:
-            pass                    # the file may be gone already (committed, or removed)
-
-    def release(self) -> None:
-        if self.fd < 0:
-            return
-        _keeper.remove(self)
-        with _held_lock:
-            n = _held.get(self.key, 1) - 1
-            if n:
-                _held[self.key] = n
-            else:
-                _held.pop(self.key, None)
-        os.close(self.fd)           # drops the lock
-        self.fd = -1
-
-
-class _Keeper:
-    """One daemon thread per process that refreshes every live lease's heartbeat;
-    it exits when no lease is left."""
-
-    def __init__(self) -> None:
-        self._leases: List[Lease] = []
-        self._cond = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
-
-    def add(self, lease: Lease) -> None:
-        with self._cond:
-            self._leases.append(lease)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="lazyckpt-lease", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def remove(self, lease: Lease) -> None:
-        with self._cond:
-            if lease in self._leases:
-                self._leases.remove(lease)
-            thread = self._thread if not self._leases else None
-            self._cond.notify_all()
-        if thread is not None and thread is not threading.current_thread():
-            # Gone with the last lease: no thread outlives the saves. Not a fixed 1 s join: on
-            # a loaded machine the thread may take longer to wake (the CI run that leaked it);
-            # stop waiting only if a new lease took the thread over (or after 30 s).
-            deadline = time.monotonic() + 30.0
-            while thread.is_alive() and time.monotonic() < deadline:
-                thread.join(0.1)
-                with self._cond:
-                    if self._leases:
-                        break
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._leases:
-                    self._thread = None
-                    return
-                leases = list(self._leases)
-                period = min(lease.heartbeat_s for lease in leases)
-            for lease in leases:
-                lease.beat()
-            with self._cond:
-                self._cond.wait(period)
-
-
-_keeper = _Keeper()
-
-
-def _held_here(st: os.stat_result) -> bool:
-    with _held_lock:
-        return (st.st_dev, st.st_ino) in _held
-
-
-def locked_by_someone(path: str) -> Optional[bool]:
-    """True if another holder has ``path`` locked (shared or exclusive); False if
-    not; None if this file system cannot tell (no locks)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return False
-    try:
-        if _held_here(os.fstat(fd)):
-            return True
-        try:
-            _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return True
-            if exc.errno in _LOCK_UNSUPPORTED:
-                return None
-            return False
-        return False
-    finally:
-        os.close(fd)            # also drops the probe's own shared lock
-
-
-def is_live(path: str, expiry_s: float, now: Optional[float] = None) -> bool:
-    """Whether a temporary file or directory (and the files directly in it) may
-    belong to a save in progress: any file locked, or anything modified within
-    ``expiry_s``. Only a save that is provably dead is not live. Cheap checks
-    first: a fresh directory answers without looking inside."""
-    now = time.time() if now is None else now
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if now - st.st_mtime < expiry_s:
-        return True
-    if not stat.S_ISDIR(st.st_mode):
-        return stat.S_ISREG(st.st_mode) and locked_by_someone(path) is True
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return True                 # cannot look inside: do not touch it
-    for name in names:
-        p = os.path.join(path, name)
-        try:
-            s = os.lstat(p)
-        except FileNotFoundError:
-            continue
-        if now - s.st_mtime < expiry_s or (stat.S_ISREG(s.st_mode) and locked_by_someone(p) is True):
-            return True
-    return False
-
-
-# --------------------------------------------------------------------------- steps being read
-
-
-class StepDir:
-    """One committed step directory (``DIR/step_XXXXXXXXXX``)."""
-
-    def __init__(self, path: str, step: Optional[int] = None):
-        self.path = os.path.abspath(path)
-        self.step = step
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator["_Held"]:
-        """Hold a shared lock on the manifest while the step is read, so that
-        retention (in any process) does not delete it under the reader."""
-        manifest = os.path.join(self.path, MANIFEST)
-        try:
-            fd = os.open(manifest, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.path}: no committed checkpoint (no {MANIFEST})",
-                                          path=self.path, step=self.step) from None
-        try:
-            try:
-                _flock(fd, fcntl.LOCK_SH)
-            except OSError as exc:
-                if exc.errno not in _LOCK_UNSUPPORTED:
-                    raise
-            held = _Held(self, fd, manifest)
-            # Locked, but the step may have been renamed away just before.
-            if not held.still_there():
-                raise held.deleted()
-            yield held
-        finally:
-            os.close(fd)
-
-
-class _Held:
-    """A step held by :meth:`StepDir.reading` (a ``base.HeldStep``)."""
-
-    def __init__(self, step_dir: StepDir, fd: int, manifest: str):
-        self.step_dir, self.fd, self.manifest = step_dir, fd, manifest     # the manifest's path
-        self.path, self.step = step_dir.path, step_dir.step
-        self.directory = os.path.realpath(os.path.dirname(step_dir.path))
-
-    def read_manifest(self) -> Dict:
-        """The manifest, read again now that the step is held."""
-        try:
-            raw = read_small_file(self.manifest, manifests.MAX_MANIFEST_BYTES)
-        except NotARegularFile:
-            raise CorruptCheckpointError(f"{self.manifest}: not a regular file",
-                                         path=self.manifest) from None
-        if raw is None:
-            raise CheckpointNotFoundError(f"{self.path}: no committed checkpoint (no {MANIFEST})",
-                                          path=self.path, step=self.step)
-        return manifests.parse(raw, self.manifest)
-
-    def still_there(self) -> bool:
-        """Whether the step's path still names the manifest being held."""
-        try:
-            return os.path.samestat(os.fstat(self.fd), os.stat(self.manifest))
-        except OSError:
-            return False
-
-    def deleted(self) -> CheckpointNotFoundError:
-        return deleted_while_reading(self.step_dir.path, self.step_dir.step)
-
-
-def _flock(fd: int, operation: int) -> None:
-    """``fcntl.flock`` (a seam: file systems without locks raise ENOLCK here)."""
-    fcntl.flock(fd, operation)
-
-
-def deleted_while_reading(path: str, step: Optional[int]) -> CheckpointNotFoundError:
-    what = f"step {step}" if step is not None else path
-    return CheckpointNotFoundError(f"{path}: {what} was deleted while it was being read (retention, a "
-                                   f"newer save superseding it, or `lazyckpt prune` in another process)",
-                                   path=path, step=step)
-
-
-def _lock_for_delete(step_path: str) -> Tuple[Optional[int], bool]:
-    """(fd holding an exclusive lock on the manifest or None, True if a reader holds it)."""
-    manifest = os.path.join(step_path, MANIFEST)
-    fd = -1
-    for flags in (os.O_RDWR, os.O_RDONLY):
-        try:
-            fd = os.open(manifest, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-            break
-        except OSError:
-            continue
-    if fd < 0:
-        return None, False
-    try:
-        _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return None, True
-        return None, False
-    return fd, False
 
 
 # --------------------------------------------------------------------------- leftovers
@@ -548,7 +261,7 @@ class CheckpointDir:
 
     def _retire(self, step: int, prefix: str, force: bool) -> Optional[str]:
         path = self.step_path(step)
-        fd, busy = _lock_for_delete(path)
+        fd, busy = lock_for_delete(path)
         if busy and not force:
             return None
         trash = os.path.join(self.path, f"{prefix}{step_dirname(step)}-{new_token()}")
@@ -562,7 +275,7 @@ class CheckpointDir:
         return trash
 
     def _remove_trash(self, trash: str) -> None:
-        fd, busy = _lock_for_delete(trash)
+        fd, busy = lock_for_delete(trash)
         if fd is not None:
             os.close(fd)
         if busy:
@@ -744,163 +457,3 @@ def clean_sibling_temps(directory: str, expiry_s: float = DEFAULT_EXPIRY_S) -> L
     if removed:
         log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", directory, removed)
     return removed
-
-
-# --------------------------------------------------------------------------- the writer lease
-
-
-class WriterLease:
-    """One writer per checkpoint directory (docs/FORMAT.md §11.5).
-
-    A Checkpointer that saves holds ``DIR/.writer``: a :class:`Lease` on it (an
-    exclusive flock for as long as it lives, its mtime refreshed by the keeper
-    thread), and JSON naming the holder (pid, host, an id, since when). A
-    second writer -- another process, or another Checkpointer object in this
-    one -- is refused with the holder's name. A dead holder's flock is gone
-    with its process, so a restart is never blocked; on a file system without
-    locks the heartbeat alone decides (a holder not heard from within
-    ``expiry_s`` is dead).
-
-    ``takeover=True`` displaces a live holder: the new lease is a new file
-    renamed over ``.writer``, so the old holder's lock is on a file that no
-    longer has that name; its :meth:`check` (every save, and every commit)
-    then fails, naming who took over."""
-
-    def __init__(self, directory: str, heartbeat_s: float, expiry_s: float, takeover: bool = False):
-        self.directory = directory
-        self.path = os.path.join(directory, WRITER)
-        self.expiry_s = expiry_s
-        self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "id": uuid.uuid4().hex,
-                       "since": time.time()}
-        self._lease = self._take_over(heartbeat_s) if takeover else self._acquire(heartbeat_s)
-
-    # ---------------------------------------------------------------- taking it
-
-    def _acquire(self, heartbeat_s: float) -> Lease:
-        for _ in range(100):            # retried only when a takeover renames the file under us
-            try:
-                before = os.stat(self.path)
-            except FileNotFoundError:
-                before = None
-            if before is not None and _held_here(before):
-                # Another Checkpointer of this process. Probing would be wrong: a
-                # POSIX-lock emulation of flock (NFS) grants it to the same process.
-                raise self._refused(read_writer(self.path), same_process=True)
-            try:
-                lease = Lease(self.path, heartbeat_s)
-            except OSError as exc:
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise self._refused(read_writer(self.path)) from None
-                raise
-            if not self._current(lease):
-                lease.release()         # locked a file a takeover had just replaced: retry on the new one
-                continue
-            if not lease.locked and before is not None:     # no locks here: the heartbeat alone decides
-                holder = read_writer(self.path)             # (its mtime from before our own keeper beats it)
-                if holder and not holder.get("released") and time.time() - before.st_mtime < self.expiry_s:
-                    lease.release()
-                    raise self._refused(holder)
-            self._write(lease.fd, self.holder)
-            return lease
-        raise CheckpointError(f"{self.directory}: could not take the writer lease ({self.path} keeps being "
-                              f"replaced: writers taking it over from each other)", path=self.directory)
-
-    def _take_over(self, heartbeat_s: float) -> Lease:
-        previous = read_writer(self.path)
-        tmp = f"{self.path}.tmp-{new_token()}"
-        lease = Lease(tmp, heartbeat_s)
-        try:
-            holder = dict(self.holder)
-            if previous and not previous.get("released"):
-                holder["took_over_from"] = {k: previous.get(k) for k in ("pid", "host", "id")}
-                log.warning("lazyckpt: %s: taking over the writer lease from %s (takeover=True)", self.directory,
-                            describe_writer(previous))
-            self._write(lease.fd, holder)
-            os.rename(tmp, self.path)
-            fsync_dir(self.directory)
-        except BaseException:
-            lease.release()
-            remove_quietly(tmp)
-            raise
-        lease.path = self.path
-        return lease
-
-    def _current(self, lease: Lease) -> bool:
-        """Whether ``.writer`` still names the file ``lease`` holds."""
-        try:
-            return os.path.samestat(os.fstat(lease.fd), os.stat(self.path))
-        except OSError:
-            return False
-
-    @staticmethod
-    def _write(fd: int, holder: Dict) -> None:
-        import json
-        data = json.dumps(holder, sort_keys=True).encode()
-        os.pwrite(fd, data, 0)
-        os.ftruncate(fd, len(data))     # written first, then cut: never an empty holder
-
-    def _refused(self, holder: Optional[Dict], same_process: bool = False) -> CheckpointError:
-        who = describe_writer(holder)
-        if same_process or (holder and holder.get("pid") == os.getpid()
-                            and holder.get("host") == socket.gethostname()):
-            who += " (this process: another Checkpointer on this directory is still open; close() it)"
-        return CheckpointError(f"{self.directory}: another Checkpointer is saving into this directory: {who}. "
-                               f"One writer per directory: two would supersede each other's steps and refer "
-                               f"to each other's bytes. Load with this one, or pass takeover=True to make it "
-                               f"the writer (the other one's next save then fails)", path=self.directory)
-
-    # ---------------------------------------------------------------- holding it
-
-    def check(self) -> None:
-        """Raise unless this is still the directory's writer (before every save
-        and at every commit)."""
-        lease = self._lease
-        if lease.fd < 0:
-            raise CheckpointError(f"{self.directory}: this Checkpointer gave up its writer lease (closed)",
-                                  path=self.directory)
-        if self._current(lease):
-            return
-        holder = read_writer(self.path)
-        if holder is None:
-            raise CheckpointError(f"{self.directory}: the writer lease {self.path} was removed while this "
-                                  f"Checkpointer held it; it no longer saves here", path=self.directory)
-        raise CheckpointError(f"{self.directory}: another Checkpointer took over this directory "
-                              f"({describe_writer(holder)}, takeover=True); this one can no longer save "
-                              f"into it", path=self.directory)
-
-    def release(self) -> None:
-        """Idempotent. Removes ``.writer`` while it still names this lease (and
-        the lock is still held, so an acquirer that opened it meanwhile sees it
-        gone and retries), then drops the lock. A takeover renaming its file in
-        between the check and the unlink loses that file: its holder's next
-        save then fails clearly (``check``); nothing is committed wrongly."""
-        lease = self._lease
-        if lease.fd < 0:
-            return
-        try:
-            if self._current(lease):
-                self._write(lease.fd, {**self.holder, "released": True})   # for file systems without locks
-                os.unlink(self.path)
-        except OSError:
-            pass
-        lease.release()
-
-
-def read_writer(path: str) -> Optional[Dict]:
-    """The holder a ``.writer`` file names, or None (missing, being written)."""
-    import json
-    raw = read_small_file(path, 1 << 16)
-    try:
-        holder = json.loads(raw.decode()) if raw else None
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return holder if isinstance(holder, dict) else None
-
-
-def describe_writer(holder: Optional[Dict]) -> str:
-    if not holder:
-        return "a writer whose lease file is being written"
-    since = holder.get("since")
-    age = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" \
-        if isinstance(since, (int, float)) else ""
-    return f"pid {holder.get('pid')} on {holder.get('host')}{age}"

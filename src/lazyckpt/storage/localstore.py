@@ -14,7 +14,8 @@ from lazyckpt.knobs import Options
 from .base import HeldStep, Located, Store
 from .fileio import InputFile, NotARegularFile, OutputFile, open_regular, read_small_file
 from .iomode import use_o_direct
-from .layout import CheckpointDir, PendingSiblingFile, StepDir
+from .layout import CheckpointDir, PendingSiblingFile
+from .locks import StepDir
 
 
 class LocalStore(Store):
@@ -98,7 +99,7 @@ class LocalStore(Store):
 
     def reading_step(self, step_path: str, options: Options,
                      step: Optional[int] = None) -> ContextManager[HeldStep]:
-        """A shared lock on its manifest (``layout.StepDir.reading``)."""
+        """A shared lock on its manifest (``locks.StepDir.reading``)."""
         if step is None:
             m = STEP_DIR.match(os.path.basename(os.path.abspath(step_path)))
             step = int(m.group(1)) if m else None

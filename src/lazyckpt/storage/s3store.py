@@ -11,7 +11,8 @@ from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
 from .base import HeldStep, Located, Store
 from .s3 import SCHEME, ObjectInput, ObjectOutput, ObjectURL, store_for
-from .s3layout import ObjectCheckpointDir, PendingObject, read_manifest, reading_object_step
+from .s3layout import ObjectCheckpointDir, PendingObject, read_manifest
+from .s3leases import reading_object_step
 
 
 class S3Store(Store):
@@ -96,5 +97,5 @@ class S3Store(Store):
 
     def reading_step(self, step_path: str, options: Options,
                      step: Optional[int] = None) -> ContextManager[HeldStep]:
-        """A reader lease under the save prefix (``s3layout.reading_object_step``)."""
+        """A reader lease under the save prefix (``s3leases.reading_object_step``)."""
         return reading_object_step(step_path, options)

@@ -21,7 +21,7 @@ from lazyckpt.history import Event
 from lazyckpt.knobs import Options
 from lazyckpt.saving.tierstate import PERSISTENT
 from lazyckpt.storage.fileio import anonymous_buffer, open_for_read, pread_into
-from lazyckpt.storage.layout import StepDir
+from lazyckpt.storage.locks import StepDir
 from lazyckpt.storage.stores import for_path
 from .drain import NewestWinsDrain, RateLimit, Waiting
 

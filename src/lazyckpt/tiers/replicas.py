@@ -70,7 +70,7 @@ from lazyckpt.loading.reader import CheckpointFile
 from lazyckpt.loading.verify import verify
 from lazyckpt.saving.tierstate import REPLICA
 from lazyckpt.storage.fileio import fsync_dir, read_small_file
-from lazyckpt.storage.layout import StepDir
+from lazyckpt.storage.locks import StepDir
 from .drain import NewestWinsDrain, RateLimit, Waiting
 
 log = logging.getLogger("lazyckpt")
