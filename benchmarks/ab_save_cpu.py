@@ -30,13 +30,11 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
+from _ab import print_medians, run_abba
+
 METRICS = ("first_save_s", "warm_save_s", "step_cpu_ms", "step_wall_ms")
 
 
@@ -85,30 +83,17 @@ def main() -> None:
     ap.add_argument("--baseline-src", required=True, help="the other tree's src/ folder")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--dir", default=None, help="where the files go (default: a temporary folder)")
-    ap.add_argument("--child", metavar="WORK", help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.child)
-    trees = {"this": SRC, "baseline": os.path.abspath(args.baseline_src)}
-    results = {name: [] for name in trees}
-    for r in range(args.rounds):
-        for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
-            work = tempfile.mkdtemp(prefix="ab-save-cpu-", dir=args.dir)
-            try:
-                done = subprocess.run([sys.executable, __file__, "--baseline-src", "-", "--child", work],
-                                      env=dict(os.environ, PYTHONPATH=trees[name]), check=True,
-                                      capture_output=True, text=True)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1} {name}: " + " ".join(f"{k}={v:.3f}" for k, v in results[name][-1].items()),
-                  flush=True)
-    med = {name: {k: statistics.median(run[k] for run in runs) for k in METRICS} for name, runs in results.items()}
-    print(f"\nmedians of {args.rounds} rounds (ABBA); lower is better")
-    print(f"{'metric':<14}{'baseline':>10}{'this':>10}{'this/baseline':>15}")
-    for k in METRICS:
-        print(f"{k:<14}{med['baseline'][k]:>10.3f}{med['this'][k]:>10.3f}{med['this'][k] / med['baseline'][k]:>15.2f}")
-
+        work = tempfile.mkdtemp(prefix="ab-save-cpu-", dir=args.dir or None)
+        try:
+            return child(work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    results = run_abba(args.baseline_src, args.rounds,
+                       lambda name: [__file__, "--baseline-src", "-", "--child", "--dir", args.dir or ""])
+    print_medians(results, METRICS, f"medians of {args.rounds} rounds (ABBA); lower is better")
 
 if __name__ == "__main__":
     main()

@@ -23,14 +23,13 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+from _ab import print_medians, run_abba
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
 METRICS = ("file_save_s", "file_load_s", "step_save_s", "step_load_s", "s3_save_s", "s3_load_s")
 
 
@@ -97,31 +96,17 @@ def main() -> None:
 
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     from _s3server import SeaweedServer
-    trees = {"this": SRC, "baseline": os.path.abspath(args.baseline_src)}
-    results = {name: [] for name in trees}
     tmp = tempfile.mkdtemp(prefix="ab-trees-")
     try:
         with SeaweedServer(os.path.join(tmp, "server")) as server:
-            env = dict(os.environ, **server.env())
-            for r in range(args.rounds):
-                order = list(trees) if r % 2 == 0 else list(reversed(trees))
-                for name in order:
-                    url = f"s3://{server.make_bucket()}/run"
-                    cmd = [sys.executable, __file__, "--child", "--url", url, "--baseline-src", "-",
-                           "--mib", str(args.mib), "--tensors", str(args.tensors), "--dir", args.dir or tmp]
-                    done = subprocess.run(cmd, env=dict(env, PYTHONPATH=trees[name]), check=True,
-                                          capture_output=True, text=True)
-                    results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-                    print(f"round {r + 1} {name}: " + " ".join(f"{k}={v:.3f}" for k, v in results[name][-1].items()),
-                          flush=True)
+            results = run_abba(args.baseline_src, args.rounds, lambda name: [
+                __file__, "--child", "--url", f"s3://{server.make_bucket()}/run", "--baseline-src", "-",
+                "--mib", str(args.mib), "--tensors", str(args.tensors), "--dir", args.dir or tmp],
+                env=dict(os.environ, **server.env()))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    med = {name: {k: statistics.median(run[k] for run in runs) for k in METRICS} for name, runs in results.items()}
-    print(f"\n{args.mib} MiB in {args.tensors} tensors, medians of {args.rounds} rounds (ABBA); seconds, lower is better")
-    print(f"{'metric':<14}{'baseline':>10}{'this':>10}{'this/baseline':>15}")
-    for k in METRICS:
-        print(f"{k:<14}{med['baseline'][k]:>10.3f}{med['this'][k]:>10.3f}{med['this'][k] / med['baseline'][k]:>15.2f}")
-
+    print_medians(results, METRICS, f"{args.mib} MiB in {args.tensors} tensors, medians of {args.rounds} rounds "
+                                    f"(ABBA); seconds, lower is better")
 
 if __name__ == "__main__":
     main()
