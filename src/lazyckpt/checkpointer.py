@@ -174,7 +174,10 @@ class Checkpointer:
         #: Where the last load() read from: {"step", "tier", "path"}.
         self.loaded_from: Optional[Dict[str, Any]] = None
         if self._dist.coordinator:
-            # Only what is provably dead (leases expired): never another process's live save.
+            # A commit a crash interrupted is finished first (its record is its commit point;
+            # a commit in progress elsewhere finishes its own), then only what is provably
+            # dead (leases expired) is removed: never another process's live save.
+            self.layout.recover(wait=False)
             self.layout.clean_leftovers()
         #: The latest local step re-enqueued for the persistent tier at start (its upload
         #: failed or never ran before the last run ended), or None.

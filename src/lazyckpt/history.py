@@ -17,9 +17,13 @@ by step before every numbered event: their directories were already one line.
 Where the events live:
 
 * local tier: ``DIR/history.json`` (:class:`LocalRecord`), written atomically
-  by the coordinator *before* the commit's renames, so a crash never leaves
-  an abandoned step live in the record; it keeps the largest ``seq`` so that
-  numbering survives the deletion of every step.
+  by the coordinator once the new step is complete in its temporary
+  directory. That write is the local commit's **commit point**: it also
+  names the temporary directory (``"commit"``), so the renames that follow
+  (superseded steps aside, the new step in) are replayed by whoever opens
+  the directory after a crash (``CheckpointDir.recover``), and readers see
+  the committed line in between (``CheckpointDir.step_paths``). It keeps the
+  largest ``seq`` so that numbering survives the deletion of every step.
 * object store (``persist_to`` or an ``s3://`` directory): one empty object
   per event, ``PREFIX/history/<seq>-<step>-<save_id>`` (all in the key: one
   listing reads them with the steps). Written when the local commit happens,
@@ -135,36 +139,74 @@ def prunable(events: Iterable[Event], present: Dict[int, str]) -> List[Event]:
 # --------------------------------------------------------------------------- the local record
 
 
+class Committing(NamedTuple):
+    """The last commit the local record holds: its event and the name of the
+    temporary directory that becomes ``step_<step>`` (docs/RELIABILITY.md)."""
+    event: Event
+    tmp: str
+
+
 class LocalRecord:
-    """``DIR/history.json``: ``{"seq": <largest>, "events": [[step, save_id, seq], ...]}``."""
+    """``DIR/history.json``: ``{"seq": <largest>, "events": [[step, save_id, seq], ...],
+    "commit": [step, save_id, seq, tmp]}`` (``commit``: the last commit, whose
+    renames a crash may have interrupted; readers of older versions ignore it)."""
 
     def __init__(self, directory: str):
         self.path = os.path.join(directory, RECORD)
 
-    def read(self) -> Tuple[int, List[Event]]:
+    def _doc(self) -> Optional[Dict[str, Any]]:
         raw = read_small_file(self.path, 16 << 20)
         if raw is None:
-            return 0, []
+            return None
         try:
             doc = json.loads(raw.decode("utf-8"))
+            if not isinstance(doc, dict):
+                raise ValueError("not an object")
+            return doc
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return {}
+
+    def read(self) -> Tuple[int, List[Event]]:
+        doc = self._doc()
+        if doc is None:
+            return 0, []
+        try:
             events = [Event(int(s), str(sid), int(q)) for s, sid, q in doc["events"]]
             return max(int(doc["seq"]), max_seq(events)), events
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             # Damaged: the manifests still carry every present step's seq.
             log.warning("lazyckpt: %s is unreadable; the line of history is taken from the manifests",
                         self.path)
             return 0, []
 
-    def add(self, event: Event, present_steps: Iterable[int]) -> None:
-        """Record a commit (coordinator, before its renames). Keeps the events
-        of the steps present and the newest others (bounded)."""
+    def committing(self) -> Optional[Committing]:
+        """The last commit recorded with its temporary directory, or None (no
+        record, a record of an older version, or a damaged one)."""
+        doc = self._doc()
+        entry = doc.get("commit") if doc else None
+        try:
+            step, sid, seq, tmp = entry
+            if type(step) is not int or type(seq) is not int or not isinstance(sid, str) \
+                    or not isinstance(tmp, str) or os.sep in tmp or not tmp.startswith(".tmp-step_"):
+                raise ValueError(entry)
+        except (TypeError, ValueError):
+            return None
+        return Committing(Event(step, sid, seq), tmp)
+
+    def add(self, event: Event, present_steps: Iterable[int], tmp: Optional[str] = None) -> None:
+        """Record a commit (coordinator, once the step is complete in ``tmp``:
+        this atomic write is the commit point). Keeps the events of the steps
+        present and the newest others (bounded)."""
         top, events = self.read()
         events = [e for e in events if (e.step, e.save_id) != (event.step, event.save_id)] + [event]
         present = set(present_steps)
         events.sort(key=lambda e: e.seq)
         recent = events[-RECENT_EVENTS:]
         kept = [e for e in events[:-RECENT_EVENTS] if e.step in present] + recent
-        doc = {"seq": max(top, event.seq or 0), "events": [[e.step, e.save_id, e.seq] for e in kept]}
+        doc: Dict[str, Any] = {"seq": max(top, event.seq or 0),
+                               "events": [[e.step, e.save_id, e.seq] for e in kept]}
+        if tmp is not None:
+            doc["commit"] = [event.step, event.save_id, event.seq, tmp]
         write_file_atomic(self.path, json.dumps(doc, separators=(",", ":")).encode())
 
 
@@ -204,11 +246,6 @@ class History:
         if seq is not None and self._top is not None:
             self._top = max(self._top, seq)
 
-    def recorded(self, event: Event) -> None:
-        """Coordinator, before the commit's renames: the record says it first."""
-        if self.layout is not None:
-            self.layout.record_event(event)
-
     # ------------------------------------------------------------ the local tier
 
     def local_saves(self) -> Dict[int, Event]:
@@ -219,8 +256,8 @@ class History:
         if self.record is not None:
             for e in sorted(self.record.read()[1], key=lambda e: e.seq):
                 recorded[e.step] = e
-        for step in self.layout.steps():
-            e = manifest_event(read_small_file(os.path.join(self.layout.step_path(step), MANIFEST), 1 << 30))
+        for step, path in self.layout.step_paths().items():
+            e = manifest_event(read_small_file(os.path.join(path, MANIFEST), 1 << 30))
             if e is None or e.step != step:
                 e = recorded.get(step, Event(step, None, None))     # type: ignore[arg-type]
             out[step] = e
@@ -233,5 +270,5 @@ class History:
         return events
 
 
-__all__ = ["Event", "line", "abandoned", "max_seq", "History", "LocalRecord", "RECORD", "EVENTS_PREFIX",
+__all__ = ["Event", "Committing", "line", "abandoned", "max_seq", "History", "LocalRecord", "RECORD", "EVENTS_PREFIX",
            "event_key", "parse_event_key", "prunable", "manifest_event"]

@@ -306,6 +306,11 @@ class Directory(Protocol):
     def clean_leftovers(self) -> List[str]:
         """Remove what is provably dead (expired saves, interrupted deletes); never data."""
 
+    def recover(self, wait: bool = True) -> List[int]:
+        """Finish a commit a crash interrupted after its commit point (roll
+        forward); returns the steps it superseded. Where a commit is one atomic
+        publish (an object store's manifest), there is nothing to finish."""
+
     def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False) -> WriterLease:
         """Become this directory's one writer (refused with the holder's name)."""
 

@@ -13,19 +13,24 @@ are ``formats/names.py``; the bytes are ``storage/fileio.py``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import logging
 import os
 import re
 import shutil
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
-from lazyckpt.history import LocalRecord, manifest_event
+from lazyckpt.history import Committing, LocalRecord, manifest_event
 from .base import Leftover, StepRecord
 from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
+from . import locks
 from .locks import DEFAULT_EXPIRY_S, Lease, WriterLease, is_live, lock_for_delete, new_token
 
 log = logging.getLogger("lazyckpt")
@@ -62,6 +67,25 @@ def _step_in(name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def _flock(fd: int, operation: int) -> None:
+    locks._flock(fd, operation)         # the one seam tests patch to play a file system without locks
+
+
+def _lock_dir(fd: int, timeout_s: Optional[float]) -> bool:
+    """Exclusive flock on a directory fd; False if another holder kept it past ``timeout_s``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return True             # no locks on this file system
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
 def remove_tree(path: str) -> None:
     """Remove a file or a directory tree; a path already gone is fine."""
     try:
@@ -82,11 +106,21 @@ class CheckpointDir:
     Invariant: the committed steps form one line of history, so the step
     order *is* the commit order and the latest step is the most recently
     committed one. Committing step S supersedes every committed step >= S
-    (a run resumed from an older step abandons the newer ones): they are
-    renamed out of the committed namespace before S appears, so a crash at
-    any instant leaves a consistent line (at worst without S and without the
-    superseded steps). Superseded steps are kept aside as ``.abandoned-*``
-    when retention is off, deleted otherwise.
+    (a run resumed from an older step abandons the newer ones).
+
+    The commit point is one atomic write: ``history.json`` recording the
+    commit and naming its complete temporary directory. The renames that
+    follow (the superseded steps aside, the new step in) are cleanup that
+    :meth:`recover` replays after a crash, and until they are done the
+    committed steps are what :meth:`step_paths` computes from the record:
+    the steps below S and S itself, still in its temporary directory. So a
+    crash at any instant leaves either the line before the commit or the
+    line with S, never an abandoned step (docs/RELIABILITY.md). Superseded
+    steps are kept aside as ``.abandoned-*`` when retention is off, deleted
+    otherwise. Commits, recovery and takeovers of the writer lease hold an
+    exclusive lock on the directory itself (:meth:`commit_lock`): a writer
+    displaced by a takeover checks its lease under that lock, so it can
+    never publish after the takeover.
     """
 
     def __init__(self, path: str, lease_expiry_s: float = DEFAULT_EXPIRY_S):
@@ -94,6 +128,9 @@ class CheckpointDir:
         self.lease_expiry_s = lease_expiry_s
         #: The writer lease this process holds here (``WriterLease``), checked at every commit.
         self.writer: Optional["WriterLease"] = None
+        self._lock_depth = 0
+        self._lock_mutex = threading.RLock()
+        self._lock_fd = -1
 
     # ---------------------------------------------------------------- names
 
@@ -105,18 +142,55 @@ class CheckpointDir:
 
     # ---------------------------------------------------------------- listing
 
-    def steps(self) -> List[int]:
-        """Committed steps, oldest (= first committed) first."""
+    def _present(self) -> Dict[int, str]:
+        """step -> path of every ``step_*`` directory holding a manifest (the names alone)."""
         try:
             names = os.listdir(self.path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.path}: no such directory", path=self.path) from None
-        out = []
+        out = {}
         for name in names:
             m = STEP_DIR.match(name)
             if m and os.path.isfile(os.path.join(self.path, name, MANIFEST)):
-                out.append(int(m.group(1)))
-        return sorted(out)
+                out[int(m.group(1))] = os.path.join(self.path, name)
+        return dict(sorted(out.items()))
+
+    def _interrupted(self) -> Optional[Committing]:
+        """The record's last commit if its renames have not run yet: its
+        temporary directory still holds the complete step (one ``stat`` when
+        there is none)."""
+        committing = LocalRecord(self.path).committing()
+        if committing is None:
+            return None
+        tmp = os.path.join(self.path, committing.tmp)
+        if not os.path.isfile(os.path.join(tmp, MANIFEST)):
+            return None                 # renamed in: that commit is complete
+        return committing
+
+    def step_paths(self) -> Dict[int, str]:
+        """The committed steps and where each one is, oldest first. Between a
+        commit point and the end of its renames (a commit in progress, or
+        interrupted by a crash until :meth:`recover` runs) the line is the
+        record's: the steps below S, and S from its temporary directory."""
+        present = self._present()
+        committing = self._interrupted()
+        if committing is None:
+            return present
+        step = committing.event.step
+        out = {s: p for s, p in present.items() if s < step}
+        out[step] = os.path.join(self.path, committing.tmp)
+        return out
+
+    def steps(self) -> List[int]:
+        """Committed steps, oldest (= first committed) first."""
+        return list(self.step_paths())
+
+    def superseded_by_record(self, step_path: str) -> bool:
+        """Whether a ``step_*`` directory here is no longer on the line: a
+        commit recorded after it superseded it and its renames have not run."""
+        committing = self._interrupted()
+        m = STEP_DIR.match(os.path.basename(step_path))
+        return committing is not None and m is not None and int(m.group(1)) >= committing.event.step
 
     def latest(self) -> Optional[int]:
         steps = self.steps()
@@ -132,12 +206,69 @@ class CheckpointDir:
 
     # ---------------------------------------------------------------- commit
 
-    def commit(self, tmp: str, step: int, keep_superseded: bool) -> List[int]:
+    @contextlib.contextmanager
+    def commit_lock(self, timeout_s: Optional[float] = None) -> Iterator[bool]:
+        """An exclusive ``flock`` on the directory itself, held by a commit, a
+        recovery and a takeover of the writer lease (reentrant within this
+        object). Yields False, holding nothing, if another holder kept it past
+        ``timeout_s`` (``0``: do not wait); True otherwise (also where the file
+        system has no locks: there the writer lease alone orders writers)."""
+        with self._lock_mutex:
+            if self._lock_depth:
+                self._lock_depth += 1
+                try:
+                    yield True
+                finally:
+                    self._lock_depth -= 1
+                return
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                if not _lock_dir(fd, timeout_s):
+                    yield False
+                    return
+                self._lock_depth = 1
+                try:
+                    yield True
+                finally:
+                    self._lock_depth = 0
+            finally:
+                os.close(fd)            # drops the lock
+
+    def commit(self, tmp: str, step: int, keep_superseded: bool, event: Any = None) -> List[int]:
         """Make the complete, fsynced temporary directory ``tmp`` the committed
-        ``step``; returns the steps it superseded (>= step)."""
-        if self.writer is not None:
-            self.writer.check()         # displaced by a takeover since save(): commit nothing
-        superseded = [s for s in self.steps() if s >= step]
+        ``step``; returns the steps it superseded (>= step). With ``event``
+        (the commit's line-of-history event), the record written under the
+        commit lock is the commit point and the renames are replayed by
+        :meth:`recover` after a crash; without it (no line of history is kept)
+        the rename is."""
+        with self.commit_lock():
+            if self.writer is not None:
+                self.writer.check()     # displaced by a takeover: commit nothing (fenced by the lock)
+            self._recover_locked()      # an earlier commit's renames first (a crash, or an error)
+            if event is not None:
+                LocalRecord(self.path).add(event, self._present(), tmp=os.path.basename(tmp))
+            return self._move_in(tmp, step, keep_superseded)
+
+    def recover(self, wait: bool = True) -> List[int]:
+        """Finish a commit whose renames a crash interrupted (roll forward: its
+        record is the commit point); returns the steps it superseded. Without
+        ``wait``, skipped while another process holds the commit lock (a live
+        commit finishes its own renames)."""
+        with self.commit_lock(None if wait else 0) as held:
+            if not held and not wait:
+                return []
+            return self._recover_locked()
+
+    def _recover_locked(self) -> List[int]:
+        committing = self._interrupted()
+        if committing is None:
+            return []
+        log.warning("lazyckpt: %s: finishing the commit of step %d that a crash interrupted", self.path,
+                    committing.event.step)
+        return self._move_in(os.path.join(self.path, committing.tmp), committing.event.step, keep_superseded=True)
+
+    def _move_in(self, tmp: str, step: int, keep_superseded: bool) -> List[int]:
+        superseded = [s for s in self._present() if s >= step]
         retired = []
         for s in sorted(superseded, reverse=True):
             trash = self._retire(s, ABANDONED_PREFIX if keep_superseded else DELETING_PREFIX, force=True)
@@ -178,7 +309,17 @@ class CheckpointDir:
         write_file_atomic(os.path.join(self.path, LATEST), f"{step}\n".encode())
 
     def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False) -> "WriterLease":
-        return WriterLease(self.path, heartbeat_s, expiry_s, takeover=takeover)
+        if not takeover:
+            return WriterLease(self.path, heartbeat_s, expiry_s)
+        # Under the commit lock: a displaced writer inside its commit finishes it first (its
+        # commit precedes the takeover), and any later commit of it checks its lease under
+        # the same lock and is refused (fencing).
+        with self.commit_lock(expiry_s) as held:
+            if not held:
+                raise CheckpointError(f"{self.path}: cannot take over the writer lease: a commit in another "
+                                      f"process has held this directory's commit lock for over {expiry_s:.0f} s",
+                                      path=self.path)
+            return WriterLease(self.path, heartbeat_s, expiry_s, takeover=True)
 
     # ---------------------------------------------------------------- retention
 
@@ -288,8 +429,11 @@ class CheckpointDir:
         expiry = self.lease_expiry_s if expiry_s is None else expiry_s
         out = []
         now = time.time()
+        committing = self._interrupted()
         for name in sorted(os.listdir(self.path)):
             path = os.path.join(self.path, name)
+            if committing is not None and name == committing.tmp:
+                continue                # a committed step whose rename is pending (recover): not a leftover
             if name.startswith(TEMP_PREFIX + "step_"):
                 kind = "saving" if is_live(path, expiry, now) else "interrupted-save"
             elif name.startswith(DELETING_PREFIX + "step_"):
@@ -329,9 +473,6 @@ class CheckpointDir:
         return removed
 
     # ---------------------------------------------------------------- the read side (base.Directory)
-
-    def step_paths(self) -> Dict[int, str]:
-        return {step: self.step_path(step) for step in self.steps()}
 
     def step_records(self) -> List[StepRecord]:
         return [StepRecord(step, os.path.basename(path), path, tree_bytes(path))
@@ -397,11 +538,8 @@ class PendingStepDir:
     def publish(self, manifest_raw: bytes, event: Optional[Any], keep_superseded: bool) -> List[int]:
         write_file_atomic(os.path.join(self.path, MANIFEST), manifest_raw)
         fsync_dir(self.path)
-        if event is not None:
-            # Recorded before the renames: a crash in between leaves the record
-            # saying the superseded steps are abandoned, never live.
-            self.directory.record_event(event)
-        return self.directory.commit(self.path, self.step, keep_superseded)
+        # The record (written under the commit lock) is the commit point; the renames follow.
+        return self.directory.commit(self.path, self.step, keep_superseded, event)
 
     def discard(self) -> None:
         if os.path.isdir(self.path):     # not renamed: nothing of this step may remain

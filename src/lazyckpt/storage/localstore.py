@@ -78,9 +78,14 @@ class LocalStore(Store):
             raise CheckpointError(f"{path}: not a regular file or directory", path=path)
         if os.path.isfile(os.path.join(path, MANIFEST)):
             m = STEP_DIR.match(os.path.basename(path))
+            if m and self.checkpoint_dir(os.path.dirname(path), options).superseded_by_record(path):
+                raise CheckpointNotFoundError(f"{path}: step {int(m.group(1))} was abandoned: a later commit of an "
+                                              f"older step superseded it (a run resumed from an earlier step)",
+                                              path=path, step=int(m.group(1)))
             return Located("step", path, path, int(m.group(1)) if m else None)
         directory = self.checkpoint_dir(path, options)
-        steps = directory.steps()
+        paths = directory.step_paths()
+        steps = list(paths)
         if not steps:
             if empty_ok:
                 return Located("directory", path)
@@ -88,7 +93,7 @@ class LocalStore(Store):
             if os.path.isfile(os.path.join(path, ".metadata")):
                 hint = " (it looks like a torch.distributed.checkpoint directory: use `lazyckpt convert`)"
             raise CheckpointNotFoundError(f"{path}: no committed checkpoint in this directory{hint}", path=path)
-        return Located("directory", path, directory.step_path(steps[-1]), steps[-1], steps)
+        return Located("directory", path, paths[steps[-1]], steps[-1], steps)
 
     def read_manifest(self, step_path: str, options: Options) -> Dict[str, Any]:
         path = os.path.join(step_path, MANIFEST)

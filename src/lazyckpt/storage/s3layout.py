@@ -272,6 +272,9 @@ class ObjectCheckpointDir:
         m = _SAVE_KEY.match(self._relative(key))
         return self._key(step_dirname(int(m.group(1))), m.group(2)) + "/" if m else None
 
+    def recover(self, wait: bool = True) -> List[int]:
+        return []                       # a save becomes visible by one PUT (its manifest): nothing to finish
+
     def clean_leftovers(self, expiry_s: Optional[float] = None) -> List[str]:
         """Delete dead saves' prefixes and abort their open uploads (never a
         save whose heartbeat or upload is younger than the lease expiry)."""

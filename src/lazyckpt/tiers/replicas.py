@@ -574,12 +574,15 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             f.write(manifest_raw)
             os.fsync(f.fileno())
         fsync_dir(tmp)
+        event = None
         if history is not None:
             event = manifest_event(manifest_raw)
             if event is not None and event.seq is not None:
-                history.recorded(event)         # the restored save is the node's latest commit again
                 history.saw(event.seq)
-        layout.commit(tmp, target, keep_superseded=True)
+            else:
+                event = None
+        # The restored save is the node's latest commit again (its record is the commit point).
+        layout.commit(tmp, target, keep_superseded=True, event=event)
         layout.write_latest(target)
     elif recvs and not node_ok:
         if topo.local_rank == 0:

@@ -1,0 +1,180 @@
+"""Issue 33: one commit point per local commit, recovery on open, fencing.
+
+A commit records itself in ``history.json`` (naming its complete temporary
+directory) under the directory's commit lock: that write is the commit point.
+The renames after it (superseded steps aside, the new step in) are replayed
+by the next process that opens the directory; readers see the committed line
+in between. These tests stop a real process (SIGKILL) between every two of a
+rollback commit's renames, and pause a writer inside its commit while another
+Checkpointer takes the directory over.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import zlib
+
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+
+
+def _state(step: int, run: str) -> dict:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{run}/{step}".encode()))
+    return {"w": torch.randn(64, generator=g), "step": step, "run": run}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["run"] == b["run"] and a["step"] == b["step"] and torch.equal(a["w"], b["w"])
+
+
+# The child: a run that reached step 5 resumed from step 2 and saves step 3; it is
+# SIGKILLed just before the rename number KILL_AT of that commit (counting every
+# os.rename the library makes from the start of the save).
+_CHILD = textwrap.dedent("""
+    import os, signal, sys, torch, lazyckpt
+    sys.path.insert(0, {tests!r})
+    from test_commit_point import _state
+    directory, kill_at, keep_last = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    keep_last = None if keep_last == "None" else int(keep_last)
+    ckpt = lazyckpt.Checkpointer(directory, keep_last=keep_last)
+    renames = [0]
+    real_rename = os.rename
+    def rename(src, dst, *a, **k):
+        # Only the step directories' moves (a manifest's own temp rename is not one of them).
+        if os.path.basename(str(src)).startswith((".tmp-step_", "step_")):
+            renames[0] += 1
+            if renames[0] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real_rename(src, dst, *a, **k)
+    os.rename = rename
+    ckpt.save(_state(3, "resumed"), step=3).wait()
+    print("committed", renames[0], flush=True)
+""")
+
+
+def _prepare(directory: str, keep_last) -> None:
+    with lazyckpt.Checkpointer(directory, keep_last=keep_last) as ckpt:
+        for s in range(1, 6):
+            ckpt.save(_state(s, "first"), step=s).wait()
+
+
+@pytest.mark.parametrize("keep_last", [None, 10])
+@pytest.mark.parametrize("kill_at", [1, 2, 3, 4, 5])
+def test_a_kill_between_the_renames_of_a_rollback_commit_never_loads_an_abandoned_step(tmp_path, kill_at, keep_last):
+    """Case 1 of issue 33: killed after the commit moved step 5 (then 4, then 3) aside,
+    the restarted Checkpointer loaded the abandoned run's step 4. Now every kill point
+    gives the line before the commit (step 5) or the new step 3, on every read path."""
+    directory = str(tmp_path / "run")
+    _prepare(directory, keep_last)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _CHILD.format(tests=tests), directory, str(kill_at), str(keep_last)],
+                          capture_output=True, text=True, timeout=120)
+    killed = proc.returncode == -9
+    assert killed or proc.returncode == 0, proc.stderr[-3000:]
+    if not killed:                                  # the commit made fewer renames than kill_at
+        assert "committed" in proc.stdout
+    before = {s: _state(s, "first") for s in range(1, 6)}
+    after = {1: before[1], 2: before[2], 3: _state(3, "resumed")}
+
+    def check(got: dict, step: int, where: str) -> str:
+        if step == 5 and _same(got, before[5]):
+            return "before"
+        assert step == 3 and _same(got, after[3]), \
+            f"{where}: kill at rename {kill_at}: loaded step {step} of run {got['run']!r}, neither the line " \
+            f"before the commit (5) nor the new step 3"
+        return "after"
+
+    # A reader first (it repairs nothing): the line as the record says it.
+    got = lazyckpt.load(directory)
+    outcome = check(got, got["step"], "lazyckpt.load(DIR)")
+    expected_steps = sorted(before if outcome == "before" else after)
+    with lazyckpt.Checkpointer(directory, keep_last=keep_last) as reader:
+        assert reader.steps() == expected_steps
+        assert check(reader.load(), reader.loaded_from["step"], "Checkpointer.load()") == outcome
+        for s in reader.steps():
+            want = (before if outcome == "before" else after)[s]
+            assert _same(reader.load(step=s), want), f"load(step={s}) after a kill at rename {kill_at}"
+        # A superseded step's own path is refused, never loaded.
+        for s in (4, 5):
+            if outcome == "after" and os.path.isdir(os.path.join(directory, f"step_{s:010d}")):
+                with pytest.raises(CheckpointNotFoundError):
+                    lazyckpt.load(os.path.join(directory, f"step_{s:010d}"))
+    # Opening it repaired it: the listing alone now says the same, and the run goes on.
+    names = sorted(n for n in os.listdir(directory) if n.startswith("step_"))
+    assert [int(n[5:]) for n in names] == expected_steps
+    with lazyckpt.Checkpointer(directory, keep_last=keep_last) as ckpt:
+        ckpt.save(_state(len(expected_steps) + 1, "next"), step=len(expected_steps) + 1).wait()
+        assert _same(ckpt.load(), _state(len(expected_steps) + 1, "next"))
+    report = lazyckpt.loading.verify.verify(directory)
+    assert report.ok, [p.message for p in report.problems]
+
+
+def test_a_writer_paused_inside_its_commit_never_publishes_after_a_takeover(tmp_path):
+    """Case 5 of issue 33: a writer that paused just after its lease check inside the
+    commit still renamed its step in after a takeover, and the new writer's load()
+    returned the displaced writer's step. The check now runs under the directory's
+    commit lock, which a takeover takes too: the paused commit either completes
+    before the takeover or is refused, and the new writer's save is the latest."""
+    directory = str(tmp_path / "run")
+    a = lazyckpt.Checkpointer(directory)
+    a.save(_state(1, "a"), step=1).wait()
+    writer = a._writer
+    inside, release = threading.Event(), threading.Event()
+    real_check = writer.check
+
+    def paused_check() -> None:
+        real_check()
+        # Only the check inside the directory's commit (the last one before the publish).
+        if sys._getframe(1).f_code.co_name == "commit" and "layout" in sys._getframe(1).f_code.co_filename:
+            inside.set()
+            release.wait(30)
+
+    writer.check = paused_check
+    outcome_a: list = []
+
+    def save_a() -> None:
+        try:
+            a.save(_state(10, "a"), step=10).wait()
+            outcome_a.append("committed")
+        except CheckpointError as exc:
+            outcome_a.append(exc)
+
+    ta = threading.Thread(target=save_a)
+    ta.start()
+    assert inside.wait(30)
+    done_b: list = []
+
+    def take_over() -> None:
+        b = lazyckpt.Checkpointer(directory, takeover=True)
+        b.save(_state(5, "b"), step=5).wait()
+        done_b.append(b)
+
+    tb = threading.Thread(target=take_over)
+    tb.start()
+    time.sleep(0.5)                          # B is taking over while A sits inside its commit
+    release.set()
+    ta.join(60)
+    tb.join(60)
+    assert done_b, "the takeover did not complete"
+    b = done_b[0]
+    try:
+        got = b.load()
+        assert b.loaded_from["step"] == 5 and _same(got, _state(5, "b")), \
+            f"the new writer's load() returned step {b.loaded_from['step']} of writer {got['run']!r}"
+        assert b.steps() == [1, 5], b.steps()
+        assert _same(lazyckpt.load(directory), _state(5, "b"))
+        # The displaced writer can never save here again.
+        with pytest.raises(CheckpointError, match="took over"):
+            writer.check = real_check
+            a.save(_state(11, "a"), step=11).wait()
+    finally:
+        b.close()
+        a.close()
