@@ -36,6 +36,11 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
     directory = listing["directory"]
     store = for_path(directory)
     options = resolve_options()
+    if not dry_run:
+        # A commit a crash interrupted is finished first: retention then plans on the line's
+        # own step directories (a superseded one is never kept, nor its references followed).
+        store.checkpoint_dir(directory, options).recover()
+        listing = list_directory(directory)
     if force and not store.is_remote:
         # Only a lock says a fresh save is alive where there is one; an object
         # store has none, so there its age alone decides and force changes nothing.
