@@ -255,6 +255,37 @@ time.sleep(60)          # killed before
 """
 
 
+# A save killed inside its commit: SIGKILL just before the rename number KILL_AT of a step
+# directory (the superseded steps' moves, then the new step's), after the commit point.
+_KILLED_IN_COMMIT = """
+import os, signal, sys, torch, lazyckpt
+from _model import Config, checkpointer_kwargs
+directory, state_file, step, cfg, url, kill_at = sys.argv[1:]
+ckpt = lazyckpt.Checkpointer(directory, **checkpointer_kwargs(eval(cfg), eval(url)))
+renames, real_rename = [0], os.rename
+def rename(src, dst, *a, **k):
+    if os.path.basename(str(src)).startswith((".tmp-step_", "step_")):
+        renames[0] += 1
+        if renames[0] == int(kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real_rename(src, dst, *a, **k)
+os.rename = rename
+ckpt.save(torch.load(state_file, weights_only=False), step=int(step)).wait()
+os.rename = real_rename
+ckpt.close()
+"""
+
+# Another Checkpointer takes the directory over (takeover=True) and commits a step.
+_TAKER = """
+import sys, torch, lazyckpt
+from _model import Config, checkpointer_kwargs
+directory, state_file, step, cfg, url = sys.argv[1:]
+with lazyckpt.Checkpointer(directory, takeover=True, **checkpointer_kwargs(eval(cfg), eval(url))) as ckpt:
+    ckpt.save(torch.load(state_file, weights_only=False), step=int(step)).wait()
+print("committed", flush=True)
+"""
+
+
 class InvariantError(AssertionError):
     pass
 
@@ -407,6 +438,55 @@ class Run:
         self.ckpt = self._open()
         self._resolve_uncertain()
 
+    def _child(self, script: str, step: int, *extra: str) -> "subprocess.CompletedProcess":
+        state_file = os.path.join(self.base, "child-state.pt")
+        torch.save(self.trainee.state(), state_file)
+        return subprocess.run(
+            [sys.executable, "-c", script, self.local, state_file, str(step), repr(self.cfg), repr(self.persist_url),
+             *extra], capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))})
+
+    def rule_kill_in_commit(self, arg: int) -> None:
+        """Another process of the run saves the next step and is SIGKILLed inside
+        its commit, between two of its renames (after a rollback, the commit moves
+        the superseded steps aside first): issue 33's crash inside a commit. One rank."""
+        if self.distributed:
+            return
+        self.ckpt.close()
+        self._settle()
+        step, values = self.next_step, flat(self.trainee.state())
+        proc = self._child(_KILLED_IN_COMMIT, step, str(1 + arg % 4))
+        if proc.returncode not in (0, -signal.SIGKILL):
+            self.fail(f"the save killed inside its commit failed otherwise: {proc.stderr[-2000:]}")
+        self.next_step = step + 1
+        self.uncertain = [(step, values)]
+        self.ckpt = self._open()
+        self._resolve_uncertain()
+
+    def rule_takeover(self, arg: int) -> None:
+        """Another Checkpointer takes the directory over (takeover=True) while this
+        one is open, and commits the next step; this one's next save is refused,
+        and a new Checkpointer goes on from the other one's step. One rank."""
+        if self.distributed:
+            return
+        self.ckpt.wait()
+        self._settle()
+        step, values = self.next_step, flat(self.trainee.state())
+        proc = self._child(_TAKER, step)
+        if proc.returncode != 0 or "committed" not in proc.stdout:
+            self.fail(f"the takeover's save failed: {proc.stderr[-2000:]}")
+        self.line.commit(step, values)
+        self.next_step = step + 1
+        if self.ckpt._writer is not None:           # this one had saved: it held the lease
+            try:
+                self.ckpt.save(self.trainee.state(), step=self.next_step).wait()
+            except lazyckpt.CheckpointError:
+                pass
+            else:
+                self.fail("a Checkpointer displaced by a takeover still committed a save")
+        self.ckpt.close()
+        self.ckpt = self._open()
+
     def _resolve_uncertain(self) -> None:
         """After a crash: the new latest says which of the uncertain saves committed."""
         if not self.uncertain:
@@ -545,7 +625,8 @@ class Run:
         self.ckpt.wait()
         self._settle()
 
-    RULES = ("train", "save", "wait", "rollback", "crash", "kill", "restart", "lose_local", "corrupt", "prune")
+    RULES = ("train", "save", "wait", "rollback", "crash", "kill", "kill_in_commit", "takeover", "restart",
+             "lose_local", "corrupt", "prune")
 
     # -- invariants
     def check(self) -> None:
@@ -747,8 +828,8 @@ def _diff_row_problems(where: str, row: Any, a: torch.Tensor, b: torch.Tensor) -
 # ----------------------------------------------------------------- random programs
 
 #: Relative weights of the rules in a random program.
-WEIGHTS = {"train": 6, "save": 6, "wait": 2, "rollback": 2, "crash": 1, "kill": 1, "restart": 1,
-           "lose_local": 1, "corrupt": 1, "prune": 1}
+WEIGHTS = {"train": 6, "save": 6, "wait": 2, "rollback": 2, "crash": 1, "kill": 1, "kill_in_commit": 1,
+           "takeover": 1, "restart": 1, "lose_local": 1, "corrupt": 1, "prune": 1}
 
 
 def random_program(seed: int, length: int, cfg: Config) -> List[Tuple[str, int]]:

@@ -119,6 +119,16 @@ def machine_for(cfg: Config, base: str, persist_url):
         def kill(self, when):
             self.run.apply("kill", when)
 
+        @precondition(lambda self: KILLS)
+        @rule(at=st.integers(0, 7))
+        def kill_in_commit(self, at):
+            self.run.apply("kill_in_commit", at)
+
+        @precondition(lambda self: KILLS)
+        @rule()
+        def takeover(self):
+            self.run.apply("takeover")
+
         @rule()
         def restart(self):
             self.run.apply("restart")
@@ -210,6 +220,20 @@ def test_a_save_killed_at_a_random_instant_leaves_the_line_of_history(incrementa
                ("train", 3), ("save", 0), ("kill", seed + 1), ("save", 0)]
     print(f"LAZYCKPT_MODEL_SEED={MODEL_SEED}: {cfg.id} program {program}")
     run_program(cfg, str(tmp_path), None, program)
+
+
+@pytest.mark.parametrize("cfg", [Config(), Config(incremental=True), Config(persist=True)],
+                         ids=lambda c: c.id)
+def test_kills_inside_rollback_commits_and_takeovers_keep_the_line_of_history(cfg, persist_url, tmp_path):
+    """Issue 33: the model stops a process inside a commit (between the renames of a
+    rollback that supersedes steps) at every rename, and displaces a live writer."""
+    program = [("save", 0), ("save", 0), ("train", 1), ("save", 0), ("save", 0), ("wait", 0)]
+    for at in range(3):
+        program += [("rollback", at), ("train", at), ("kill_in_commit", at), ("save", 0), ("wait", 0)]
+    program += [("save", 0), ("takeover", 0), ("train", 2), ("save", 0), ("rollback", 1), ("takeover", 0),
+                ("save", 0), ("wait", 0)]
+    url = f"{persist_url}/{uuid.uuid4().hex[:12]}" if persist_url else None
+    run_program(cfg, str(tmp_path), url, program)
 
 
 # ----------------------------------------------------------------- refused combinations
