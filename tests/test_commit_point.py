@@ -178,3 +178,58 @@ def test_a_writer_paused_inside_its_commit_never_publishes_after_a_takeover(tmp_
     finally:
         b.close()
         a.close()
+
+
+# The same rollback on an object-store directory: the child is SIGKILLed just before
+# PUT number KILL_AT among its commit's event and manifest PUTs.
+_S3_CHILD = textwrap.dedent("""
+    import os, signal, sys, lazyckpt
+    sys.path.insert(0, {tests!r})
+    from test_commit_point import _state
+    from lazyckpt.storage import s3
+    url, kill_at = sys.argv[1], int(sys.argv[2])
+    ckpt = lazyckpt.Checkpointer(url)
+    ckpt.load(step=2)
+    puts = [0]
+    real_put = s3.ObjectStore.put
+    def put(self, key, data):
+        if key.endswith("/manifest.json") or "/history/" in key:
+            puts[0] += 1
+            if puts[0] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real_put(self, key, data)
+    s3.ObjectStore.put = put
+    ckpt.save(_state(3, "resumed"), step=3).wait()
+    print("committed", puts[0], flush=True)
+""")
+
+
+@pytest.mark.parametrize("kill_at", [1, 2, 3])
+def test_a_kill_inside_an_object_store_rollback_commit_leaves_no_partial_line(s3_server, s3_bucket, monkeypatch,
+                                                                              kill_at):
+    """On an s3:// Checkpointer the rollback's event was PUT before its manifest:
+    killed in between, readers saw the abandoned steps superseded and the new step
+    absent -- a partial line (step 2 loaded, neither 5 nor the new 3). The manifest
+    now goes first and the event (the commit point) after it."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{s3_bucket}/rollback-{kill_at}"
+    with lazyckpt.Checkpointer(url) as ckpt:
+        for s in range(1, 6):
+            ckpt.save(_state(s, "first"), step=s).wait()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _S3_CHILD.format(tests=tests), url, str(kill_at)],
+                          capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert proc.returncode in (0, -9), proc.stderr[-3000:]
+    got = lazyckpt.load(url)
+    before, after = _same(got, _state(5, "first")), _same(got, _state(3, "resumed"))
+    assert before or after, f"kill before commit PUT {kill_at}: loaded step {got['step']} of run {got['run']!r}"
+    assert after or proc.returncode == -9
+    reader = lazyckpt.Checkpointer(url)
+    try:
+        assert reader.steps() == ([1, 2, 3, 4, 5] if before else [1, 2, 3])
+        for s in reader.steps():
+            want = _state(s, "first") if before or s < 3 else _state(3, "resumed")
+            assert _same(reader.load(step=s), want), f"load(step={s})"
+    finally:
+        reader.close()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import LATEST, MANIFEST, rank_filename, step_dirname
-from lazyckpt.history import Event, event_key, line, parse_event_key, prunable
+from lazyckpt.history import Event, event_key, line, manifest_event, parse_event_key, prunable
 from lazyckpt.knobs import Options
 from .base import Leftover, StepRecord
 from .s3leases import LEASE_PREFIX, READERS, ObjectLease, ObjectWriterLease
@@ -47,6 +47,8 @@ class ObjectCheckpointDir:
         self.path = self.url
         #: The writer lease this process holds here (``ObjectWriterLease``), checked before every commit.
         self.writer: Optional[ObjectWriterLease] = None
+        #: (step, save id) of manifests written before commit events existed (no ``seq``).
+        self._legacy: set = set()
 
     def _key(self, *names: str) -> str:
         return "/".join(([self.prefix] if self.prefix else []) + list(names))
@@ -98,11 +100,30 @@ class ObjectCheckpointDir:
             event = parse_event_key(relative)
             if event is not None:
                 events.append(event)
+        found = {step: [v for v in saves if not self._uncommitted(step, v[0], events)]
+                 for step, saves in found.items()}
+        found = {step: saves for step, saves in found.items() if saves}
         seqs = {(e.step, e.save_id): e.seq for e in events}
         committed = {}
         for step, saves in found.items():
             committed[step] = max(saves, key=lambda v: (seqs.get((step, v[0]), 0), v[1]))[0]
         return committed, events
+
+    def _uncommitted(self, step: int, save_id: str, events: List[Event]) -> bool:
+        """A manifest whose event is missing where events are kept: a commit
+        interrupted between its manifest PUT and its event PUT (the commit
+        point), so not committed -- unless the manifest carries no ``seq`` (a
+        save from before events existed). One GET, only for such a manifest
+        (never after a clean commit); the verdict on an old save is kept."""
+        if not events or (step, save_id) in self._legacy or \
+                any(e.step == step and e.save_id == save_id for e in events):
+            return False
+        raw = self.store.get(self._key(step_dirname(step), save_id, MANIFEST), manifests.MAX_MANIFEST_BYTES)
+        numbered = manifest_event(raw)
+        if numbered is not None and numbered.seq is None:
+            self._legacy.add((step, save_id))
+            return False
+        return True
 
     def events(self) -> List[Event]:
         """Every commit event here, manifests without one included (seq None)."""
@@ -134,20 +155,26 @@ class ObjectCheckpointDir:
 
     # ---------------------------------------------------------------- commit
 
-    def commit(self, step: int, save_id: str, manifest_raw: bytes) -> List[int]:
-        """Write the manifest of ``save_id``: step ``step`` exists from here on.
-        Committed steps >= ``step`` (an abandoned line of history) are deleted
-        first, as a local directory supersedes them."""
+    def commit(self, step: int, save_id: str, manifest_raw: bytes, event: Optional[Event] = None) -> List[int]:
+        """Write the manifest of ``save_id``, then its commit ``event``: that PUT
+        is the commit point (docs/RELIABILITY.md), step ``step`` exists from
+        there on. Without an event (a persistent tier's upload, whose event went
+        up at the local commit) the manifest is. Committed steps >= ``step``
+        (an abandoned line of history) are deleted after it: readers already
+        tell them superseded by the event."""
         if self.writer is not None:
             self.writer.check()         # displaced by a takeover since save(): commit nothing
         committed, events = self.listing()
+        self.store.put(self._key(step_dirname(step), save_id, MANIFEST), manifest_raw)
+        if event is not None:
+            self.put_event(event)
+            events = events + [event]
         superseded = sorted((s for s in committed if s >= step and committed[s] != save_id), reverse=True)
         for s in superseded:
             self._drop(s, committed[s])
         if superseded:
             log.warning("lazyckpt: %s: step %d supersedes step(s) %s of an abandoned run (deleted)",
                         self.url, step, superseded)
-        self.store.put(self._key(step_dirname(step), save_id, MANIFEST), manifest_raw)
         # Events no longer needed go from the same listing (bounded without keep_last too).
         present = {s: sid for s, sid in committed.items() if s not in superseded}
         present[step] = save_id
@@ -242,11 +269,13 @@ class ObjectCheckpointDir:
         uploads: Dict[str, List[Any]] = {}
         committed = set()
         objects, now = self.store.listing(self._key(""))     # now: the server's clock
+        events = [e for e in (parse_event_key(self._relative(o["Key"])) for o in objects) if e is not None]
         for obj in objects:
             prefix = self._save_prefix(obj["Key"])
             if prefix is None:
                 continue
-            if _COMMITTED.match(self._relative(obj["Key"])):
+            m = _COMMITTED.match(self._relative(obj["Key"]))
+            if m and not self._uncommitted(int(m.group(1)), m.group(2), events):
                 committed.add(prefix)
             groups.setdefault(prefix, []).append(obj)
         for up in self.store.uploads(self._key("")):
@@ -410,11 +439,9 @@ class PendingSavePrefix:
 
     def publish(self, manifest_raw: bytes, event: Optional[Event], keep_superseded: bool) -> List[int]:
         # No place to keep superseded steps aside here: they are deleted (keep_superseded unused).
-        if event is not None:
-            # The event before the manifest: a second manifest of this step left
-            # by a crash inside the supersede is told apart by seq.
-            self.directory.put_event(event)
-        return self.directory.commit(self.step, self.save_id, manifest_raw)
+        # The manifest, then the event (the commit point): killed in between, the save is not
+        # committed (its manifest has a seq and no event) and the line before it stands.
+        return self.directory.commit(self.step, self.save_id, manifest_raw, event)
 
     def discard(self) -> None:
         try:
