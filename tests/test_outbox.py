@@ -228,3 +228,51 @@ def test_a_step_superseded_while_it_uploads_is_abandoned_not_failed(s3_server, s
         proxy.reset()
         ck.close()
     _store_alone_is_on_the_line(tmp_path, url, _options(s3_server), {1: "first", 2: "first", 3: "resumed"})
+
+
+# ---------------------------------------------------------------------- case 4 on the replica tier
+
+def _rollback_while_replicating(rank, world, base):
+    """Steps 1-4 replicated; step 5's round is held just before it opens its
+    file, the node commits a rollback to step 3 (step 5 moved aside), then the
+    round goes on."""
+    import threading
+    from lazyckpt.tiers import replicas
+    entered, release = threading.Event(), threading.Event()
+    digest = replicas._file_digest
+
+    def held_digest(path):
+        name = path if isinstance(path, str) else os.readlink(f"/proc/self/fd/{path}")
+        if "step_0000000005" in name:
+            entered.set()
+            assert release.wait(120)
+        return digest(path)
+    replicas._file_digest = held_digest
+    node = os.path.join(base, f"node{rank // 2}")
+    with lazyckpt.Checkpointer(node, replicas=1, node_size=2, commit_timeout_s=60) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(_state(step + 10 * rank), step).wait()
+        ckpt.wait()
+        h5 = ckpt.save(_state(5 + 10 * rank), 5)
+        h5.wait()
+        assert entered.wait(120)                    # step 5's round has started here
+        h3 = ckpt.save(_state(3 + 10 * rank, "resumed"), 3)
+        h3.wait()                                   # step 5 is abandoned on this node
+        release.set()
+        error = None
+        try:
+            ckpt.wait()
+        except Exception as exc:                    # pragma: no cover - the failure reported
+            error = repr(exc)
+        return {"h5": h5.replica_state, "h3": h3.replica_state, "error": error,
+                "holds": ckpt.replica_stats()["holds"]}
+
+
+def test_a_step_superseded_while_it_replicates_is_abandoned_and_the_rollback_replicated(tmp_path):
+    from _dist import run_ranks
+    results = run_ranks(4, _rollback_while_replicating, str(tmp_path), timeout=300)
+    for rank, r in enumerate(results):
+        assert r["error"] is None, (rank, r)
+        assert r["h5"] == "abandoned", (rank, r)
+        assert r["h3"] == "replicated", (rank, r)    # not dropped with the round of step 5
+        assert [h[2] for h in r["holds"]] == [3], (rank, r)
