@@ -144,6 +144,7 @@ class Checkpointer:
             world = rank_info("lazyckpt-replicas", None, commit_timeout_s)
             self._replicas = ReplicaTier(self.directory, self.topology, replicas, world, replica_bandwidth,
                                          commit_timeout_s)
+            self._replicas.abandoned = self._abandoned_locally
         self._auto = None
         if self._dist.distributed and (self.replicated == "auto" or not self.replicated):
             self._auto = AutoReplication("auto" if self.replicated == "auto" else "hint")
