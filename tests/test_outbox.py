@@ -276,3 +276,26 @@ def test_a_step_superseded_while_it_replicates_is_abandoned_and_the_rollback_rep
         assert r["h5"] == "abandoned", (rank, r)
         assert r["h3"] == "replicated", (rank, r)    # not dropped with the round of step 5
         assert [h[2] for h in r["holds"]] == [3], (rank, r)
+
+
+def test_the_outbox_costs_no_listing_per_commit(s3_server, s3_bucket, proxy, tmp_path):
+    """Steady state: a commit's event is one PUT; nothing lists the store until
+    the upload's own commit (its supersede check), as before the outbox."""
+    url = f"s3://{s3_bucket}/run"
+    ck = lazyckpt.Checkpointer(str(tmp_path / "local"), persist_to=url,
+                               storage_options=_options(s3_server, proxy.endpoint))
+    try:
+        ck.save(_state(1), 1).wait(persisted=True)
+        hold = proxy.hold_matching(lambda method, path, headers: "step_0000000002/" in path
+                                   and "rank_00000.lzc" in path)
+        before = len(proxy.requests)
+        ck.save(_state(2), 2).wait()
+        assert hold.arrived.wait(60)                   # the event is up, the upload has started
+        during = proxy.requests[before:]
+        assert [m for m, p, s in during if m == "GET" and "list-type=2" in p] == [], during
+        assert sum(1 for m, p, s in during if m == "PUT" and "/history/" in p) == 1, during
+        hold.release()
+        ck.wait()
+    finally:
+        proxy.reset()
+        ck.close()

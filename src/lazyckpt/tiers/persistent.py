@@ -128,11 +128,12 @@ class PersistentTier(NewestWinsDrain):
 
     # ---------------------------------------------------------------- the outbox
 
-    def _add(self, events: Iterable[Event]) -> None:
-        """Into the outbox (under ``_cond``): once each, in seq order, never one the store has."""
+    def _add(self, events: Iterable[Event], force: bool = False) -> None:
+        """Into the outbox (under ``_cond``): once each, in seq order; without ``force``
+        never one at or below the store's largest seq (published already)."""
         have = {(e.step, e.save_id) for e in self._outbox}
         for e in events:
-            if e.seq is None or (self._published is not None and e.seq <= self._published):
+            if e.seq is None or (not force and self._published is not None and e.seq <= self._published):
                 continue
             if (e.step, e.save_id) not in have:
                 have.add((e.step, e.save_id))
@@ -154,7 +155,8 @@ class PersistentTier(NewestWinsDrain):
             missing = [e for e in missing if (e.step, e.save_id) in live]
         with self._cond:
             self._published = top
-            self._outbox = [e for e in self._outbox if e.seq is not None and e.seq > top]
+            on_store = {(e.step, e.save_id) for e in events}
+            self._outbox = [e for e in self._outbox if (e.step, e.save_id) not in on_store]
             self._add(missing)
 
     def open_outbox(self, listing: Optional[Any] = None) -> None:
@@ -173,7 +175,7 @@ class PersistentTier(NewestWinsDrain):
         """Publish a commit event, after every older one still in the outbox; one
         that fails stays there, and the drain retries before any upload."""
         with self._cond:
-            self._add([event])
+            self._add([event], force=True)     # a commit's own event always goes up (idempotent)
         try:
             self._flush_events()
         except CheckpointError as exc:
