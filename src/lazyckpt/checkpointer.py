@@ -36,7 +36,7 @@ from lazyckpt.tiers.replicas import (ReplicaTier, node_group, restore as restore
                                      topology as replica_topology)
 from .distributed import rank_info, refuse
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
-from .history import Event, History, line
+from .history import Event, History, abandoned, line
 from .knobs import Options, resolve
 
 log = logging.getLogger("lazyckpt")
@@ -144,6 +144,7 @@ class Checkpointer:
             world = rank_info("lazyckpt-replicas", None, commit_timeout_s)
             self._replicas = ReplicaTier(self.directory, self.topology, replicas, world, replica_bandwidth,
                                          commit_timeout_s)
+            self._replicas.abandoned = self._abandoned_locally
         self._auto = None
         if self._dist.distributed and (self.replicated == "auto" or not self.replicated):
             self._auto = AutoReplication("auto" if self.replicated == "auto" else "hint")
@@ -184,8 +185,14 @@ class Checkpointer:
         self.resumed_drain: Optional[SaveHandle] = None
         #: The restored step replicated anew after a load() that brought a lost node back, or None.
         self.restored_replication: Optional[SaveHandle] = None
-        if self.persistent is not None and self._replicas is None:
-            self._resume_drain()
+        if self.persistent is not None:
+            # The outbox's durable copy is the local record (docs/RELIABILITY.md).
+            self.persistent.local_events = self.history.local_events
+            self.persistent.abandoned = self._abandoned_locally
+            if self._replicas is None:
+                self._resume_drain()
+            elif self._dist.coordinator:
+                self.persistent.open_outbox()
 
     # ------------------------------------------------------------------ saving
 
@@ -265,16 +272,29 @@ class Checkpointer:
             self.persistent.enqueue(handle, strategy.step, strategy.call, strategy.save_id,
                                     self.layout.step_path(strategy.step), strategy.seq)
 
+    def _abandoned_locally(self, step: int, save_id: str) -> bool:
+        """Whether a later commit superseded that save here (the local record says
+        so before the commit's renames): a tier sending it drops it, quietly."""
+        record = self.history.record
+        return record is not None and (step, save_id) in abandoned(record.read()[1])
+
     def _resume_drain(self) -> None:
-        """A restart retries the upload of the latest live local step when the
-        persistent tier lacks that save (its upload failed, or the process died
-        first). Every rank enqueues it (call -1: any new save supersedes it)."""
+        """A restart publishes the commit events the persistent tier never got
+        (the outbox: the local record's events above the store's largest seq, in
+        seq order), then retries the upload of the latest live local step when
+        the persistent tier lacks that save (its upload failed, or the process
+        died first). Every rank enqueues it (call -1: any new save supersedes it).
+        One listing of the store for both."""
         try:
-            live, local, remote = self._line()
+            live, local, remote, listing = self._line_and_listing()
         except CheckpointError as exc:
             log.warning("lazyckpt: %s: cannot tell whether the latest step is persisted (%s)",
                         self.persistent.url, exc)
             return
+        if self._dist.coordinator and listing is not None:     # (else the drain's first publish lists it)
+            # Before anything newer (the upload below, any save): a reader of the store
+            # alone learns every rollback this directory committed.
+            self.persistent.open_outbox(listing)
         if not live:
             return
         step, save_id = live[-1]
@@ -439,11 +459,18 @@ class Checkpointer:
     def _line(self) -> Any:
         """(the live saves [(step, save_id)], oldest first; local step -> Event;
         persistent step -> save_id): one line of history over both tiers."""
+        return self._line_and_listing()[:3]
+
+    def _line_and_listing(self) -> Any:
+        """:meth:`_line`, and the persistent tier's listing ``(steps, events)`` it
+        came from (None: the store could not be listed)."""
         local = self.history.local_saves()
         events = self.history.local_events()
         remote: Dict[int, str] = {}
+        listing = None
         try:
-            remote, remote_events = self.persistent.dir.listing()
+            listing = self.persistent.dir.listing()
+            remote, remote_events = listing
             events += remote_events + [Event(s, sid, None) for s, sid in remote.items()]
         except CheckpointError as exc:
             if not local:
@@ -452,7 +479,7 @@ class Checkpointer:
                         "tier only", self.persistent.url, exc)
         # A local step whose manifest and record say nothing still counts (its load reports the damage).
         events += [Event(s, f"?unreadable-{s}", None) for s, e in local.items() if e.save_id is None]
-        return line(events), local, remote
+        return line(events), local, remote, listing
 
     def _candidates(self, step: Optional[int]) -> List[Any]:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""

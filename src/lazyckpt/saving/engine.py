@@ -149,11 +149,13 @@ class SaveHandle:
 
     # What the docs and benchmarks read of each tier: read-only views of its TierState
     # (None where the save was never queued on that tier).
-    persist_state = _tier_view(PERSISTENT, "state", '"pending", "persisted", "failed" or "superseded by step N"')
+    persist_state = _tier_view(PERSISTENT, "state", '"pending", "persisted", "failed", "superseded by step N" '
+                                                   'or "abandoned"')
     persist_error = _tier_view(PERSISTENT, "error", "why the upload failed")
     persisted_s = _tier_view(PERSISTENT, "seconds", "seconds from save() until uploaded (or failed)")
     persist_url = _tier_view(PERSISTENT, "where", "the uploaded object's URL")
-    replica_state = _tier_view(REPLICA, "state", '"pending", "replicated", "failed: ..." or "superseded by step N"')
+    replica_state = _tier_view(REPLICA, "state", '"pending", "replicated", "failed: ...", "superseded by step N" '
+                                                'or "abandoned"')
     replicated_s = _tier_view(REPLICA, "seconds", "seconds from save() until replicated (or failed)")
 
     def wait_for_snapshot(self, timeout: Optional[float] = None) -> None:

@@ -25,7 +25,8 @@ class TierState:
 
     def __init__(self, t0: float):
         #: "pending", then the tier's word for done ("persisted", "replicated"),
-        #: "failed" (the replica tier adds why) or "superseded by step N".
+        #: "failed" (the replica tier adds why), "superseded by step N" (a newer step took
+        #: its place in the queue) or "abandoned" (a rollback superseded it while it was sent).
         self.state = "pending"
         self.error: Optional[BaseException] = None
         #: Its error was raised once (by the handle's wait or the Checkpointer's): never again.
@@ -48,6 +49,13 @@ class TierState:
     def failed(self, error: BaseException, state: str = "failed") -> None:
         self.seconds = time.perf_counter() - self._t0
         self.state, self.error = state, error
+        self._ended.set()
+
+    def abandoned(self) -> None:
+        """The save was superseded on the local tier (a rollback committed an older
+        step) while this tier was sending it: dropped, not failed -- nothing was lost."""
+        self.seconds = time.perf_counter() - self._t0
+        self.state = "abandoned"
         self._ended.set()
 
     def superseded(self, by: "TierState", step: int) -> None:

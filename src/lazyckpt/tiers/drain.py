@@ -54,9 +54,13 @@ class Waiting:
     local retention off it, and where its local step directory is."""
 
     def __init__(self, state: TierState, step: int, call: int, local_path: str, hold: contextlib.ExitStack,
-                 save_id: Optional[str] = None):
+                 save_id: Optional[str] = None, opened: Any = None):
         self.state, self.step, self.call, self.local_path, self.hold = state, step, call, local_path, hold
         self.save_id = save_id
+        #: What the tier opened of the step when it was queued (the replica tier: its
+        #: manifest's bytes and its rank file's descriptor, closed with ``hold``), so that
+        #: a rollback moving the step away before its round cannot break the round.
+        self.opened = opened
 
 
 class NewestWinsDrain:
@@ -93,9 +97,9 @@ class NewestWinsDrain:
     # ---------------------------------------------------------------- queue
 
     def _queue(self, handle: Any, step: int, call: int, local_path: str, hold: contextlib.ExitStack,
-               save_id: Optional[str] = None) -> None:
+               save_id: Optional[str] = None, opened: Any = None) -> None:
         """Queue a committed step (``hold``: its read lock, released once sent or superseded)."""
-        item = Waiting(handle.track_tier(self.tier), step, call, local_path, hold, save_id)
+        item = Waiting(handle.track_tier(self.tier), step, call, local_path, hold, save_id, opened)
         with self._cond:
             self._pending.append(item)
             if self._thread is None:

@@ -12,12 +12,12 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from lazyckpt.distributed import agree
 from lazyckpt.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, rank_filename
-from lazyckpt.history import Event
+from lazyckpt.history import Event, line, max_seq
 from lazyckpt.knobs import Options
 from lazyckpt.saving.tierstate import PERSISTENT
 from lazyckpt.storage.fileio import anonymous_buffer, open_for_read, pread_into
@@ -99,8 +99,19 @@ class PersistentTier(NewestWinsDrain):
         self._stop = threading.Event()
         self._limit = RateLimit(options.persist_bandwidth)
         self._pool = cf.ThreadPoolExecutor(max(1, options.writer_threads), thread_name_prefix="lazyckpt-persist")
-        #: Commit events not written yet (the store failed): written before the next upload.
-        self._unpublished: List[Event] = []
+        #: The outbox (docs/RELIABILITY.md "The persistent tier's outbox"): commit events
+        #: known not to be on the store yet, in seq order, published before anything newer.
+        #: Its durable copy is the local record: every local event with a seq above the
+        #: store's largest is unpublished (:meth:`reconcile` rebuilds this list from it).
+        self._outbox: List[Event] = []
+        #: The largest seq on the store (None: not known yet, the next publish lists it first).
+        self._published: Optional[int] = None
+        #: One publisher at a time (the commit's thread, the drain): events go up in seq order.
+        self._publishing = threading.Lock()
+        #: The local events (the Checkpointer's History.local_events), the outbox's durable copy.
+        self.local_events: Callable[[], List[Event]] = lambda: []
+        #: Whether a save was superseded locally (a rollback committed since): its upload is dropped.
+        self.abandoned: Callable[[int, str], bool] = lambda step, save_id: False
         if dist.coordinator:
             self.dir.clean_leftovers()
 
@@ -115,32 +126,85 @@ class PersistentTier(NewestWinsDrain):
             self._publish_event(Event(step, save_id, seq))
         self._queue(handle, step, call, local_path, hold, save_id)
 
-    def _publish_event(self, event: Event) -> None:
-        """PUT a commit event; one that fails is retried by the drain before any upload."""
+    # ---------------------------------------------------------------- the outbox
+
+    def _add(self, events: Iterable[Event], force: bool = False) -> None:
+        """Into the outbox (under ``_cond``): once each, in seq order; without ``force``
+        never one at or below the store's largest seq (published already)."""
+        have = {(e.step, e.save_id) for e in self._outbox}
+        for e in events:
+            if e.seq is None or (not force and self._published is not None and e.seq <= self._published):
+                continue
+            if (e.step, e.save_id) not in have:
+                have.add((e.step, e.save_id))
+                self._outbox.append(e)
+        self._outbox.sort(key=lambda e: e.seq)
+
+    def reconcile(self, listing: Optional[Any] = None) -> None:
+        """Rebuild the outbox from the local record: every local event above the
+        store's largest seq (``listing``: the store's ``(steps, events)`` if the
+        caller has just listed it; else one listing, raising if the store cannot
+        be listed). On an empty store only the live line's events go up: the
+        abandoned ones would supersede nothing there."""
+        steps, events = listing if listing is not None else self.dir.listing()
+        top = max_seq(events)
+        local = self.local_events()
+        missing = [e for e in local if e.seq is not None and e.seq > top]
+        if not steps and not events:
+            live = set(line(local))
+            missing = [e for e in missing if (e.step, e.save_id) in live]
+        with self._cond:
+            self._published = top
+            on_store = {(e.step, e.save_id) for e in events}
+            self._outbox = [e for e in self._outbox if (e.step, e.save_id) not in on_store]
+            self._add(missing)
+
+    def open_outbox(self, listing: Optional[Any] = None) -> None:
+        """At open (coordinator): publish what the last run committed and the store
+        never learned, in seq order, before anything newer. A store that cannot be
+        listed or written now: the drain does it before its first upload."""
         try:
-            self.dir.record_event(event)
+            with self._publishing:
+                self.reconcile(listing)
+            self._flush_events()
+        except CheckpointError as exc:
+            log.warning("lazyckpt: %s: the commit events not on it yet cannot be published now (%s); the "
+                        "drain publishes them before its next upload", self.url, exc)
+
+    def _publish_event(self, event: Event) -> None:
+        """Publish a commit event, after every older one still in the outbox; one
+        that fails stays there, and the drain retries before any upload."""
+        with self._cond:
+            self._add([event], force=True)     # a commit's own event always goes up (idempotent)
+        try:
+            self._flush_events()
         except CheckpointError as exc:
             log.warning("lazyckpt: %s: the commit event of step %d could not be written yet (%s); the drain "
                         "retries it", self.url, event.step, exc)
-            with self._cond:
-                self._unpublished.append(event)
 
     def _flush_events(self) -> None:
-        with self._cond:
-            events, self._unpublished = self._unpublished, []
-        try:
-            for i, event in enumerate(events):
+        """Publish the outbox in seq order; raise at the first failure (the rest stays).
+        Lists the store first only when its largest seq is not known (the open could
+        not list it): never a listing per commit."""
+        with self._publishing:
+            if self._published is None:
+                self.reconcile()
+            while True:
+                with self._cond:
+                    if not self._outbox:
+                        return
+                    event = self._outbox[0]
                 self.dir.record_event(event)
-        except BaseException:
-            with self._cond:
-                self._unpublished = events[i:] + self._unpublished
-            raise
+                with self._cond:
+                    if self._outbox and self._outbox[0] == event:
+                        self._outbox.pop(0)
+                    self._published = max(self._published or 0, event.seq)
 
     # ---------------------------------------------------------------- one step
 
     def _send(self, item: Waiting, key: str) -> None:
         d = self.world
-        lease = None
+        lease = pending = None
         try:
             if d.coordinator:
                 self._flush_events()        # never a manifest here before its commit event
@@ -160,6 +224,8 @@ class PersistentTier(NewestWinsDrain):
                 nbytes = 0
 
             def commit(_done: Dict[int, Dict[str, Any]]) -> None:
+                if self._abandoned(item):
+                    raise CheckpointError(f"step {item.step} was abandoned by a rollback while it uploaded")
                 with open(os.path.join(item.local_path, MANIFEST), "rb") as f:
                     raw = f.read()
                 pending.publish(raw, None, keep_superseded=False)    # its event went up at enqueue
@@ -178,6 +244,15 @@ class PersistentTier(NewestWinsDrain):
             item.state.done("persisted", where=remote)
             log.info("lazyckpt: step %d persisted to %s (%.1f MB)", item.step, self.url, nbytes / 1e6)
         except BaseException as exc:
+            if self._abandoned(item):
+                # Superseded locally while it uploaded (a rollback): nothing is lost, its
+                # manifest never goes up (or, raced, goes up abandoned by the newer event).
+                log.info("lazyckpt: %s: step %d was abandoned by a rollback while it uploaded; dropped",
+                         self.url, item.step)
+                if d.coordinator and pending is not None:
+                    pending.discard()
+                item.state.abandoned()
+                return
             error = exc
             if not isinstance(exc, CheckpointWriteError):
                 error = CheckpointWriteError(f"{self.url}: persisting step {item.step} failed: "
@@ -189,6 +264,12 @@ class PersistentTier(NewestWinsDrain):
         finally:
             if lease is not None:
                 lease.release()
+
+    def _abandoned(self, item: Waiting) -> bool:
+        try:
+            return item.save_id is not None and self.abandoned(item.step, item.save_id)
+        except Exception:       # the record unreadable: not known abandoned, the error stands
+            return False
 
     def _round_failed(self, exc: BaseException) -> None:
         log.error("lazyckpt: %s: persisting failed: %s", self.url, exc)

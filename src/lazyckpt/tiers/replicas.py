@@ -55,7 +55,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -177,11 +177,21 @@ def held_replicas(root: str) -> List[Tuple[int, int, int]]:
     return out
 
 
-def _file_digest(path: str) -> Tuple[int, int]:
+def _open_source(path: Union[str, int]) -> Any:
+    """A file to send, by path or by a descriptor opened when its step was queued
+    (read from its start; the step may have been moved or deleted since)."""
+    if isinstance(path, int):
+        f = os.fdopen(os.dup(path), "rb")
+        f.seek(0)
+        return f
+    return open(path, "rb")
+
+
+def _file_digest(path: Union[str, int]) -> Tuple[int, int]:
     import xxhash
     h = xxhash.xxh3_64()
     size = 0
-    with open(path, "rb") as f:
+    with _open_source(path) as f:
         while True:
             block = f.read(CHUNK_BYTES)
             if not block:
@@ -243,7 +253,7 @@ def exchange(group: Any, sends: List[_Sender], recvs: List[_Receiver], into: Any
     for w in pending:
         w.wait()
     # The files, chunk by chunk: a send of chunk i and the receives of chunk i in flight together.
-    files = [open(s.path, "rb") for s in sends]
+    files = [_open_source(s.path) for s in sends]
     outs, hashes = [], []
     import xxhash
     try:
@@ -329,6 +339,8 @@ class ReplicaTier(NewestWinsDrain):
         self._limit = RateLimit(bandwidth)
         #: Replicas this rank holds (source node, local rank, step) and their bytes.
         self.held_bytes = 0
+        #: Whether a save was superseded on this node since it was queued (the Checkpointer's).
+        self.abandoned: Callable[[int, str], bool] = lambda step, save_id: False
 
     def holds(self) -> List[Tuple[int, int, int]]:
         """(source node, source local rank, step) of the complete replicas this rank
@@ -340,11 +352,20 @@ class ReplicaTier(NewestWinsDrain):
         a read lock on it keeps retention from deleting it until it is
         replicated or superseded (the node's coordinator catches up later)."""
         hold = contextlib.ExitStack()
+        opened = None
         try:
             hold.enter_context(StepDir(local_path, step).reading())
-        except CheckpointError as exc:      # gone already; the round sends nothing for it
+            # Opened now, on the commit's thread (no later commit can supersede it before):
+            # a rollback that moves the step away while it waits or replicates cannot fail
+            # the round -- which every rank would fail, dropping the rollback's own step.
+            with open(os.path.join(local_path, MANIFEST), "rb") as f:
+                manifest_raw = f.read()
+            fd = os.open(os.path.join(local_path, rank_filename(self.topo.local_rank)), os.O_RDONLY)
+            hold.callback(os.close, fd)
+            opened = (manifest_raw, fd)
+        except (CheckpointError, OSError) as exc:      # gone already; the round sends nothing for it
             log.warning("lazyckpt: step %d cannot be held for replication: %s", step, exc)
-        self._queue(handle, step, call, local_path, hold)
+        self._queue(handle, step, call, local_path, hold, opened=opened)
 
     def _round_failed(self, exc: BaseException) -> None:
         log.warning("lazyckpt: replicating a step failed (training goes on, the step is not "
@@ -357,10 +378,13 @@ class ReplicaTier(NewestWinsDrain):
         report: Dict[str, Any] = {"ok": True}
         received: List[Dict[str, Any]] = []
         try:
-            mine: Optional[str] = os.path.join(item.local_path, rank_filename(topo.local_rank))
+            mine: Union[None, str, int] = os.path.join(item.local_path, rank_filename(topo.local_rank))
             try:
-                with open(os.path.join(item.local_path, MANIFEST), "rb") as f:
-                    manifest_raw = f.read()
+                if item.opened is not None:
+                    manifest_raw, mine = item.opened
+                else:
+                    with open(os.path.join(item.local_path, MANIFEST), "rb") as f:
+                        manifest_raw = f.read()
             except OSError as exc:
                 # Still take part in the exchange (an empty header), so no partner waits
                 # for bytes that never come; the agreement below fails the round.
@@ -412,8 +436,20 @@ class ReplicaTier(NewestWinsDrain):
             fsync_dir(base)
         self.held_bytes = sum(os.path.getsize(os.path.join(dp, f)) for n, lr, _ in self.holds()
                               for dp, _, fs in os.walk(_replica_dir(self.root, n, lr)) for f in fs)
+        if self._abandoned(item):
+            # A rollback on this node superseded it while it was sent: its replicas are
+            # never restored (the line says abandoned) and the rollback's step replaces them.
+            item.state.abandoned()
+            log.info("lazyckpt: step %d was abandoned by a rollback while it was replicated", item.step)
+            return
         item.state.done("replicated")
         log.info("lazyckpt: step %d replicated to ranks %s", item.step, topo.partners(self.k))
+
+    def _abandoned(self, item: Waiting) -> bool:
+        try:
+            return item.opened is not None and self.abandoned(item.step, manifest_event(item.opened[0]).save_id)
+        except Exception:
+            return False
 
 
 # --------------------------------------------------------------------------- restore side
