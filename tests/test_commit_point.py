@@ -233,3 +233,63 @@ def test_a_kill_inside_an_object_store_rollback_commit_leaves_no_partial_line(s3
             assert _same(reader.load(step=s), want), f"load(step={s})"
     finally:
         reader.close()
+
+
+def test_a_writer_paused_inside_its_object_store_commit_never_publishes_after_a_takeover(s3_server, s3_bucket,
+                                                                                        monkeypatch):
+    """Case 5 of issue 33 on an object store, where no lock orders a takeover and a
+    commit: the displaced writer, paused after its lease check, PUT its manifest and
+    event after the takeover and the new writer's load() returned its step. The
+    takeover now PUTs a fence for the displaced writer (``.fences/<its fence id>``,
+    the prefix of its save ids) and waits out the 1 s stamp resolution; readers
+    ignore a commit event stamped after its writer's fence."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{s3_bucket}/fenced"
+    a = lazyckpt.Checkpointer(url)
+    a.save(_state(1, "a"), step=1).wait()
+    writer = a._writer
+    inside, release = threading.Event(), threading.Event()
+    real_check = writer.check
+
+    def paused_check() -> None:
+        real_check()
+        caller = sys._getframe(1).f_code
+        if caller.co_name == "commit" and "s3layout" in caller.co_filename:
+            inside.set()
+            release.wait(60)
+
+    writer.check = paused_check
+    outcome_a: list = []
+
+    def save_a() -> None:
+        try:
+            a.save(_state(10, "a"), step=10).wait()
+            outcome_a.append("committed")
+        except CheckpointError as exc:
+            outcome_a.append(exc)
+
+    ta = threading.Thread(target=save_a)
+    ta.start()
+    assert inside.wait(60)
+    b = lazyckpt.Checkpointer(url, takeover=True)
+    try:
+        b.save(_state(5, "b"), step=5).wait()
+        release.set()                        # A publishes now, after the takeover
+        ta.join(60)
+        for reader in (b, lazyckpt.Checkpointer(url)):
+            got = reader.load()
+            assert reader.loaded_from["step"] == 5 and _same(got, _state(5, "b")), \
+                f"load() returned step {reader.loaded_from['step']} of writer {got['run']!r}"
+            assert reader.steps() == [1, 5], reader.steps()
+        assert _same(lazyckpt.load(url), _state(5, "b"))
+        with pytest.raises(CheckpointError, match="took over|removed"):
+            writer.check = real_check
+            a.save(_state(11, "a"), step=11).wait()
+    finally:
+        release.set()
+        b.close()
+        try:
+            a.close()
+        except CheckpointError:
+            pass

@@ -254,7 +254,7 @@ class Checkpointer:
             self._writer.check()
             return
         self._writer = self.layout.acquire_writer(self.options.lease_heartbeat_s, self.options.lease_expiry_s,
-                                                  takeover=self._takeover)
+                                                  takeover=self._takeover, fence=self._dist.run_id or None)
         self.layout.writer = self._writer
         weakref.finalize(self, _release_when_idle, self._engine, self._writer)
 

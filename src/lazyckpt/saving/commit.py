@@ -108,7 +108,11 @@ class StepCommit(CommitStrategy):
         self.metadata = metadata            # the user's, as it goes into the manifest
         self.heartbeat_s = heartbeat_s
         self.key = f"c{call}"
-        self.save_id = f"{dist.run_id}-{self.key}" if dist.distributed else uuid.uuid4().hex
+        # Where the store fences displaced writers by save id (an object store), a save id
+        # begins with its writer's fence id: the run's id with several ranks, else the lease's.
+        fence = getattr(layout.writer, "fence", None)
+        self.save_id = f"{dist.run_id}-{self.key}" if dist.distributed else \
+            f"{fence}-{uuid.uuid4().hex[:20]}" if fence else uuid.uuid4().hex
         #: Where this save is written until it is published (the store's PendingStep).
         self.pending = layout.pending(step, self.save_id,
                                       f"r{dist.run_id}-{self.key}" if dist.distributed else new_token())

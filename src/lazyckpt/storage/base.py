@@ -311,8 +311,11 @@ class Directory(Protocol):
         forward); returns the steps it superseded. Where a commit is one atomic
         publish (an object store's manifest), there is nothing to finish."""
 
-    def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False) -> WriterLease:
-        """Become this directory's one writer (refused with the holder's name)."""
+    def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False,
+                       fence: Optional[str] = None) -> WriterLease:
+        """Become this directory's one writer (refused with the holder's name).
+        ``fence``: what this writer's save ids begin with (``<fence>-``), where the
+        store fences a displaced writer by them (the lease's ``fence``)."""
 
     def pending(self, step: int, save_id: str, token: str) -> PendingStep:
         """A new save of ``step`` (nothing is created yet). ``save_id`` names it in

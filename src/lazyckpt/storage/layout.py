@@ -308,7 +308,9 @@ class CheckpointDir:
     def write_latest(self, step: int) -> None:
         write_file_atomic(os.path.join(self.path, LATEST), f"{step}\n".encode())
 
-    def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False) -> "WriterLease":
+    def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False,
+                       fence: Optional[str] = None) -> "WriterLease":
+        # ``fence`` is for stores that fence by save id; here the commit lock fences.
         if not takeover:
             return WriterLease(self.path, heartbeat_s, expiry_s)
         # Under the commit lock: a displaced writer inside its commit finishes it first (its

@@ -28,7 +28,7 @@ from lazyckpt.formats.names import LATEST, MANIFEST, rank_filename, step_dirname
 from lazyckpt.history import Event, event_key, line, manifest_event, parse_event_key, prunable
 from lazyckpt.knobs import Options
 from .base import Leftover, StepRecord
-from .s3leases import LEASE_PREFIX, READERS, ObjectLease, ObjectWriterLease
+from .s3leases import FENCES, LEASE_PREFIX, READERS, ObjectLease, ObjectWriterLease
 from .s3 import ObjectURL, store_for
 
 log = logging.getLogger("lazyckpt")
@@ -90,16 +90,12 @@ class ObjectCheckpointDir:
         a supersede) is the one committed later by ``seq``; only saves without
         events (written before them) fall back to the 1-second LastModified."""
         found: Dict[int, List[Tuple[str, Any]]] = {}
-        events: List[Event] = []
-        for obj in self.store.list(self._key("")):
-            relative = self._relative(obj["Key"])
-            m = _COMMITTED.match(relative)
+        objects = list(self.store.list(self._key("")))
+        events = self._events(objects)
+        for obj in objects:
+            m = _COMMITTED.match(self._relative(obj["Key"]))
             if m:
                 found.setdefault(int(m.group(1)), []).append((m.group(2), obj["LastModified"]))
-                continue
-            event = parse_event_key(relative)
-            if event is not None:
-                events.append(event)
         found = {step: [v for v in saves if not self._uncommitted(step, v[0], events)]
                  for step, saves in found.items()}
         found = {step: saves for step, saves in found.items() if saves}
@@ -108,6 +104,30 @@ class ObjectCheckpointDir:
         for step, saves in found.items():
             committed[step] = max(saves, key=lambda v: (seqs.get((step, v[0]), 0), v[1]))[0]
         return committed, events
+
+    def _events(self, objects: List[Dict[str, Any]]) -> List[Event]:
+        """The commit events among ``objects`` (one listing), but those a displaced
+        writer published after its fence (``s3leases.FENCES``: a takeover, or a
+        lease that expired): such a commit never happened."""
+        fences: Dict[str, Any] = {}
+        stamped = []
+        for obj in objects:
+            relative = self._relative(obj["Key"])
+            if relative.startswith(FENCES + "/"):
+                fences[relative[len(FENCES) + 1:]] = obj["LastModified"]
+                continue
+            event = parse_event_key(relative)
+            if event is not None:
+                stamped.append((event, obj["LastModified"]))
+        out = []
+        for event, stamp in stamped:
+            fenced = fences.get(event.save_id.split("-", 1)[0])
+            if fenced is not None and stamp > fenced:
+                log.warning("lazyckpt: %s: ignoring the commit of step %d (save %s): its writer had been "
+                            "displaced when it was published", self.url, event.step, event.save_id)
+                continue
+            out.append(event)
+        return out
 
     def _uncommitted(self, step: int, save_id: str, events: List[Event]) -> bool:
         """A manifest whose event is missing where events are kept: a commit
@@ -186,8 +206,10 @@ class ObjectCheckpointDir:
                 log.debug("lazyckpt: %s: pruning history events failed (retried later): %s", self.url, exc)
         return superseded
 
-    def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False) -> ObjectWriterLease:
-        return ObjectWriterLease(self.store, self.prefix, self.url, heartbeat_s, expiry_s, takeover=takeover)
+    def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False,
+                       fence: Optional[str] = None) -> ObjectWriterLease:
+        return ObjectWriterLease(self.store, self.prefix, self.url, heartbeat_s, expiry_s, takeover=takeover,
+                                 fence=fence)
 
     def pending(self, step: int, save_id: str, token: str) -> "PendingSavePrefix":
         return PendingSavePrefix(self, step, save_id)      # the save id names the prefix: no token needed
@@ -269,7 +291,7 @@ class ObjectCheckpointDir:
         uploads: Dict[str, List[Any]] = {}
         committed = set()
         objects, now = self.store.listing(self._key(""))     # now: the server's clock
-        events = [e for e in (parse_event_key(self._relative(o["Key"])) for o in objects) if e is not None]
+        events = self._events(objects)
         for obj in objects:
             prefix = self._save_prefix(obj["Key"])
             if prefix is None:

@@ -67,6 +67,8 @@ class ObjectLease:
 
 #: Writer leases of an object-store Checkpointer directory: ``PREFIX/.writers/<token>``.
 WRITERS = ".writers"
+#: ``PREFIX/.fences/<fence id>``: the writer of that fence id was displaced at the object's LastModified.
+FENCES = ".fences"
 _BEAT = ".beat"
 
 
@@ -100,15 +102,19 @@ class ObjectWriterLease:
     their next save (never two writers)."""
 
     def __init__(self, store: Any, directory_key: str, directory: str, heartbeat_s: float, expiry_s: float,
-                 takeover: bool = False):
+                 takeover: bool = False, fence: Optional[str] = None):
         import socket
         self.store, self.directory = store, directory
         self.base = f"{directory_key}/{WRITERS}/" if directory_key else f"{WRITERS}/"
+        self.fences = f"{directory_key}/{FENCES}/" if directory_key else f"{FENCES}/"
         self.heartbeat_s, self.expiry_s = heartbeat_s, expiry_s
         self.token = uuid.uuid4().hex
+        #: What the save ids of this writer begin with (``<fence>-``): a fence object of that
+        #: name makes readers ignore its commit events published after the fence.
+        self.fence = fence or self.token[:12]
         self.key = self.base + self.token
         self.holder: Dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "id": self.token,
-                                       "since": time.time()}
+                                       "since": time.time(), "fence": self.fence}
         self._beat: Optional[ObjectLease] = None
         self._beat_lock = threading.Lock()     # check() runs on the save thread and the commit thread
         self._released = False
@@ -184,6 +190,8 @@ class ObjectWriterLease:
                 self._drop_own()
                 raise
             if dead:
+                # A holder whose lease expired may only be stalled: fenced before it is replaced.
+                self._fence([k[len(self.base):] for k in dead if not k.endswith(_BEAT)])
                 try:
                     self.store.delete(dead)
                 except CheckpointError as exc:
@@ -218,14 +226,34 @@ class ObjectWriterLease:
             if lease["last"] > last or time.monotonic() > give_up:
                 raise self._refused(token)
 
+    def _fence(self, tokens: List[str]) -> None:
+        """PUT ``.fences/<fence id>`` for each displaced holder, then wait out the
+        1 s stamp resolution: any commit event a displaced writer publishes after
+        this returns is stamped later than its fence, and readers ignore it
+        (``ObjectCheckpointDir.listing``). Its lease check before the commit is
+        the first line; this one holds when it paused past that check."""
+        fences = []
+        for token in tokens:
+            holder = self._holder_of(token)
+            fence = holder.get("fence") if holder else None
+            fence = fence if isinstance(fence, str) and re.fullmatch(r"[0-9a-f]{1,32}", fence) else token[:12]
+            if fence != self.fence:
+                fences.append(fence)
+        for fence in fences:
+            self.store.put(self.fences + fence, b"")
+        if fences:
+            time.sleep(1.1)
+
     def _take_over(self) -> None:
         live, _, _ = self._leases()
-        previous = [h for h in (self._holder_of(t) for t in live) if h]
+        others = [t for t in live if t != self.token]
+        previous = [h for h in (self._holder_of(t) for t in others) if h]
         holder = dict(self.holder, takes_over=True)
         if previous:
             holder["took_over_from"] = [{k: p.get(k) for k in ("pid", "host", "id")} for p in previous]
             log.warning("lazyckpt: %s: taking over the writer lease from %s (takeover=True)", self.directory,
                         "; ".join(describe_writer(p) for p in previous))
+        self._fence(others)
         self._put_own(holder)
         try:
             others = [o["Key"] for o in self.store.list(self.base)
