@@ -102,6 +102,8 @@ class Interceptor:
         self.count = 0
         self.armed = False
         self.descriptions: List[str] = []
+        #: What the program is doing (a longer program names its current operation): in the crash record.
+        self.tag: Optional[str] = None
         self._lock = threading.RLock()
         self._local = threading.local()     # re-entrancy: our own bookkeeping calls are not counted
         # the power-loss journal
@@ -162,7 +164,7 @@ class Interceptor:
 
     def _crash(self, desc: str) -> None:
         self._local.busy = True
-        record = {"point": self.crash_at, "op": desc}
+        record = {"point": self.crash_at, "op": desc, "tag": self.tag}
         if self.mode == "power":
             record["journal"] = self.journal()
         data = (json.dumps(record) + "\n").encode()
@@ -645,6 +647,8 @@ class Program:
     kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     persist: bool = False
     restart_values: Any = None
+    #: Longer programs: the worlds given the crash record's tag (None: the program ended).
+    worlds_at: Optional[Callable[[Optional[str]], List[World]]] = None
 
 
 #: Knobs every program uses: deterministic I/O (one writer thread, O_DIRECT
@@ -868,13 +872,20 @@ def _ctx(program: Program, case: str, s3: Optional[Dict[str, Any]], tag: str) ->
     return Ctx(case, f"s3://{s3['bucket']}/{program.name}/{tag}", s3["storage_options"], base_prefix)
 
 
+def quiet() -> None:
+    """In a child: the library's warnings (superseded steps, leftovers removed) are expected here."""
+    import logging
+    logging.getLogger("lazyckpt").setLevel(logging.ERROR)
+
+
 def _crash_child(program: Program, ctx: Ctx, k: int, side: str, mode: str) -> Any:
+    quiet()
     if program.persist:
         _copy_prefix(ctx)
     icp = Interceptor(ctx.case, k, side, mode)
     icp.install()
     program.run(ctx, icp)
-    return {"count": icp.count, "descriptions": icp.descriptions}
+    return {"count": icp.count, "descriptions": icp.descriptions, "tag": icp.tag}
 
 
 def dry_run(program: Program, work: str, s3: Optional[Dict[str, Any]] = None) -> Tuple[int, List[str]]:
@@ -900,16 +911,22 @@ def run_case(program: Program, work: str, k: int, mode: str, s3: Optional[Dict[s
     side = case + ".side"
     status, value = run_forked(lambda: _crash_child(program, ctx, k, side, mode), timeout=300)
     out: Dict[str, Any] = {"k": k, "op": None, "status": status, "problems": [], "dropped": [], "duplicate": False}
+    tag = None
     if status == "killed" and os.path.exists(side):
         record = json.loads(open(side).read())
         out["op"] = record["op"]
+        tag = out["tag"] = record.get("tag")
         if mode == "power":
             out["dropped"] = apply_power_loss(record["journal"], ctx.case)
     elif status == "ok":
         out["op"] = f"(no point {k}: the program made {value['count']} calls this time)"
+        tag = value.get("tag")
     else:
         out["problems"].append(f"the crash child: {status}: {str(value)[-2000:]}")
         return out
+    if program.worlds_at is not None:
+        program = dataclasses.replace(program, worlds=program.worlds_at(tag))
+        seen = None
     if seen is not None and not program.persist:
         fp = fingerprint(ctx.case)
         if fp in seen:
@@ -917,7 +934,7 @@ def run_case(program: Program, work: str, k: int, mode: str, s3: Optional[Dict[s
             out["problems"] = list(seen[fp])
             _cleanup(case, side)
             return out
-    status, value = run_forked(lambda: check_case(ctx, program), timeout=300)
+    status, value = run_forked(lambda: (quiet(), check_case(ctx, program))[1], timeout=300)
     if status != "ok":
         out["problems"].append(f"the check: {status}: {str(value)[-2000:]}")
     else:

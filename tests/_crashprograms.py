@@ -73,15 +73,23 @@ def rollback_program(keep_last: Optional[int], persist: bool = False) -> Program
 
 
 def incremental_program(keep_last: Optional[int]) -> Program:
-    """Steps 1, 2 of a run whose frozen part never changes (step 2 refers to step
-    1's bytes); the operation saves step 3 (refers to them too). keep_last=1:
-    retention deletes step 2 and must keep step 1 (referred to)."""
+    """A run whose frozen part never changes: step 1 prepared; step 2 saved by
+    the Checkpointer before the operation (the first save of a process is
+    full); the operation saves step 3, which refers to step 2's bytes.
+    keep_last=1: the retention of the operation deletes nothing referred to
+    (step 2 stays: step 3 refers to it; step 1 went at step 2's commit)."""
     new = make_state(33, big=True)
-    before = World("before", 2, _line(2, BIG), (1, 2))
-    after = World("after", 3, {**_line(2, BIG), 3: new}, (1, 2, 3) if keep_last is None else (3,))
-    return Program(f"incremental-keep{keep_last}", _prepare_line(2, False, BIG, incremental=True),
-                   _save_run(3, new, incremental=True, keep_last=keep_last), [before, after],
-                   kwargs={"keep_last": keep_last, "incremental": True})
+
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        ck = _ck(ctx, incremental=True, keep_last=keep_last)
+        ck.save(BIG[2], step=2).wait()
+        with icp.operation():
+            ck.save(new, step=3).wait()
+            ck.close()
+    before = World("before", 2, _line(2, BIG), (1, 2) if keep_last is None else (2,))
+    after = World("after", 3, {**_line(2, BIG), 3: new}, (1, 2, 3) if keep_last is None else (2, 3))
+    return Program(f"incremental-keep{keep_last}", _prepare_line(1, False, BIG, incremental=True), run,
+                   [before, after], kwargs={"keep_last": keep_last, "incremental": True})
 
 
 def prune_program(keep: int = 2) -> Program:
