@@ -199,3 +199,17 @@ def test_the_incremental_program_refers_to_an_earlier_step(tmp_path, keep_last):
     cp.dry_run(incremental_program(keep_last), str(tmp_path))
     manifest = json.loads((tmp_path / "dry" / "run" / "step_0000000003" / "manifest.json").read_text())
     assert manifest.get("references") == [2], manifest.get("references")
+
+
+def test_the_leftovers_program_has_leftovers_to_clean(tmp_path):
+    """Not vacuous: the prepared directory holds every kind of leftover, and the
+    operation (opening a Checkpointer) removes the dead ones."""
+    from _crashprograms import leftovers_program
+    n, descriptions = cp.dry_run(leftovers_program(), str(tmp_path))
+    prepared = sorted(os.listdir(tmp_path / "prepared" / "run"))
+    assert [x for x in prepared if x.startswith(".")] == [
+        ".abandoned-step_0000000007-aaaaaaaaaaaa", ".deleting-step_0000000000-fedcba987654",
+        ".tmp-step_0000000004-0123456789ab", ".writer"], prepared
+    left = sorted(os.listdir(tmp_path / "dry" / "run"))
+    assert ".tmp-step_0000000004-0123456789ab" not in left and "latest.tmp-bbbbbbbbbbbb" not in left, left
+    assert any("rmdir" in d for d in descriptions), descriptions
