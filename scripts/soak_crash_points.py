@@ -122,6 +122,10 @@ def make_program(seed: int, length: int) -> Program:
         if tag is None:
             return [world("end", len(ops))]
         i = int(tag)
+        if ops[i][0] in ("prune", "restart"):
+            # They change no line: a prune deletes its doomed steps newest first, so any
+            # of them may be gone mid-prune; only what it keeps must stay.
+            return [world(f"during op {i} {ops[i][0]}", i + 1)]
         return [world(f"before op {i} {ops[i][0]}", i), world(f"after op {i} {ops[i][0]}", i + 1)]
 
     return Program(f"soak-{seed}", prepare, run, [], kwargs={"keep_last": keep_last}, worlds_at=worlds_at)
