@@ -31,6 +31,8 @@ Pieces (tests/test_crash_points.py and scripts/soak_crash_points.py use them):
   moved back and the file it replaced restored), then cuts every file written
   during the operation back to its last fsynced size (a never-fsynced new file
   to 0 bytes, a never-fsynced old one to its content before the operation).
+  In this mode the mutating calls are serialized (from a call's number to its
+  journal entry), so the journal at a crash holds every call made before it.
 
   What the power model does NOT model: reordering inside a file or between
   files beyond "the last fsync" (a real disk may keep some unsynced writes and
@@ -178,6 +180,19 @@ class Interceptor:
 
     def _track(self) -> bool:
         return self.mode == "power" and self.armed
+
+    def _serialized(self, wrapper: Callable) -> Callable:
+        """Power mode: one mutating call at a time, from its number through its
+        journal entry, so that the journal written at a crash holds every call
+        made before it (another thread cannot be between its call and its entry)."""
+        if self.mode != "power":
+            return wrapper
+        lock = self._lock
+
+        def serialized(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return wrapper(*args, **kwargs)
+        return serialized
 
     def _backup(self, ino: int, path: str, new: bool = False) -> None:
         """Before the operation first changes an existing file: keep its content."""
@@ -395,14 +410,14 @@ class Interceptor:
                     "truncate": "truncate"}
         for name, kind in path_ops.items():
             if hasattr(os, name):
-                setattr(os, name, self._wrap_path_op(name, getattr(os, name), kind))
+                setattr(os, name, self._serialized(self._wrap_path_op(name, getattr(os, name), kind)))
         fd_ops = {"write": "write", "pwrite": "write", "writev": "write", "pwritev": "write",
                   "fsync": "sync", "fdatasync": "sync", "ftruncate": "ftruncate"}
         for name, kind in fd_ops.items():
             if hasattr(os, name):
-                setattr(os, name, self._wrap_fd_op(name, getattr(os, name), kind))
-        os.open = self._wrap_os_open(os.open)
-        wrapped = self._wrap_builtin_open(builtins.open)
+                setattr(os, name, self._serialized(self._wrap_fd_op(name, getattr(os, name), kind)))
+        os.open = self._serialized(self._wrap_os_open(os.open))
+        wrapped = self._serialized(self._wrap_builtin_open(builtins.open))
         builtins.open = wrapped
         io.open = wrapped
         self._install_s3_hook()
