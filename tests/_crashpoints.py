@@ -1,0 +1,1020 @@
+"""Enumerated crash points (issue 33 item 4; after ALICE, OSDI'14, and
+CrashMonkey, OSDI'18): instead of killing a process at random instants, number
+every mutating call the library makes while one short "operation under test"
+runs, and crash the process before each of them in turn.
+
+Pieces (tests/test_crash_points.py and scripts/soak_crash_points.py use them):
+
+* :class:`Interceptor` -- installed in a forked child: wraps the file-system
+  calls that change durable state (``os.open``/``builtins.open``/``io.open``
+  with a write, create or truncate flag, ``os.write``, ``os.pwrite``,
+  ``os.writev``, ``os.pwritev``, ``os.fsync``, ``os.fdatasync``,
+  ``os.ftruncate``, ``os.truncate``, ``os.rename``, ``os.replace``,
+  ``os.unlink``, ``os.remove``, ``os.rmdir``, ``os.mkdir`` -- so also
+  ``os.makedirs`` and ``shutil.rmtree``'s inner unlinks and rmdirs, which call
+  them through the ``os`` module --, ``os.link``, ``os.symlink``) on paths
+  under the case's directory, and every mutating object-store request (PUT,
+  POST, DELETE: a botocore ``before-send`` hook on the clients lazyckpt builds,
+  ``storage.s3.ObjectStore``; reads change nothing, so a crash before one is
+  the crash before the next mutating call). Only calls made while the
+  operation is *armed* count, from any thread. At call ``k`` the child writes a
+  one-line description of the call to a side file and SIGKILLs itself before
+  performing it.
+* Two modes. ``kill``: the process dies, the kernel keeps everything it did
+  (page cache included). ``power``: a power loss is simulated on top: the
+  interceptor also keeps a journal -- per file (by inode), the size at its last
+  fsync and a copy of its content before the operation first wrote it (or the
+  file a rename replaced); per directory (by inode), the entries created
+  (open O_CREAT, mkdir, link, symlink) and renamed into it since its last fsync.
+  After the crash the parent undoes, newest first, every entry change whose
+  directory was not fsynced after it (a created entry is removed, a rename is
+  moved back and the file it replaced restored), then cuts every file written
+  during the operation back to its last fsynced size (a never-fsynced new file
+  to 0 bytes, a never-fsynced old one to its content before the operation).
+  In this mode the mutating calls are serialized (from a call's number to its
+  journal entry), so the journal at a crash holds every call made before it.
+
+  What the power model does NOT model: reordering inside a file or between
+  files beyond "the last fsync" (a real disk may keep some unsynced writes and
+  drop others, or keep a later write and lose an earlier one); unlinks and
+  rmdirs (never undone: a deletion the power loss would revert is treated as
+  durable); metadata other than sizes and names (mode, mtime, the lease
+  heartbeats); torn sectors; file systems that persist more than POSIX asks
+  (ext4's journal commits every earlier metadata change with any fsync, so the
+  model is stricter than ext4 and may report what ext4 would not show); the
+  object store (its acknowledged writes are taken as durable).
+* A fork server: the test process imports torch and lazyckpt once; each crash
+  point is a ``fork()`` of it running the program with the interceptor armed
+  at ``k``; the checks run in another fresh fork (the parent never holds a
+  Checkpointer, a boto3 client nor a lease). A dry run (``k`` = infinity)
+  counts the program's points first.
+* :class:`Program` (a function run in the child, from a prepared directory
+  copied for each ``k``) and :class:`World` (the oracle, as data: the states a
+  crash may leave, each with its latest step, the steps it may list with their
+  exact values, and the steps it must list). :func:`check_case` checks the
+  invariants after a crash; :func:`enumerate_program` runs everything.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import select
+import shutil
+import signal
+import stat
+import sys
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+INFINITY = 1 << 62
+MODES = ("kill", "power")
+
+# ----------------------------------------------------------------------------- the interceptor
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_TOKEN = re.compile(r"[0-9a-f]{12,}")
+
+
+def _mask(text: str) -> str:
+    """Random tokens (temporary names, save ids) as <hex>: stable descriptions."""
+    return _TOKEN.sub("<hex>", text)
+
+
+class Interceptor:
+    """Numbers the mutating calls under ``root``; crashes at call ``crash_at``.
+
+    One per child process (``install`` patches the ``os`` module, ``builtins``
+    and ``io`` of the child only: the parent is untouched by the fork)."""
+
+    def __init__(self, root: str, crash_at: int, side_file: str, mode: str = "kill"):
+        self.root = os.path.realpath(root)
+        self.crash_at = crash_at
+        self.side_file = side_file
+        self.mode = mode
+        self.count = 0
+        self.armed = False
+        self.descriptions: List[str] = []
+        #: What the program is doing (a longer program names its current operation): in the crash record.
+        self.tag: Optional[str] = None
+        self._lock = threading.RLock()
+        self._local = threading.local()     # re-entrancy: our own bookkeeping calls are not counted
+        # the power-loss journal
+        self.seq = 0
+        self.files: Dict[int, Dict[str, Any]] = {}        # ino -> {"new", "backup", "synced"}
+        self.entries: List[Dict[str, Any]] = []
+        self.dir_sync: Dict[int, int] = {}
+        self.backup_dir = side_file + ".backups"
+        self._orig: Dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- paths
+
+    def _fdpath(self, fd: int) -> Optional[str]:
+        try:
+            return self._orig["readlink"](f"/proc/self/fd/{fd}")
+        except OSError:
+            return None
+
+    def _path(self, path: Any, dir_fd: Optional[int] = None) -> Optional[str]:
+        if isinstance(path, int):
+            return self._fdpath(path)
+        try:
+            p = os.fsdecode(path)
+        except TypeError:
+            return None
+        if dir_fd is not None and not os.path.isabs(p):
+            base = self._fdpath(dir_fd)
+            if base is None:
+                return None
+            p = os.path.join(base, p)
+        p = os.path.abspath(p)
+        head, tail = os.path.split(p)
+        return os.path.join(os.path.realpath(head), tail)
+
+    def _under(self, p: Optional[str]) -> bool:
+        return p is not None and (p == self.root or p.startswith(self.root + os.sep))
+
+    def _rel(self, p: Optional[str]) -> str:
+        if p is None:
+            return "?"
+        return os.path.relpath(p, os.path.dirname(self.root)) if self._under(p) else p
+
+    # ---------------------------------------------------------------- counting
+
+    def _busy(self) -> bool:
+        return getattr(self._local, "busy", False)
+
+    def point(self, description: str) -> None:
+        """A mutating call is about to be made: count it; crash if it is the k-th."""
+        with self._lock:
+            self.count += 1
+            n = self.count
+            desc = f"#{n} [{threading.current_thread().name}] {_mask(description)}"
+            if self.crash_at >= INFINITY:
+                self.descriptions.append(desc)
+            if n == self.crash_at:
+                self._crash(desc)
+
+    def _crash(self, desc: str) -> None:
+        self._local.busy = True
+        record = {"point": self.crash_at, "op": desc, "tag": self.tag}
+        if self.mode == "power":
+            record["journal"] = self.journal()
+        data = (json.dumps(record) + "\n").encode()
+        fd = self._orig["open"](self.side_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._orig["write"](fd, data)
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)          # not reached
+
+    # ---------------------------------------------------------------- the journal (power mode)
+
+    def _track(self) -> bool:
+        return self.mode == "power" and self.armed
+
+    def _serialized(self, wrapper: Callable) -> Callable:
+        """Power mode: one mutating call at a time, from its number through its
+        journal entry, so that the journal written at a crash holds every call
+        made before it (another thread cannot be between its call and its entry)."""
+        if self.mode != "power":
+            return wrapper
+        lock = self._lock
+
+        def serialized(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return wrapper(*args, **kwargs)
+        return serialized
+
+    def _backup(self, ino: int, path: str, new: bool = False) -> None:
+        """Before the operation first changes an existing file: keep its content."""
+        if ino in self.files:
+            return
+        info = {"new": new, "backup": None, "synced": None}
+        if not new:
+            os.makedirs(self.backup_dir, exist_ok=True)
+            dst = os.path.join(self.backup_dir, str(ino))
+            try:
+                with self._orig["builtins.open"](path, "rb") as src, self._orig["builtins.open"](dst, "wb") as out:
+                    out.write(src.read())
+                info["backup"] = dst
+            except OSError:
+                return
+        self.files[ino] = info
+
+    def _entry(self, kind: str, parent: str, name: str, ino: int, **extra: Any) -> None:
+        self.seq += 1
+        try:
+            pino = os.stat(parent).st_ino
+        except OSError:
+            return
+        self.entries.append({"seq": self.seq, "kind": kind, "parent": pino, "name": name, "ino": ino, **extra})
+
+    def _synced(self, fd: int) -> None:
+        self.seq += 1
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            self.dir_sync[st.st_ino] = self.seq
+        elif st.st_ino in self.files:
+            self.files[st.st_ino]["synced"] = st.st_size
+
+    def journal(self) -> Dict[str, Any]:
+        paths = {}
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            for name in dirnames + filenames:
+                p = os.path.join(dirpath, name)
+                try:
+                    paths[str(os.lstat(p).st_ino)] = p
+                except OSError:
+                    pass
+        return {"files": {str(k): v for k, v in self.files.items()}, "entries": self.entries,
+                "dir_sync": {str(k): v for k, v in self.dir_sync.items()}, "paths_at_crash": paths}
+
+    # ---------------------------------------------------------------- wrappers
+
+    def _wrap_path_op(self, name: str, fn: Callable, kind: str) -> Callable:
+        me = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if me._busy() or not me.armed:
+                return fn(*args, **kwargs)
+            if kind in ("rename", "link", "symlink"):
+                src = me._path(args[0], kwargs.get("src_dir_fd")) if kind != "symlink" else os.fsdecode(args[0])
+                dst = me._path(args[1], kwargs.get("dst_dir_fd") if kind != "symlink" else kwargs.get("dir_fd"))
+                if not (me._under(dst) or (kind == "rename" and me._under(src))):
+                    return fn(*args, **kwargs)
+                me.point(f"os.{name} {me._rel(src)} -> {me._rel(dst)}")
+                replaced = None
+                me._local.busy = True
+                try:
+                    if me._track() and kind == "rename":
+                        try:
+                            st = os.lstat(dst)
+                            if stat.S_ISREG(st.st_mode):
+                                me._backup(st.st_ino, dst)
+                                replaced = me.files.get(st.st_ino, {}).get("backup")
+                        except OSError:
+                            pass
+                finally:
+                    me._local.busy = False
+                result = fn(*args, **kwargs)
+                if me._track():
+                    me._local.busy = True
+                    try:
+                        ino = os.lstat(dst).st_ino
+                        if kind == "rename":
+                            me.seq += 1
+                            me.entries.append({"seq": me.seq, "kind": "rename", "parent": os.stat(os.path.dirname(dst)).st_ino,
+                                               "name": os.path.basename(dst), "ino": ino,
+                                               "src_parent": os.stat(os.path.dirname(src)).st_ino,
+                                               "src_name": os.path.basename(src), "replaced_backup": replaced})
+                        else:
+                            me._entry("create", os.path.dirname(dst), os.path.basename(dst), ino)
+                    except OSError:
+                        pass
+                    finally:
+                        me._local.busy = False
+                return result
+            p = me._path(args[0] if args else kwargs.get("path"), kwargs.get("dir_fd"))
+            if not me._under(p):
+                return fn(*args, **kwargs)
+            me.point(f"os.{name} {me._rel(p)}")
+            if kind == "truncate" and me._track():
+                me._local.busy = True
+                try:
+                    st = os.stat(p)
+                    me._backup(st.st_ino, p)
+                except OSError:
+                    pass
+                finally:
+                    me._local.busy = False
+            result = fn(*args, **kwargs)
+            if kind == "mkdir" and me._track():
+                me._local.busy = True
+                try:
+                    me._entry("mkdir", os.path.dirname(p), os.path.basename(p), os.lstat(p).st_ino)
+                except OSError:
+                    pass
+                finally:
+                    me._local.busy = False
+            return result
+        return wrapper
+
+    def _wrap_fd_op(self, name: str, fn: Callable, kind: str) -> Callable:
+        me = self
+
+        def wrapper(fd: int, *args: Any, **kwargs: Any) -> Any:
+            if me._busy() or not me.armed:
+                return fn(fd, *args, **kwargs)
+            p = me._fdpath(fd)
+            if not me._under(p):
+                return fn(fd, *args, **kwargs)
+            if kind == "write":
+                nbytes = sum(len(memoryview(b)) for b in args[0]) if name in ("writev", "pwritev") else len(memoryview(args[0]))
+                at = f" at {args[1]}" if name in ("pwrite", "pwritev") and len(args) > 1 else ""
+                me.point(f"os.{name} {me._rel(p)} {nbytes} B{at}")
+            elif kind == "ftruncate":
+                me.point(f"os.ftruncate {me._rel(p)} to {args[0]}")
+            else:
+                me.point(f"os.{name} {me._rel(p)}")
+            if kind in ("write", "ftruncate") and me._track():
+                me._local.busy = True
+                try:
+                    st = os.fstat(fd)
+                    if stat.S_ISREG(st.st_mode):
+                        me._backup(st.st_ino, p)
+                except OSError:
+                    pass
+                finally:
+                    me._local.busy = False
+            result = fn(fd, *args, **kwargs)
+            if kind == "sync" and me._track():
+                me._local.busy = True
+                try:
+                    me._synced(fd)
+                finally:
+                    me._local.busy = False
+            return result
+        return wrapper
+
+    def _open_common(self, p: str, creates: bool, truncates: bool, desc: str, do_open: Callable) -> Any:
+        existed = os.path.lexists(p)
+        self.point(desc)
+        if self._track() and existed:
+            self._local.busy = True
+            try:
+                st = os.stat(p)
+                if stat.S_ISREG(st.st_mode):
+                    self._backup(st.st_ino, p)
+            except OSError:
+                pass
+            finally:
+                self._local.busy = False
+        result = do_open()
+        if self._track() and not existed and creates:
+            self._local.busy = True
+            try:
+                ino = os.lstat(p).st_ino
+                self._backup(ino, p, new=True)
+                self._entry("create", os.path.dirname(p), os.path.basename(p), ino)
+            except OSError:
+                pass
+            finally:
+                self._local.busy = False
+        return result
+
+    def _wrap_os_open(self, fn: Callable) -> Callable:
+        me = self
+
+        def wrapper(path: Any, flags: int, mode: int = 0o777, *, dir_fd: Optional[int] = None) -> int:
+            if me._busy() or not me.armed or not flags & _WRITE_FLAGS:
+                return fn(path, flags, mode, dir_fd=dir_fd)
+            p = me._path(path, dir_fd)
+            if not me._under(p):
+                return fn(path, flags, mode, dir_fd=dir_fd)
+            names = [n for n in ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_EXCL", "O_APPEND", "O_DIRECT")
+                     if flags & getattr(os, n, 0)]
+            return me._open_common(p, bool(flags & os.O_CREAT), bool(flags & os.O_TRUNC),
+                                   f"os.open {me._rel(p)} {'|'.join(names)}",
+                                   lambda: fn(path, flags, mode, dir_fd=dir_fd))
+        return wrapper
+
+    def _wrap_builtin_open(self, fn: Callable) -> Callable:
+        me = self
+
+        def wrapper(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            if me._busy() or not me.armed or isinstance(file, int) or not any(c in mode for c in "wax+"):
+                return fn(file, mode, *args, **kwargs)
+            p = me._path(file)
+            if not me._under(p):
+                return fn(file, mode, *args, **kwargs)
+            return me._open_common(p, any(c in mode for c in "wax"), "w" in mode,
+                                   f"open {me._rel(p)} {mode!r}", lambda: fn(file, mode, *args, **kwargs))
+        return wrapper
+
+    def install(self) -> None:
+        self._orig = {"open": os.open, "write": os.write, "readlink": os.readlink, "builtins.open": builtins.open}
+        path_ops = {"rename": "rename", "replace": "rename", "link": "link", "symlink": "symlink",
+                    "unlink": "unlink", "remove": "unlink", "rmdir": "rmdir", "mkdir": "mkdir",
+                    "truncate": "truncate"}
+        for name, kind in path_ops.items():
+            if hasattr(os, name):
+                setattr(os, name, self._serialized(self._wrap_path_op(name, getattr(os, name), kind)))
+        fd_ops = {"write": "write", "pwrite": "write", "writev": "write", "pwritev": "write",
+                  "fsync": "sync", "fdatasync": "sync", "ftruncate": "ftruncate"}
+        for name, kind in fd_ops.items():
+            if hasattr(os, name):
+                setattr(os, name, self._serialized(self._wrap_fd_op(name, getattr(os, name), kind)))
+        os.open = self._serialized(self._wrap_os_open(os.open))
+        wrapped = self._serialized(self._wrap_builtin_open(builtins.open))
+        builtins.open = wrapped
+        io.open = wrapped
+        self._install_s3_hook()
+
+    def _install_s3_hook(self) -> None:
+        try:
+            from lazyckpt.storage import s3
+        except Exception:
+            return
+        me = self
+        s3._stores.clear()          # never a client (or a socket) inherited from the parent
+
+        def before_send(request: Any = None, **_kw: Any) -> None:
+            method = getattr(request, "method", "")
+            if me.armed and not me._busy() and method in ("PUT", "POST", "DELETE"):
+                url = getattr(request, "url", "")
+                me.point(f"s3 {method} {url.split('://', 1)[-1].split('/', 1)[-1]}")
+        original = s3.ObjectStore.__init__
+
+        def init(self_store: Any, *args: Any, **kwargs: Any) -> None:
+            original(self_store, *args, **kwargs)
+            self_store.client.meta.events.register("before-send.s3", before_send)
+        s3.ObjectStore.__init__ = init
+
+    # ---------------------------------------------------------------- the operation under test
+
+    class _Armed:
+        def __init__(self, owner: "Interceptor"):
+            self.owner = owner
+
+        def __enter__(self) -> None:
+            self.owner.armed = True
+
+        def __exit__(self, *exc: Any) -> None:
+            self.owner.armed = False
+
+    def operation(self) -> "Interceptor._Armed":
+        """``with icp.operation(): ...``: the calls made inside (by any thread) count."""
+        return Interceptor._Armed(self)
+
+
+def apply_power_loss(journal: Dict[str, Any], root: str) -> List[str]:
+    """Drop from ``root`` what the journal says was not durable; returns what was done."""
+    done: List[str] = []
+    dir_sync = {int(k): v for k, v in journal["dir_sync"].items()}
+
+    def paths() -> Dict[int, str]:
+        out = {os.lstat(root).st_ino: root}
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in dirnames + filenames:
+                p = os.path.join(dirpath, name)
+                try:
+                    out[os.lstat(p).st_ino] = p
+                except OSError:
+                    pass
+        return out
+
+    for e in reversed(journal["entries"]):
+        if dir_sync.get(e["parent"], -1) > e["seq"]:
+            continue                         # its directory was fsynced after it: durable
+        where = paths()
+        parent = where.get(e["parent"])
+        if parent is None:
+            continue                         # the directory itself went (an undone mkdir)
+        p = os.path.join(parent, e["name"])
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if st.st_ino != e["ino"]:
+            continue
+        rel = os.path.relpath(p, os.path.dirname(root))
+        if e["kind"] in ("create", "mkdir"):
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
+            done.append(f"undo {e['kind']} {rel}")
+        elif e["kind"] == "rename":
+            src_parent = where.get(e["src_parent"])
+            if src_parent is None:
+                continue
+            src = os.path.join(src_parent, e["src_name"])
+            if os.path.lexists(src):
+                continue
+            os.rename(p, src)
+            done.append(f"undo rename {os.path.relpath(src, os.path.dirname(root))} -> {rel}")
+            if e.get("replaced_backup"):
+                shutil.copyfile(e["replaced_backup"], p)
+                done.append(f"restore {rel} (the file the rename replaced)")
+    where = paths()
+    for ino, info in journal["files"].items():
+        p = where.get(int(ino))
+        if p is None or not os.path.isfile(p) or os.path.islink(p):
+            continue
+        rel = os.path.relpath(p, os.path.dirname(root))
+        size = os.path.getsize(p)
+        if info["synced"] is None:
+            if info["new"]:
+                if size:
+                    os.truncate(p, 0)
+                    done.append(f"{rel}: never fsynced, 0 bytes")
+            elif info["backup"]:
+                shutil.copyfile(info["backup"], p)
+                done.append(f"{rel}: never fsynced, content before the operation")
+        elif size > info["synced"]:
+            os.truncate(p, info["synced"])
+            done.append(f"{rel}: cut to its fsynced {info['synced']} B")
+    return done
+
+
+# ----------------------------------------------------------------------------- fork helpers
+
+def run_forked(fn: Callable[[], Any], timeout: float = 120.0) -> Tuple[str, Any]:
+    """Run ``fn`` in a forked child; ("ok", value) / ("error", traceback) /
+    ("killed", signal) / ("timeout", None)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child
+        os.close(r)
+        code = 0
+        try:
+            payload = ("ok", fn())
+        except BaseException:
+            payload = ("error", traceback.format_exc())
+            code = 1
+        try:
+            data = pickle.dumps(payload)
+        except Exception:
+            data = pickle.dumps(("error", f"unpicklable result: {payload!r}"[:4000]))
+        view = memoryview(data)
+        while view:
+            n = os.write(w, view)
+            view = view[n:]
+        os.close(w)
+        os._exit(code)
+    os.close(w)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return "timeout", None
+            ready, _, _ = select.select([r], [], [], left)
+            if ready:
+                chunk = os.read(r, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return "killed", os.WTERMSIG(status)
+    data = b"".join(chunks)
+    if not data:
+        return "error", f"child exited {os.waitstatus_to_exitcode(status)} without a result"
+    return pickle.loads(data)
+
+
+# ----------------------------------------------------------------------------- states and oracle
+
+def make_state(seed: int, big: bool = False, frozen_seed: Optional[int] = None) -> Dict[str, Any]:
+    """A small deterministic state (about 20 KiB; ``big``: plus a frozen 32 KiB
+    tensor, over the incremental hashing's 16 KiB sample)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    state: Dict[str, Any] = {"model": {"w": torch.randn(48, 64, generator=g), "b": torch.randn(64, generator=g)},
+                             "opt": {"m": torch.randn(32, 32, generator=g).to(torch.bfloat16),
+                                     "n": torch.arange(seed, seed + 100, dtype=torch.int64)},
+                             "step": seed}
+    if big:
+        f = torch.Generator().manual_seed(10_000 + (frozen_seed if frozen_seed is not None else 0))
+        state["frozen"] = {"emb": torch.randn(8192, generator=f), "head": torch.randn(4096, generator=f)}
+    return state
+
+
+def flat(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}/{k}"))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(flat(v, f"{prefix}/{i}"))
+    else:
+        out[prefix] = tree
+    return out
+
+
+def differs(expected: Any, got: Any) -> List[str]:
+    """Paths whose values differ (tensors bit-exact, with dtype and shape)."""
+    import torch
+    a, b = flat(expected), flat(got)
+    bad = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k, "<missing>"), b.get(k, "<missing>")
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                    and x.shape == y.shape and torch.equal(x.view(-1).view(torch.uint8) if x.numel() else x,
+                                                           y.view(-1).view(torch.uint8) if y.numel() else y)):
+                bad.append(k)
+        elif x != y:
+            bad.append(k)
+    return bad
+
+
+@dataclasses.dataclass
+class World:
+    """One state a crash may leave: ``latest`` (None: nothing), the steps it may
+    list with the exact state each must load as, and the steps it must list."""
+    name: str
+    latest: Optional[int]
+    allowed: Dict[int, Any]
+    required: Tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Ctx:
+    """What a program's functions get: the case directory, the object store (or None)."""
+    case: str                              # the case's directory (copied from the prepared one)
+    persist_to: Optional[str] = None       # s3://bucket/prefix of this case
+    storage_options: Optional[Dict[str, Any]] = None
+    base_prefix: Optional[str] = None      # the prepared object-store prefix (copied per case)
+
+
+@dataclasses.dataclass
+class Program:
+    """A short program: ``prepare(ctx)`` builds the starting directory once
+    (in a child), ``run(ctx, icp)`` performs the operation under test inside
+    ``with icp.operation():`` (in the crash child), ``worlds`` the oracle,
+    ``kind``: "dir" (a Checkpointer directory, ``ctx.case/run``) or "file"
+    (``ctx.case/model.lzc``); ``kwargs``: the Checkpointer's arguments for the
+    checks; ``persist``: uses the object store."""
+    name: str
+    prepare: Callable[[Ctx], None]
+    run: Callable[[Ctx, Interceptor], None]
+    worlds: List[World]
+    kind: str = "dir"
+    kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    persist: bool = False
+    restart_values: Any = None
+    #: Longer programs: the worlds given the crash record's tag (None: the program ended).
+    worlds_at: Optional[Callable[[Optional[str]], List[World]]] = None
+
+
+#: Knobs every program uses: deterministic I/O (one writer thread, O_DIRECT
+#: forced -- no probe --, chunks small enough for a few writes per file).
+KNOBS = dict(writer_threads=1, reader_threads=1, o_direct=True, chunk_bytes=8192, host_cache_bytes=16384)
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def _world_of(worlds: List[World], step: Optional[int], values: Any) -> Tuple[Optional[World], str]:
+    for w in worlds:
+        if w.latest == step and (step is None or not differs(w.allowed[step], values)):
+            return w, ""
+    for w in worlds:
+        for s, v in w.allowed.items():
+            if s == step and not differs(v, values):
+                return None, f"load() returned step {step} of world '{w.name}', which is not its latest ({w.latest})"
+    return None, f"load() returned step {step}, which is no world's latest ({[(w.name, w.latest) for w in worlds]})" + \
+        (" or an abandoned/unknown save" if step is not None else "")
+
+
+def _checkpointer(ctx: Ctx, program: Program, directory: Optional[str] = None) -> Any:
+    import lazyckpt
+    kw = dict(KNOBS)
+    kw.update(program.kwargs)
+    if program.persist:
+        kw.update(persist_to=ctx.persist_to, storage_options=ctx.storage_options)
+    return lazyckpt.Checkpointer(directory or os.path.join(ctx.case, "run"), **kw)
+
+
+def check_case(ctx: Ctx, program: Program) -> List[str]:
+    """The invariants after a crash (run in a fresh child). Returns the violations."""
+    import lazyckpt
+    from lazyckpt.errors import CheckpointNotFoundError
+    if program.kind == "file":
+        return _check_file(ctx, program)
+    problems: List[str] = []
+    directory = os.path.join(ctx.case, "run")
+    union = {}
+    for w in program.worlds:
+        union.update({(s, id(v)): (s, v) for s, v in w.allowed.items()})
+    if program.persist:
+        # The persistent tier alone (the node lost), before anything reopens the directory.
+        try:
+            with _checkpointer(ctx, program, os.path.join(ctx.case, "alone1")) as alone:
+                got = alone.load()
+                s = alone.loaded_from["step"]
+            if not any(s == t and not differs(v, got) for t, v in union.values()):
+                problems.append(f"persistent tier alone (before the restart): load() returned step {s}: "
+                                f"no save of the program's line has it")
+        except CheckpointNotFoundError:
+            pass
+        except Exception as exc:
+            problems.append(f"persistent tier alone (before the restart): {type(exc).__name__}: {exc}")
+    try:
+        ckpt = _checkpointer(ctx, program)
+    except Exception as exc:
+        return problems + [f"Checkpointer(dir) after the crash: {type(exc).__name__}: {exc}"]
+    world = None
+    try:
+        try:
+            got = ckpt.load()
+            step = ckpt.loaded_from["step"]
+        except CheckpointNotFoundError:
+            got, step = None, None
+        world, why = _world_of(program.worlds, step, got)
+        if world is None:
+            problems.append(why)
+        else:
+            listed = ckpt.steps()
+            for s in world.required:
+                if s not in listed:
+                    problems.append(f"world '{world.name}': committed step {s} is lost (steps() = {listed})")
+            for s in listed:
+                if s not in world.allowed:
+                    problems.append(f"world '{world.name}': steps() lists step {s}, not on its line "
+                                    f"(abandoned or unknown; steps() = {listed})")
+                    continue
+                try:
+                    v = ckpt.load(step=s)
+                except CheckpointNotFoundError:
+                    continue
+                except Exception as exc:
+                    problems.append(f"load(step={s}): {type(exc).__name__}: {exc}")
+                    continue
+                d = differs(world.allowed[s], v)
+                if d:
+                    problems.append(f"load(step={s}) differs from its save in {d[:4]}")
+            if listed:
+                from lazyckpt.loading import verify as lzverify
+                report = lzverify.verify(directory)
+                if not report.ok:
+                    problems.append(f"verify: {[p.message for p in report.problems][:3]}")
+        if program.persist and world is not None:
+            ckpt.wait()                     # a resumed upload (the previous run's) ends
+            try:
+                with _checkpointer(ctx, program, os.path.join(ctx.case, "alone2")) as alone:
+                    got = alone.load()
+                    s = alone.loaded_from["step"]
+                if s not in world.allowed or differs(world.allowed[s], got):
+                    problems.append(f"persistent tier alone (after the restart, local world '{world.name}'): "
+                                    f"load() returned step {s}, not a live save of that line "
+                                    f"(abandoned or unknown)")
+            except CheckpointNotFoundError:
+                if world.latest is not None:
+                    problems.append("persistent tier alone (after the restart): nothing")
+            except Exception as exc:
+                problems.append(f"persistent tier alone (after the restart): {type(exc).__name__}: {exc}")
+        # The run goes on: a new save round-trips.
+        new_step = (world.latest if world is not None and world.latest is not None else 0) + 1
+        values = program.restart_values if program.restart_values is not None else make_state(999)
+        try:
+            h = ckpt.save(values, step=new_step)
+            h.wait(**({"persisted": True} if program.persist else {}))
+            got = ckpt.load()
+            if ckpt.loaded_from["step"] != new_step or differs(values, got):
+                problems.append(f"restart: save(step={new_step}).wait() then load() returned step "
+                                f"{ckpt.loaded_from['step']} / other values")
+        except Exception as exc:
+            problems.append(f"restart: save(step={new_step}): {type(exc).__name__}: {exc}")
+    finally:
+        try:
+            ckpt.close()
+        except Exception as exc:
+            problems.append(f"close(): {type(exc).__name__}: {exc}")
+    if program.persist and not problems:
+        try:
+            with _checkpointer(ctx, program, os.path.join(ctx.case, "alone3")) as alone:
+                got = alone.load()
+                if alone.loaded_from["step"] != new_step or differs(values, got):
+                    problems.append(f"persistent tier alone after the restart's save: step "
+                                    f"{alone.loaded_from['step']}, expected {new_step}")
+        except Exception as exc:
+            problems.append(f"persistent tier alone after the restart's save: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def _check_file(ctx: Ctx, program: Program) -> List[str]:
+    import lazyckpt
+    path = os.path.join(ctx.case, "model.lzc")
+    problems = []
+    try:
+        got = lazyckpt.load(path)
+        if not any(not differs(w.allowed[w.latest], got) for w in program.worlds):
+            problems.append(f"load({os.path.basename(path)}) returned values of neither the old nor the new file")
+    except Exception as exc:
+        problems.append(f"load({os.path.basename(path)}): {type(exc).__name__}: {exc}")
+    values = make_state(999)
+    try:
+        lazyckpt.save(values, path, **{k: v for k, v in KNOBS.items()})
+        if differs(values, lazyckpt.load(path)):
+            problems.append("restart: save() then load() differs")
+    except Exception as exc:
+        problems.append(f"restart: save(): {type(exc).__name__}: {exc}")
+    return problems
+
+
+# ----------------------------------------------------------------------------- one case, one program
+
+def fingerprint(root: str) -> str:
+    """The local state a check sees: names, types, sizes and contents."""
+    h = hashlib.sha1()
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, root)
+            rel = _mask(rel)
+            if os.path.isdir(p):
+                h.update(f"d {rel}\n".encode())
+            else:
+                with open(p, "rb") as f:
+                    h.update(f"f {rel} {hashlib.sha1(f.read()).hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
+def _copy_prefix(ctx: Ctx) -> None:
+    """The prepared object-store prefix, copied under this case's prefix."""
+    from lazyckpt.storage.s3 import ObjectURL  # noqa: F401  (import check: s3 extra)
+    import boto3
+    from botocore.config import Config
+    o = ctx.storage_options or {}
+    client = boto3.client("s3", endpoint_url=o.get("endpoint_url"), aws_access_key_id=o.get("access_key_id"),
+                          aws_secret_access_key=o.get("secret_access_key"), region_name=o.get("region"),
+                          config=Config(s3={"addressing_style": "path"}))
+    bucket, prefix = ctx.persist_to[len("s3://"):].split("/", 1)
+    src = ctx.base_prefix
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=src + "/"):
+        for obj in page.get("Contents", []):
+            key = prefix + obj["Key"][len(src):]
+            client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": obj["Key"]})
+
+
+@dataclasses.dataclass
+class Outcome:
+    program: str
+    mode: str
+    points: int
+    descriptions: List[str]
+    violations: List[Dict[str, Any]]
+    checked: int              # distinct states checked (the others were seen at a smaller k)
+    seconds: float
+    errors: List[str]
+
+
+def _prepare(program: Program, work: str, s3: Optional[Dict[str, Any]]) -> Ctx:
+    base = os.path.join(work, "prepared")
+    if not os.path.isdir(base):
+        os.makedirs(base)
+        ctx = _ctx(program, base, s3, "prepared")
+        status, value = run_forked(lambda: program.prepare(ctx), timeout=300)
+        if status != "ok":
+            raise RuntimeError(f"{program.name}: prepare failed: {status}: {value}")
+    return _ctx(program, base, s3, "prepared")
+
+
+def _ctx(program: Program, case: str, s3: Optional[Dict[str, Any]], tag: str) -> Ctx:
+    if not program.persist or s3 is None:
+        return Ctx(case)
+    base_prefix = f"{program.name}/prepared"
+    return Ctx(case, f"s3://{s3['bucket']}/{program.name}/{tag}", s3["storage_options"], base_prefix)
+
+
+def quiet() -> None:
+    """In a child: the library's warnings (superseded steps, leftovers removed) are expected here."""
+    import logging
+    logging.getLogger("lazyckpt").setLevel(logging.ERROR)
+
+
+def _crash_child(program: Program, ctx: Ctx, k: int, side: str, mode: str) -> Any:
+    quiet()
+    if program.persist:
+        _copy_prefix(ctx)
+    icp = Interceptor(ctx.case, k, side, mode)
+    icp.install()
+    program.run(ctx, icp)
+    return {"count": icp.count, "descriptions": icp.descriptions, "tag": icp.tag}
+
+
+def dry_run(program: Program, work: str, s3: Optional[Dict[str, Any]] = None) -> Tuple[int, List[str]]:
+    _prepare(program, work, s3)
+    case = os.path.join(work, "dry")
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
+    ctx = _ctx(program, case, s3, "dry")
+    status, value = run_forked(lambda: _crash_child(program, ctx, INFINITY, case + ".side", "kill"), timeout=300)
+    if status != "ok":
+        raise RuntimeError(f"{program.name}: dry run failed: {status}: {value}")
+    return value["count"], value["descriptions"]
+
+
+def run_case(program: Program, work: str, k: int, mode: str, s3: Optional[Dict[str, Any]] = None,
+             seen: Optional[Dict[str, List[str]]] = None, tag: str = "") -> Dict[str, Any]:
+    """Crash the program at point ``k`` in ``mode``, then check. Returns
+    {"k", "op", "status", "problems", "dropped", "duplicate"}."""
+    case = os.path.join(work, f"case-{mode}-{k}{tag}")
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
+    ctx = _ctx(program, case, s3, f"{mode}-{k}{tag}")
+    side = case + ".side"
+    status, value = run_forked(lambda: _crash_child(program, ctx, k, side, mode), timeout=300)
+    out: Dict[str, Any] = {"k": k, "op": None, "status": status, "problems": [], "dropped": [], "duplicate": False}
+    tag = None
+    if status == "killed" and os.path.exists(side):
+        record = json.loads(open(side).read())
+        out["op"] = record["op"]
+        tag = out["tag"] = record.get("tag")
+        if mode == "power":
+            out["dropped"] = apply_power_loss(record["journal"], ctx.case)
+    elif status == "ok":
+        out["op"] = f"(no point {k}: the program made {value['count']} calls this time)"
+        tag = value.get("tag")
+    else:
+        out["problems"].append(f"the crash child: {status}: {str(value)[-2000:]}")
+        return out
+    if program.worlds_at is not None:
+        program = dataclasses.replace(program, worlds=program.worlds_at(tag))
+        seen = None
+    if seen is not None and not program.persist:
+        fp = fingerprint(ctx.case)
+        if fp in seen:
+            out["duplicate"] = True
+            out["problems"] = list(seen[fp])
+            _cleanup(case, side)
+            return out
+    status, value = run_forked(lambda: (quiet(), check_case(ctx, program))[1], timeout=300)
+    if status != "ok":
+        out["problems"].append(f"the check: {status}: {str(value)[-2000:]}")
+    else:
+        out["problems"] = value
+    if seen is not None and not program.persist:
+        seen[fp] = out["problems"]
+    _cleanup(case, side)
+    return out
+
+
+def _cleanup(case: str, side: str) -> None:
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.rmtree(side + ".backups", ignore_errors=True)
+    try:
+        os.unlink(side)
+    except FileNotFoundError:
+        pass
+
+
+def preload(program: Program) -> None:
+    """Import in the fork server what every child would import again (boto3:
+    0.4 s a child here). Imports only: no client, no socket, no thread."""
+    if program.persist:
+        import boto3
+        import botocore.config  # noqa: F401
+        import botocore.loaders
+        import lazyckpt.storage.s3  # noqa: F401
+        # botocore parses its JSON service models again for every client (0.3 s here,
+        # three clients a crash point): parse them once, here, for every child.
+        loader = botocore.loaders.JSONFileLoader
+        if not getattr(loader.load_file, "_crashpoints_cache", False):
+            original, cache = loader.load_file, {}
+
+            def load_file(self: Any, file_path: str) -> Any:
+                if file_path not in cache:
+                    cache[file_path] = original(self, file_path)
+                return cache[file_path]
+            load_file._crashpoints_cache = True          # type: ignore[attr-defined]
+            loader.load_file = load_file
+            boto3.session.Session().client("s3", region_name="us-east-1", endpoint_url="http://127.0.0.1:9")
+
+
+def enumerate_program(program: Program, mode: str, work: str, s3: Optional[Dict[str, Any]] = None,
+                      points: Optional[List[int]] = None, log: Optional[Callable[[str], None]] = None) -> Outcome:
+    """Dry run, then a crash at every point (or at ``points``) and the checks."""
+    t0 = time.monotonic()
+    preload(program)
+    n, descriptions = dry_run(program, work, s3)
+    seen: Dict[str, List[str]] = {}
+    violations, errors, checked = [], [], 0
+    for k in (points if points is not None else range(1, n + 1)):
+        result = run_case(program, work, k, mode, s3, seen)
+        checked += not result["duplicate"]
+        if result["problems"]:
+            violations.append(result)
+            if log:
+                log(f"{program.name} {mode} k={k}/{n} {result['op']}: {result['problems']}")
+    return Outcome(program.name, mode, n, descriptions, violations, checked, time.monotonic() - t0, errors)
+
+
+def summarize(outcome: Outcome) -> str:
+    lines = [f"{outcome.program} [{outcome.mode}]: {outcome.points} points, {outcome.checked} distinct states "
+             f"checked, {len(outcome.violations)} with violations, {outcome.seconds:.1f} s"]
+    for v in outcome.violations:
+        lines.append(f"  k={v['k']} before {v['op']}: " + " | ".join(v["problems"])[:1500])
+        if v["dropped"]:
+            lines.append(f"      power loss dropped: {v['dropped'][:6]}")
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""The short programs of the crash-point test (tests/_crashpoints.py): one per
+path that changes durable state, each with its oracle (the worlds a crash may
+leave). Add a program by writing ``prepare``/``run`` and its worlds.
+
+Every program starts from a directory prepared once (``prepare``, in a
+child) and copied for each crash point; ``run`` opens what it needs (not
+counted) and performs the operation under test inside ``icp.operation()``.
+The states are deterministic (``make_state(seed)``): the oracle knows each
+save's exact values.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+from _crashpoints import KNOBS, Ctx, Interceptor, Program, World, make_state
+
+S = {i: make_state(i) for i in range(1, 6)}        # the prepared line: step i holds make_state(i)
+NEW = make_state(33)                                # the operation's save
+BIG = {i: make_state(i, big=True) for i in range(1, 4)}    # incremental: a frozen 48 KiB part, shared
+
+
+def _ck(ctx: Ctx, persist: bool = False, **kw: Any) -> Any:
+    import lazyckpt
+    args = dict(KNOBS)
+    args.update(kw)
+    if persist:
+        args.update(persist_to=ctx.persist_to, storage_options=ctx.storage_options)
+    return lazyckpt.Checkpointer(os.path.join(ctx.case, "run"), **args)
+
+
+def _prepare_line(n: int, persist: bool = False, states: Optional[Dict[int, Any]] = None, **kw: Any):
+    def prepare(ctx: Ctx) -> None:
+        with _ck(ctx, persist, **kw) as ck:
+            for i in range(1, n + 1):
+                h = ck.save((states or S)[i], step=i)
+                h.wait(**({"persisted": True} if persist else {}))
+    return prepare
+
+
+def _save_run(step: int, values: Any, persist: bool = False, load_step: Optional[int] = None, **kw: Any):
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        ck = _ck(ctx, persist, **kw)
+        with icp.operation():
+            if load_step is not None:
+                ck.load(step=load_step)            # the rollback: resume from an older step
+            h = ck.save(values, step=step)
+            h.wait(**({"persisted": True} if persist else {}))
+            ck.close()
+    return run
+
+
+def _line(n: int, states: Optional[Dict[int, Any]] = None) -> Dict[int, Any]:
+    return {i: (states or S)[i] for i in range(1, n + 1)}
+
+
+def save_program(keep_last: Optional[int], persist: bool = False) -> Program:
+    before = World("before", 2, _line(2), (1, 2))
+    after = World("after", 3, {**_line(2), 3: NEW}, (1, 2, 3) if keep_last is None else (2, 3))
+    name = f"save-keep{keep_last}" + ("-persist" if persist else "")
+    return Program(name, _prepare_line(2, persist, keep_last=keep_last), _save_run(3, NEW, persist, keep_last=keep_last),
+                   [before, after], kwargs={"keep_last": keep_last}, persist=persist)
+
+
+def rollback_program(keep_last: Optional[int], persist: bool = False) -> Program:
+    before = World("before", 5, _line(5), (1, 2, 3, 4, 5))
+    after = World("after", 3, {**_line(2), 3: NEW}, (1, 2, 3) if keep_last is None else (2, 3))
+    name = f"rollback-keep{keep_last}" + ("-persist" if persist else "")
+    return Program(name, _prepare_line(5, persist), _save_run(3, NEW, persist, load_step=2, keep_last=keep_last),
+                   [before, after], kwargs={"keep_last": keep_last}, persist=persist)
+
+
+def incremental_program(keep_last: Optional[int]) -> Program:
+    """A run whose frozen part never changes: step 1 prepared; step 2 saved by
+    the Checkpointer before the operation (the first save of a process is
+    full); the operation saves step 3, which refers to step 2's bytes.
+    keep_last=1: the retention of the operation deletes nothing referred to
+    (step 2 stays: step 3 refers to it; step 1 went at step 2's commit)."""
+    new = make_state(33, big=True)
+
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        ck = _ck(ctx, incremental=True, keep_last=keep_last)
+        ck.save(BIG[2], step=2).wait()
+        with icp.operation():
+            ck.save(new, step=3).wait()
+            ck.close()
+    before = World("before", 2, _line(2, BIG), (1, 2) if keep_last is None else (2,))
+    after = World("after", 3, {**_line(2, BIG), 3: new}, (1, 2, 3) if keep_last is None else (2, 3))
+    return Program(f"incremental-keep{keep_last}", _prepare_line(1, False, BIG, incremental=True), run,
+                   [before, after], kwargs={"keep_last": keep_last, "incremental": True})
+
+
+def prune_program(keep: int = 2) -> Program:
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        from lazyckpt.cli.prune import prune
+        with icp.operation():
+            prune(os.path.join(ctx.case, "run"), keep)
+    world = World("prune", 5, _line(5), tuple(range(6 - keep, 6)))
+    return Program(f"prune-keep{keep}", _prepare_line(5), run, [world])
+
+
+def leftovers_program() -> Program:
+    """A directory with what dead processes left (an interrupted save, an
+    interrupted delete, an abandoned step, a small temporary, a dead writer
+    lease), all an hour old; the operation opens a Checkpointer, which cleans
+    them, and closes it."""
+    def prepare(ctx: Ctx) -> None:
+        import shutil
+        _prepare_line(3)(ctx)
+        d = os.path.join(ctx.case, "run")
+        shutil.copytree(os.path.join(d, "step_0000000003"), os.path.join(d, ".tmp-step_0000000004-0123456789ab"))
+        os.unlink(os.path.join(d, ".tmp-step_0000000004-0123456789ab", "manifest.json"))
+        shutil.copytree(os.path.join(d, "step_0000000001"), os.path.join(d, ".deleting-step_0000000000-fedcba987654"))
+        shutil.copytree(os.path.join(d, "step_0000000002"), os.path.join(d, ".abandoned-step_0000000007-aaaaaaaaaaaa"))
+        with open(os.path.join(d, "latest.tmp-bbbbbbbbbbbb"), "w") as f:
+            f.write("9\n")
+        with open(os.path.join(d, ".writer"), "w") as f:
+            f.write('{"pid": 1, "host": "elsewhere", "id": "x", "since": 0}')
+        old = time.time() - 3600
+        for root, dirs, files in os.walk(d, topdown=False):
+            for name in dirs + files:
+                os.utime(os.path.join(root, name), (old, old))
+
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        with icp.operation():
+            _ck(ctx).close()
+    world = World("open", 3, _line(3), (1, 2, 3))
+    return Program("clean-leftovers-on-open", prepare, run, [world])
+
+
+def file_program() -> Program:
+    """``lazyckpt.save(state, path)`` over an existing file."""
+    def prepare(ctx: Ctx) -> None:
+        import lazyckpt
+        lazyckpt.save(S[1], os.path.join(ctx.case, "model.lzc"), **KNOBS)
+
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        import lazyckpt
+        with icp.operation():
+            lazyckpt.save(NEW, os.path.join(ctx.case, "model.lzc"), **KNOBS)
+    return Program("single-file-save", prepare, run, [World("old", 1, {1: S[1]}), World("new", 2, {2: NEW})],
+                   kind="file")
+
+
+def local_programs() -> List[Program]:
+    return [save_program(None), save_program(2), rollback_program(None), rollback_program(2),
+            incremental_program(None), incremental_program(1), prune_program(2), leftovers_program(),
+            file_program()]
+
+
+def persist_programs() -> List[Program]:
+    return [save_program(None, persist=True), rollback_program(None, persist=True)]
+
+
+def all_programs() -> List[Program]:
+    return local_programs() + persist_programs()
