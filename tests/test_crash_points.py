@@ -23,22 +23,10 @@ torch.set_num_threads(1)
 
 PROGRAMS = {p.name: p for p in all_programs()}
 
-_ROLLBACK = ("issue 33: a crash between the supersede renames and the rename of the new step (or, with "
-             "power loss, before the parent directory's fsync after it) leaves a line that is neither the old "
-             "one nor the new one: load() returns step 4 or 3 of the abandoned run, or step 2 (the step the "
-             "run resumed from; FORMAT.md §11.7 allows this today). history.json already abandons them: "
-             "opening the directory should roll the commit forward")
-_PERSIST_ROLLBACK = _ROLLBACK + " (with persist_to, from the history.json write on: the local record abandons 3-5 and load() takes step 2)"
-
-#: (program, mode) -> why it fails on today's code. Remove an entry once it passes.
-XFAIL = {
-    ("rollback-keepNone", "kill"): _ROLLBACK,
-    ("rollback-keepNone", "power"): _ROLLBACK,
-    ("rollback-keep2", "kill"): _ROLLBACK,
-    ("rollback-keep2", "power"): _ROLLBACK,
-    ("rollback-keepNone-persist", "kill"): _PERSIST_ROLLBACK,
-    ("rollback-keepNone-persist", "power"): _PERSIST_ROLLBACK,
-}
+# Every (program, mode) holds at every point. On 71f4faf the rollback programs did not: a
+# crash between the supersede renames and the rename of the new step (or, with power loss,
+# before the parent directory's fsync after it) loaded step 4 or 3 of the abandoned run, or
+# step 2 -- 6 kill and 2 power points each, 9 and 9 with persist_to.
 
 _SUMMARY: list = []
 
@@ -60,7 +48,7 @@ def _print_point_counts(request):
 def _cases():
     for name, program in PROGRAMS.items():
         for mode in cp.MODES:
-            marks = [pytest.mark.xfail(strict=False, reason=XFAIL[(name, mode)])] if (name, mode) in XFAIL else []
+            marks = []
             if program.persist and mode == "power":
                 # ~2 min each (1.6 s a point: ~40 requests to the server per check); the power
                 # model changes only the local directory, which the local programs cover in CI.
