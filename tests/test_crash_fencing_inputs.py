@@ -1,0 +1,165 @@
+"""Issue 33, cases 6-8: what a crashed writer leaves behind, what a record or
+a planted file says, and a step vanishing under a reader must each end in a
+clear lazyckpt error (or no error at all), never in a blocked restart, a write
+outside the directory, an invisible step or a bare CheckpointError.
+
+* 6: the writer lease is not inherited through fork; lease files are never
+  followed through a symlink (nor is any fixed-name write in the directory).
+* 7: numbers read from a record, a manifest or an event key are range-checked.
+* 8: a step deleted (renamed away by ``lazyckpt prune``) while a path to it is
+  being resolved is CheckpointNotFoundError, whichever entry point resolves it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _steps(directory, n=3, **kw):
+    with lazyckpt.Checkpointer(directory, **kw) as c:
+        for s in range(1, n + 1):
+            c.save({"x": torch.full((4,), float(s))}, step=s).wait(60)
+        return {s: c.step_path(s) for s in c.steps()}
+
+
+# --------------------------------------------------------------------------- case 8
+
+
+def _vanish_after_first_look(monkeypatch, path, elsewhere):
+    """The first time anything stats ``path``, it answers from the real file
+    system and then ``path`` is renamed away (as `lazyckpt prune` renames a step
+    before deleting it): the race of case 8, on purpose instead of by chance."""
+    real_rename = os.rename
+    fired = []
+
+    def wrap(real):
+        def look(p, *a, **k):
+            result = real(p, *a, **k)
+            if not fired and isinstance(p, (str, os.PathLike)) and os.fspath(p) == path:
+                fired.append(True)
+                real_rename(path, elsewhere)
+            return result
+        return look
+
+    for name in ("stat", "lstat"):
+        monkeypatch.setattr(os, name, wrap(getattr(os, name)))
+    for name in ("exists", "isfile", "isdir", "lexists"):
+        monkeypatch.setattr(os.path, name, wrap(getattr(os.path, name)))
+    return fired
+
+
+@pytest.mark.parametrize("entry", ["load", "verify", "inspect"])
+def test_step_renamed_away_while_resolved_is_not_found(tmp_path, monkeypatch, entry):
+    paths = _steps(str(tmp_path / "run"))
+    target = paths[2]
+    fired = _vanish_after_first_look(monkeypatch, target, str(tmp_path / "trash"))
+    if entry == "load":
+        call = lambda: lazyckpt.load(target)                                     # noqa: E731
+    elif entry == "verify":
+        from lazyckpt.loading.verify import verify
+        call = lambda: verify(target)                                            # noqa: E731
+    else:
+        from lazyckpt.cli.inspect import describe
+        call = lambda: describe(target)                                          # noqa: E731
+    with pytest.raises(CheckpointNotFoundError, match="deleted while it was being read"):
+        call()
+    assert fired
+
+
+def test_cli_verify_of_a_vanishing_step_says_not_found(tmp_path, monkeypatch, capsys):
+    from lazyckpt.cli import main
+    paths = _steps(str(tmp_path / "run"))
+    _vanish_after_first_look(monkeypatch, paths[2], str(tmp_path / "trash"))
+    rc = main(["verify", paths[2]])
+    assert rc != 0
+    assert "deleted while it was being read" in capsys.readouterr().err
+
+
+def test_checkpointer_load_of_a_step_pruned_meanwhile_is_not_found(tmp_path, monkeypatch):
+    directory = str(tmp_path / "run")
+    paths = _steps(directory)
+    with lazyckpt.Checkpointer(directory) as c:
+        _vanish_after_first_look(monkeypatch, paths[2], str(tmp_path / "trash"))
+        with pytest.raises(CheckpointNotFoundError):
+            c.load(step=2)
+
+
+def test_load_of_the_directory_whose_latest_vanishes_is_not_found(tmp_path, monkeypatch):
+    directory = str(tmp_path / "run")
+    paths = _steps(directory)
+    _vanish_after_first_look(monkeypatch, paths[3], str(tmp_path / "trash"))
+    with pytest.raises(CheckpointNotFoundError):
+        lazyckpt.load(directory)
+
+
+def test_a_real_fifo_or_device_still_gets_its_own_error(tmp_path):
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/null"):
+        with pytest.raises(CheckpointError, match="not a regular file or directory") as info:
+            lazyckpt.load(path)
+        assert not isinstance(info.value, CheckpointNotFoundError)
+
+
+def test_load_racing_prune_is_exact_or_not_found(tmp_path):
+    """The real race, a few rounds: every read returns its step's values or
+    CheckpointNotFoundError (before the fix, about one round in 15 raised a bare
+    CheckpointError here)."""
+    from lazyckpt.cli.prune import prune
+    problems = []
+    for rnd in range(8):
+        directory = str(tmp_path / f"r{rnd}")
+        paths = _steps(directory, n=8)
+        stop = threading.Event()
+
+        def reader():
+            rounds = 0
+            while not stop.is_set() or rounds < 1:
+                rounds += 1
+                for s, p in paths.items():
+                    try:
+                        got = lazyckpt.load(p)
+                    except CheckpointNotFoundError:
+                        continue
+                    except Exception as exc:        # noqa: BLE001 -- what the test looks for
+                        problems.append(f"step {s}: {type(exc).__name__}: {exc}")
+                        continue
+                    if not torch.equal(got["x"], torch.full((4,), float(s))):
+                        problems.append(f"step {s}: other values")
+
+        t = threading.Thread(target=reader)
+        t.start()
+        try:
+            prune(directory, 1)
+        finally:
+            stop.set()
+            t.join()
+    assert not problems, problems[:3]
+
+
+def test_verify_of_a_step_pruned_after_its_manifest_was_read_is_not_damage(tmp_path, monkeypatch):
+    """Before: the step's files vanished under `lazyckpt verify`, which reported
+    them as DAMAGED. Now the step is held while verified, and one gone anyway
+    is CheckpointNotFoundError."""
+    from lazyckpt.loading.verify import verify
+    from lazyckpt.storage.localstore import LocalStore
+    paths = _steps(str(tmp_path / "run"))
+    real = LocalStore.read_manifest
+
+    def read_then_prune(self, step_path, options):
+        manifest = real(self, step_path, options)
+        os.rename(step_path, str(tmp_path / "trash"))
+        return manifest
+
+    monkeypatch.setattr(LocalStore, "read_manifest", read_then_prune)
+    with pytest.raises(CheckpointNotFoundError):
+        verify(paths[2])
