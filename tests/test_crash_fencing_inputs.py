@@ -163,3 +163,95 @@ def test_verify_of_a_step_pruned_after_its_manifest_was_read_is_not_damage(tmp_p
     monkeypatch.setattr(LocalStore, "read_manifest", read_then_prune)
     with pytest.raises(CheckpointNotFoundError):
         verify(paths[2])
+
+
+# --------------------------------------------------------------------------- case 6: the writer lease
+
+
+_FORKING_WRITER = r"""
+import os, sys, time, torch, lazyckpt
+directory, ready = sys.argv[1], sys.argv[2]
+ckpt = lazyckpt.Checkpointer(directory)
+ckpt.save({"x": torch.ones(4)}, step=1).wait(60)      # holds DIR/.writer from here on
+held = {}
+if sys.argv[3] == "reading":                            # and a step being read, shared-locked
+    from lazyckpt.storage.locks import StepDir
+    held["r"] = StepDir(ckpt.step_path(1), 1).reading()
+    held["r"].__enter__()
+child = os.fork()                                       # a DataLoader worker, say
+if child == 0:
+    time.sleep(300)                                     # outlives its parent
+    os._exit(0)
+with open(ready, "w") as f:
+    f.write(str(child))
+time.sleep(300)                                         # SIGKILLed here
+"""
+
+
+def _kill_writer_keep_its_child(tmp_path, directory, reading=""):
+    import signal
+    import subprocess
+    import sys
+    import time
+    ready = str(tmp_path / "ready")
+    proc = subprocess.Popen([sys.executable, "-c", _FORKING_WRITER, directory, ready, reading])
+    deadline = time.monotonic() + 90
+    while not os.path.exists(ready) or not open(ready).read():
+        assert proc.poll() is None and time.monotonic() < deadline, "the writer did not start"
+        time.sleep(0.05)
+    child = int(open(ready).read())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    return child
+
+
+def _kill(pid):
+    import signal
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_killed_writers_forked_child_does_not_block_the_restart(tmp_path):
+    directory = str(tmp_path / "run")
+    child = _kill_writer_keep_its_child(tmp_path, directory)
+    try:
+        os.kill(child, 0)                               # the child lives on
+        with lazyckpt.Checkpointer(directory) as c:     # before: "another Checkpointer is saving ..."
+            c.save({"x": torch.full((4,), 2.0)}, step=2).wait(60)
+            assert c.steps() == [1, 2]
+    finally:
+        _kill(child)
+
+
+def test_a_killed_readers_forked_child_does_not_pin_the_step(tmp_path):
+    """The shared lock of a step being read is not inherited either: once the
+    reader is dead, retention may delete the step although its fork lives."""
+    from lazyckpt.storage.locks import locked_by_someone
+    directory = str(tmp_path / "run")
+    child = _kill_writer_keep_its_child(tmp_path, directory, "reading")
+    try:
+        os.kill(child, 0)
+        manifest = os.path.join(directory, "step_0000000001", "manifest.json")
+        assert locked_by_someone(manifest) is False
+        assert locked_by_someone(os.path.join(directory, ".writer")) is False
+    finally:
+        _kill(child)
+
+
+def test_a_fork_does_not_take_the_lease_from_its_parent(tmp_path):
+    """Closing the child's copies leaves the parent's locks held."""
+    import multiprocessing
+    from lazyckpt.storage.locks import locked_by_someone
+    directory = str(tmp_path / "run")
+    with lazyckpt.Checkpointer(directory) as c:
+        c.save({"x": torch.ones(4)}, step=1).wait(60)
+        p = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+        p.start()
+        p.join(30)
+        assert p.exitcode == 0
+        c.save({"x": torch.ones(4)}, step=2).wait(60)       # still the writer
+        probe = multiprocessing.get_context("spawn")
+        with probe.Pool(1) as pool:                         # another process sees it held
+            assert pool.apply(locked_by_someone, (os.path.join(directory, ".writer"),)) is True

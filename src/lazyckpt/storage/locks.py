@@ -80,6 +80,8 @@ class Lease:
             log.debug("lazyckpt: %s: no file locks here (%s); the heartbeat alone protects it", path, exc)
         with _held_lock:
             _held[self.key] = _held.get(self.key, 0) + 1
+        with _forkable_lock:
+            _forkable.add(self)
         _keeper.add(self)
 
     def beat(self) -> None:
@@ -98,8 +100,20 @@ class Lease:
                 _held[self.key] = n
             else:
                 _held.pop(self.key, None)
+        with _forkable_lock:
+            _forkable.discard(self)
         os.close(self.fd)           # drops the lock
         self.fd = -1
+
+    def _drop_in_child(self) -> None:
+        """In a forked child: close this process's copy of the descriptor (the
+        parent's lock stays held) and forget the lease (nothing heartbeats it here)."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
 
 
 class _Keeper:
@@ -151,6 +165,32 @@ class _Keeper:
 
 
 _keeper = _Keeper()
+
+#: Every descriptor of this process that holds a lock: leases (the writer's,
+#: saves in progress) and the shared locks of steps being read.
+_forkable: set = set()
+_forkable_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """Locks are not inherited through fork. A flock belongs to the open file
+    description, which a fork shares: a child that kept its copy (a DataLoader
+    worker forked after the Checkpointer took its lease) would hold the
+    directory's writer lease, or pin a step being read, after its parent was
+    killed, and refuse every restart. The child closes its copies (the
+    parent's locks stay held: the parent's descriptors still refer to them)
+    and starts with no lease, no keeper thread and fresh locks."""
+    global _held_lock, _forkable_lock
+    _held_lock, _forkable_lock = threading.Lock(), threading.Lock()     # another thread may have held them
+    _held.clear()
+    _keeper.__init__()
+    for holder in list(_forkable):
+        holder._drop_in_child()
+    _forkable.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _held_here(st: os.stat_result) -> bool:
@@ -230,19 +270,25 @@ class StepDir:
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.path}: no committed checkpoint (no {MANIFEST})",
                                           path=self.path, step=self.step) from None
+        held = _Held(self, fd, manifest)
+        with _forkable_lock:
+            _forkable.add(held)
         try:
             try:
                 _flock(fd, fcntl.LOCK_SH)
             except OSError as exc:
                 if exc.errno not in _LOCK_UNSUPPORTED:
                     raise
-            held = _Held(self, fd, manifest)
             # Locked, but the step may have been renamed away just before.
             if not held.still_there():
                 raise held.deleted()
             yield held
         finally:
-            os.close(fd)
+            with _forkable_lock:
+                _forkable.discard(held)
+            if held.fd >= 0:            # not closed already by a fork (in the child)
+                os.close(held.fd)
+                held.fd = -1
 
 
 class _Held:
@@ -264,6 +310,14 @@ class _Held:
             raise CheckpointNotFoundError(f"{self.path}: no committed checkpoint (no {MANIFEST})",
                                           path=self.path, step=self.step)
         return manifests.parse(raw, self.manifest)
+
+    def _drop_in_child(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
 
     def still_there(self) -> bool:
         """Whether the step's path still names the manifest being held."""
