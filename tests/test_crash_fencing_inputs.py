@@ -255,3 +255,71 @@ def test_a_fork_does_not_take_the_lease_from_its_parent(tmp_path):
         probe = multiprocessing.get_context("spawn")
         with probe.Pool(1) as pool:                         # another process sees it held
             assert pool.apply(locked_by_someone, (os.path.join(directory, ".writer"),)) is True
+
+
+@pytest.mark.parametrize("planted", ["symlink", "dangling", "fifo", "directory"])
+def test_a_planted_writer_file_is_refused_and_nothing_outside_is_written(tmp_path, planted):
+    directory = tmp_path / "run"
+    directory.mkdir()
+    outside = tmp_path / "outside.txt"
+    writer = directory / ".writer"
+    if planted == "symlink":
+        outside.write_text("precious")
+        writer.symlink_to(outside)
+    elif planted == "dangling":
+        writer.symlink_to(outside)
+    elif planted == "fifo":
+        os.mkfifo(writer)
+    else:
+        writer.mkdir()
+    c = lazyckpt.Checkpointer(str(directory))
+    try:
+        with pytest.raises(CorruptCheckpointError, match=r"\.writer") as info:
+            c.save({"x": torch.ones(4)}, step=1).wait(60)
+        assert info.value.path == str(writer)
+    finally:
+        c.close()
+    if planted == "symlink":
+        assert outside.read_text() == "precious"
+    else:
+        assert not outside.exists()
+    assert os.path.lexists(writer)          # refused, not removed: someone should look at it
+
+
+def test_read_writer_does_not_follow_a_symlink(tmp_path):
+    from lazyckpt.storage.locks import read_writer
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"pid": 1, "host": "elsewhere"}')
+    link = tmp_path / ".writer"
+    link.symlink_to(outside)
+    with pytest.raises(CorruptCheckpointError, match=r"\.writer"):
+        read_writer(str(link))
+
+
+def test_write_file_atomic_never_writes_through_a_planted_temporary(tmp_path, monkeypatch):
+    """The record (history.json), `latest` and the manifest are written to a
+    temporary renamed into place: a symlink planted at the temporary's name
+    (were it guessed) is not written through."""
+    from lazyckpt.storage import fileio
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    monkeypatch.setattr(fileio.os, "urandom", lambda n: b"\0" * n)
+    target = tmp_path / "history.json"
+    (tmp_path / ("history.json.tmp-" + "00" * 6)).symlink_to(outside)
+    with pytest.raises(OSError):
+        fileio.write_file_atomic(str(target), b"{}")
+    assert outside.read_text() == "precious"
+    assert not target.exists()
+
+
+def test_a_planted_record_symlink_is_replaced_not_written_through(tmp_path):
+    directory = tmp_path / "run"
+    directory.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    (directory / "history.json").symlink_to(outside)
+    with lazyckpt.Checkpointer(str(directory)) as c:
+        c.save({"x": torch.ones(4)}, step=1).wait(60)
+        assert torch.equal(c.load()["x"], torch.ones(4))
+    assert outside.read_text() == "precious"
+    assert not os.path.islink(directory / "history.json")

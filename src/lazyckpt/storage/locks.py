@@ -57,6 +57,38 @@ _held: Dict[Tuple[int, int], int] = {}          # (st_dev, st_ino) -> count, lea
 _held_lock = threading.Lock()
 
 
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _not_a_lease_file(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {what}, where lazyckpt keeps a lease file; refusing to write "
+                                  f"through it (remove it if nothing of yours put it there)", path=path)
+
+
+def open_lease_file(path: str) -> int:
+    """Open (create) a lease file for reading and writing, never through a
+    symlink (one planted at ``DIR/.writer`` would make a save truncate a file
+    outside the directory) and never anything but a regular file (a FIFO, a
+    directory): those are :class:`CorruptCheckpointError` naming the path."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                st = None
+            what = "a symbolic link" if st is not None and stat.S_ISLNK(st.st_mode) else \
+                "a directory" if st is not None and stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise _not_a_lease_file(path, what) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lease_file(path, "not a regular file")
+    return fd
+
+
 class Lease:
     """A save in progress holds this on a file it writes: an exclusive flock for
     as long as the save lives, and a heartbeat (the file's mtime refreshed every
@@ -66,7 +98,7 @@ class Lease:
     def __init__(self, path: str, heartbeat_s: float = DEFAULT_HEARTBEAT_S):
         self.path = path
         self.heartbeat_s = heartbeat_s
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.fd = open_lease_file(path)
         st = os.fstat(self.fd)
         self.key = (st.st_dev, st.st_ino)
         self.locked = False
@@ -507,7 +539,14 @@ class WriterLease:
 def read_writer(path: str) -> Optional[Dict]:
     """The holder a ``.writer`` file names, or None (missing, being written)."""
     import json
-    raw = read_small_file(path, 1 << 16)
+    try:
+        raw = read_small_file(path, 1 << 16, follow=False)
+    except NotARegularFile:
+        try:
+            link = stat.S_ISLNK(os.lstat(path).st_mode)
+        except OSError:
+            link = False
+        raise _not_a_lease_file(path, "a symbolic link" if link else "not a regular file") from None
     try:
         holder = json.loads(raw.decode()) if raw else None
     except (UnicodeDecodeError, ValueError):
