@@ -323,3 +323,154 @@ def test_a_planted_record_symlink_is_replaced_not_written_through(tmp_path):
         assert torch.equal(c.load()["x"], torch.ones(4))
     assert outside.read_text() == "precious"
     assert not os.path.islink(directory / "history.json")
+
+
+# --------------------------------------------------------------------------- case 7: records are not trusted
+
+
+def _record(directory):
+    import json
+    with open(os.path.join(directory, "history.json")) as f:
+        return json.load(f)
+
+
+def _write_record(directory, doc):
+    import json
+    with open(os.path.join(directory, "history.json"), "w") as f:
+        json.dump(doc, f)
+
+
+def _forge_manifest(step_path, **fields):
+    """Rewrite a step's manifest with ``fields`` and a valid checksum (what a
+    bug or a hand edit could leave: only the range check can tell)."""
+    import json
+    from lazyckpt.formats import manifest as manifests
+    path = os.path.join(step_path, "manifest.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc.update(fields)
+    doc.pop("checksum", None)
+    doc["checksum"] = manifests.checksum(doc)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def _manifest(step_path):
+    import json
+    with open(os.path.join(step_path, "manifest.json")) as f:
+        return json.load(f)
+
+
+def test_an_out_of_range_seq_in_the_record_never_numbers_a_commit(tmp_path, caplog):
+    from lazyckpt.history import Event, event_key, parse_event_key
+    directory = str(tmp_path / "run")
+    _steps(directory, n=2)
+    doc = _record(directory)
+    doc["seq"] = 10 ** 12
+    _write_record(directory, doc)
+    with lazyckpt.Checkpointer(directory) as c:
+        c.save({"x": torch.full((4,), 3.0)}, step=3).wait(60)
+        m = _manifest(c.step_path(3))
+    e = Event(3, m["save_id"], m["seq"])
+    assert parse_event_key(event_key(e)) == e          # before: seq 10**12 + 1, a key nothing parses
+    assert "seq" in caplog.text and "history.json" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [
+    {"events": [[-1, "abc", 1]]},
+    {"events": [[10 ** 10, "abc", 1]]},
+    {"events": [[1, "abc", 10 ** 12]]},
+    {"events": [[1, "../../etc", 1]]},
+    {"events": [[1, "a/b", 1]]},
+    {"events": [[1, "", 1]]},
+    {"events": [[True, "abc", 1]]},
+    {"seq": -5},
+    {"seq": 10 ** 12},
+])
+def test_an_out_of_range_record_is_read_as_damaged(tmp_path, caplog, bad):
+    from lazyckpt.history import LocalRecord
+    directory = str(tmp_path / "run")
+    os.makedirs(directory)
+    doc = {"seq": 1, "events": [[1, "abc", 1]]}
+    doc.update(bad)
+    _write_record(directory, doc)
+    assert LocalRecord(directory).read() == (0, [])
+    assert "history.json" in caplog.text
+
+
+def test_a_commit_past_the_largest_seq_is_refused(tmp_path):
+    """The manifests (valid, checksummed) have numbered the line up to the
+    largest seq an event key holds: the next commit is refused, not numbered
+    into a key that cannot be parsed back."""
+    directory = str(tmp_path / "run")
+    paths = _steps(directory, n=1)
+    _forge_manifest(paths[1], seq=10 ** 12 - 1)
+    os.unlink(os.path.join(directory, "history.json"))
+    with lazyckpt.Checkpointer(directory) as c:
+        with pytest.raises(CheckpointError, match="seq") as info:      # the failed save's error,
+            c.save({"x": torch.ones(4)}, step=2).wait(60)               # its cause the refusal
+        cause = info.value if isinstance(info.value, CorruptCheckpointError) else info.value.__cause__
+        assert isinstance(cause, CorruptCheckpointError) and "history.json" in str(cause)
+    assert torch.equal(lazyckpt.load(directory)["x"], torch.ones(4))   # step 1 still there, loadable
+
+
+@pytest.mark.parametrize("field,value", [
+    ("seq", 10 ** 12), ("seq", 0), ("seq", -1), ("seq", "7"),
+    ("save_id", "a/../b"), ("save_id", ""), ("save_id", 7),
+])
+def test_an_out_of_range_manifest_field_is_corrupt(tmp_path, field, value):
+    paths = _steps(str(tmp_path / "run"), n=1)
+    _forge_manifest(paths[1], **{field: value})
+    with pytest.raises(CorruptCheckpointError, match=field) as info:
+        lazyckpt.load(paths[1])
+    assert "manifest.json" in str(info.value)
+
+
+def test_a_manifest_of_a_huge_world_is_corrupt_without_expanding_it(tmp_path):
+    paths = _steps(str(tmp_path / "run"), n=1)
+    _forge_manifest(paths[1], world_size=10 ** 12, file_bytes=[[16, 10 ** 12]])
+    with pytest.raises(CorruptCheckpointError, match="world_size"):
+        lazyckpt.load(paths[1])
+
+
+def test_manifest_event_ignores_out_of_range_numbers():
+    import json
+    from lazyckpt.history import manifest_event
+    ok = manifest_event(json.dumps({"step": 3, "save_id": "abc", "seq": 5}).encode())
+    assert ok is not None and ok.seq == 5
+    for doc in ({"step": 10 ** 10, "save_id": "abc", "seq": 5}, {"step": -1, "save_id": "abc"},
+                {"step": 3, "save_id": "abc", "seq": 10 ** 12}, {"step": 3, "save_id": "a/b", "seq": 5},
+                {"step": 3, "save_id": "abc", "seq": 0}):
+        assert manifest_event(json.dumps(doc).encode()) is None, doc
+
+
+def test_event_keys_refuse_what_they_cannot_hold():
+    from lazyckpt.history import Event, event_key, parse_event_key
+    assert parse_event_key(event_key(Event(10 ** 10 - 1, "a.b-c_d", 10 ** 12 - 1))) == \
+        Event(10 ** 10 - 1, "a.b-c_d", 10 ** 12 - 1)
+    for e in (Event(10 ** 10, "abc", 1), Event(1, "abc", 10 ** 12), Event(-1, "abc", 1), Event(1, "a/b", 1),
+              Event(1, "abc", None)):
+        with pytest.raises(CorruptCheckpointError):
+            event_key(e)
+    assert parse_event_key("history/000000000001-0000000001-" + "a" * 4096) is None
+
+
+def test_a_persisted_step_stays_visible_after_an_out_of_range_record(s3_server, s3_bucket, tmp_path):
+    """Before: the record's seq 10**12 numbered step 3 with 13 digits; its event
+    key did not parse, so the persistent tier read step 3 as older than steps 1
+    and 2 (superseded by them): a fresh node resumed from step 2."""
+    opts = {"endpoint_url": s3_server.endpoint, "access_key_id": s3_server.access_key,
+            "secret_access_key": s3_server.secret_key, "region": s3_server.region}
+    url, local = f"s3://{s3_bucket}/run", str(tmp_path / "local")
+    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as c:
+        for s in (1, 2):
+            c.save({"x": torch.full((4,), float(s))}, step=s).wait(persisted=True)
+    doc = _record(local)
+    doc["seq"] = 10 ** 12
+    _write_record(local, doc)
+    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as c:
+        c.save({"x": torch.full((4,), 3.0)}, step=3).wait(persisted=True)
+    with lazyckpt.Checkpointer(str(tmp_path / "fresh"), persist_to=url, storage_options=opts) as other:
+        assert other.persistent.dir.steps() == [1, 2, 3]
+        assert torch.equal(other.load()["x"], torch.full((4,), 3.0))
+        assert other.loaded_from["step"] == 3
