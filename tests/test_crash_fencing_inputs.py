@@ -474,3 +474,27 @@ def test_a_persisted_step_stays_visible_after_an_out_of_range_record(s3_server, 
         assert other.persistent.dir.steps() == [1, 2, 3]
         assert torch.equal(other.load()["x"], torch.full((4,), 3.0))
         assert other.loaded_from["step"] == 3
+
+
+def _save_in_forked_child(ckpt, queue):
+    try:
+        ckpt.save({"x": torch.ones(4)}, step=9).wait(60)
+        queue.put("saved")
+    except CheckpointError as exc:
+        queue.put(str(exc))
+
+
+def test_a_forked_child_cannot_save_with_its_parents_lease(tmp_path):
+    import multiprocessing
+    directory = str(tmp_path / "run")
+    ctx = multiprocessing.get_context("fork")
+    with lazyckpt.Checkpointer(directory) as c:
+        c.save({"x": torch.ones(4)}, step=1).wait(60)
+        queue = ctx.Queue()
+        p = ctx.Process(target=_save_in_forked_child, args=(c, queue))
+        p.start()
+        said = queue.get(timeout=60)
+        p.join(30)
+        assert "inherited through fork" in said, said
+        c.save({"x": torch.ones(4)}, step=2).wait(60)
+        assert c.steps() == [1, 2]

@@ -506,6 +506,11 @@ class WriterLease:
         and at every commit)."""
         lease = self._lease
         if lease.fd < 0:
+            if self.holder.get("pid") != os.getpid():
+                raise CheckpointError(f"{self.directory}: this Checkpointer was inherited through fork (by pid "
+                                      f"{os.getpid()} from pid {self.holder.get('pid')}); the writer lease stays "
+                                      f"with the parent: save from the parent, or open a Checkpointer here",
+                                      path=self.directory)
             raise CheckpointError(f"{self.directory}: this Checkpointer gave up its writer lease (closed)",
                                   path=self.directory)
         if self._current(lease):
