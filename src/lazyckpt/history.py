@@ -38,7 +38,8 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
-from lazyckpt.formats.names import MANIFEST
+from lazyckpt.errors import CorruptCheckpointError
+from lazyckpt.formats.names import MANIFEST, MAX_SEQ, MAX_STEP, SAVE_ID
 from lazyckpt.storage.fileio import read_small_file, write_file_atomic
 
 log = logging.getLogger("lazyckpt")
@@ -46,7 +47,10 @@ log = logging.getLogger("lazyckpt")
 RECORD = "history.json"
 #: Object-store event keys, relative to the checkpoint prefix.
 EVENTS_PREFIX = "history/"
-_EVENT_KEY = re.compile(r"^history/(\d{12})-(\d{10})-([A-Za-z0-9_.-]+)$")
+_EVENT_KEY = re.compile(r"^history/(\d{12})-(\d{10})-([A-Za-z0-9_.-]{1,128})$")
+# What an event key holds (formats/names.py: MAX_SEQ, MAX_STEP, SAVE_ID): every
+# number read from a record, a manifest or a key is checked against them, and
+# no commit is numbered past them.
 #: Events kept in the local record besides those of steps present: enough to
 #: tell any tier's leftover of a recent abandoned run from the live line.
 RECENT_EVENTS = 256
@@ -86,6 +90,21 @@ def abandoned(events: Iterable[Event]) -> Set[Tuple[int, str]]:
     return {(e.step, e.save_id) for e in merged} - set(line(merged))
 
 
+def event_problem(step: Any, save_id: Any, seq: Any, seq_optional: bool = True) -> Optional[str]:
+    """What is wrong with an event's fields (None: nothing): a step in
+    0..MAX_STEP, a seq in 1..MAX_SEQ (or None where ``seq_optional``), a save
+    id of the event key's characters. ``bool`` is no number here."""
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        return f"step {step!r} is not an integer in 0..{MAX_STEP}"
+    if not isinstance(save_id, str) or not SAVE_ID.fullmatch(save_id):
+        return f"save_id {save_id!r} is not 1 to 128 of [A-Za-z0-9_.-]"
+    if seq is None and seq_optional:
+        return None
+    if type(seq) is not int or not 1 <= seq <= MAX_SEQ:
+        return f"seq {seq!r} is not an integer in 1..{MAX_SEQ}"
+    return None
+
+
 def max_seq(events: Iterable[Event]) -> int:
     return max((e.seq for e in events if e.seq is not None), default=0)
 
@@ -100,15 +119,23 @@ def manifest_event(raw: Optional[bytes]) -> Optional[Event]:
         step, sid, seq = doc.get("step"), doc.get("save_id"), doc.get("seq")
     except (UnicodeDecodeError, ValueError, AttributeError, RecursionError):
         return None
-    if type(step) is not int or not isinstance(sid, str):
-        return None
-    return Event(step, sid, seq if type(seq) is int else None)
+    if "seq" not in doc:
+        seq = None
+    if event_problem(step, sid, seq) is not None:
+        return None             # identifies nothing: loading it reports the field (manifest.parse)
+    return Event(step, sid, seq)
 
 
 # --------------------------------------------------------------------------- object-store events
 
 
 def event_key(e: Event) -> str:
+    """The event's object key; refuses an event the key could not hold (it
+    would not parse back, and its step would vanish from the line)."""
+    problem = event_problem(e.step, e.save_id, e.seq, seq_optional=False)
+    if problem is not None:
+        raise CorruptCheckpointError(f"commit event {tuple(e)}: {problem}; its event key could not be parsed "
+                                     f"back", step=e.step if type(e.step) is int else None)
     return f"{EVENTS_PREFIX}{e.seq:012d}-{e.step:010d}-{e.save_id}"
 
 
@@ -171,12 +198,21 @@ class LocalRecord:
         if doc is None:
             return 0, []
         try:
-            events = [Event(int(s), str(sid), int(q)) for s, sid, q in doc["events"]]
-            return max(int(doc["seq"]), max_seq(events)), events
-        except (ValueError, KeyError, TypeError):
+            events = [Event(s, sid, q) for s, sid, q in doc["events"]]
+            top = doc["seq"]
+            # Range-checked, not trusted: a number an event key cannot hold would number
+            # the next commit into a key that does not parse back (FORMAT.md §11).
+            problem = next((f"event {list(e)}: {p}" for e in events
+                            for p in [event_problem(e.step, e.save_id, e.seq, seq_optional=False)] if p), None)
+            if problem is None and (type(top) is not int or not 0 <= top <= MAX_SEQ):
+                problem = f"seq {top!r} is not an integer in 0..{MAX_SEQ}"
+            if problem is not None:
+                raise ValueError(problem)
+            return max(top, max_seq(events)), events
+        except (ValueError, KeyError, TypeError) as exc:
             # Damaged: the manifests still carry every present step's seq.
-            log.warning("lazyckpt: %s is unreadable; the line of history is taken from the manifests",
-                        self.path)
+            log.warning("lazyckpt: %s is unreadable (%s); the line of history is taken from the manifests",
+                        self.path, exc)
             return 0, []
 
     def committing(self) -> Optional[Committing]:
@@ -186,8 +222,8 @@ class LocalRecord:
         entry = doc.get("commit") if doc else None
         try:
             step, sid, seq, tmp = entry
-            if type(step) is not int or type(seq) is not int or not isinstance(sid, str) \
-                    or not isinstance(tmp, str) or os.sep in tmp or not tmp.startswith(".tmp-step_"):
+            if event_problem(step, sid, seq, seq_optional=False) or not isinstance(tmp, str) or os.sep in tmp \
+                    or not tmp.startswith(".tmp-step_"):
                 raise ValueError(entry)
         except (TypeError, ValueError):
             return None
@@ -238,6 +274,13 @@ class History:
                     log.warning("lazyckpt: %s: its history cannot be read (%s); numbering commits from the "
                                 "local tier", getattr(self.remote, "url", self.remote), exc)
             self._top = top
+        if self._top >= MAX_SEQ:
+            where = self.record.path if self.record is not None else getattr(self.remote, "url", "its history")
+            raise CorruptCheckpointError(
+                f"{where}: the line of history is numbered up to seq {self._top} (history.json, a manifest or an "
+                f"event says so), the largest an event key holds is {MAX_SEQ}: no commit can be numbered after "
+                f"it. A damaged or hand-edited record? Fix or remove the field that says so",
+                path=where if isinstance(where, str) else None)
         self._top += 1
         return self._top
 
@@ -270,5 +313,6 @@ class History:
         return events
 
 
-__all__ = ["Event", "Committing", "line", "abandoned", "max_seq", "History", "LocalRecord", "RECORD", "EVENTS_PREFIX",
-           "event_key", "parse_event_key", "prunable", "manifest_event"]
+__all__ = ["Event", "Committing", "line", "abandoned", "max_seq", "History", "LocalRecord", "RECORD",
+           "EVENTS_PREFIX", "event_key", "parse_event_key", "prunable", "manifest_event", "event_problem", "MAX_SEQ",
+           "MAX_STEP", "SAVE_ID"]

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from lazyckpt.distributed import shard_index
 from lazyckpt.errors import CheckpointError, CorruptCheckpointError
 from . import datafile as fmt
-from .names import STEP_DIR, rank_filename
+from .names import MAX_SEQ, MAX_STEP, MAX_WORLD, SAVE_ID, STEP_DIR, rank_filename
 
 #: A reader refuses larger manifests (hostile-file guard); writers refuse to commit them.
 MAX_MANIFEST_BYTES = 1 << 30
@@ -86,6 +86,37 @@ def file_bytes_runs(sizes: List[int]) -> List[List[int]]:
         else:
             runs.append([size, 1])
     return runs
+
+
+def _check_ranges(manifest: Dict[str, Any], path: str) -> None:
+    """Every number and name the manifest gives that another structure must
+    hold (an event key, a file name, a loop over ranks): in range, or the
+    manifest is damaged (its checksum proves only that it was written so)."""
+    def bad(field: str, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: manifest field {field!r} {why}", path=path)
+
+    step = manifest.get("step")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise bad("step", f"is {step!r}, not an integer in 0..{MAX_STEP}")
+    if "seq" in manifest and (type(manifest["seq"]) is not int or not 1 <= manifest["seq"] <= MAX_SEQ):
+        raise bad("seq", f"is {manifest['seq']!r}, not an integer in 1..{MAX_SEQ}")
+    if "save_id" in manifest and (not isinstance(manifest["save_id"], str)
+                                  or not SAVE_ID.fullmatch(manifest["save_id"])):
+        raise bad("save_id", f"is {manifest['save_id']!r}, not 1 to 128 of [A-Za-z0-9_.-]")
+    world = manifest.get("world_size")
+    if type(world) is not int or not 1 <= world <= MAX_WORLD:
+        raise bad("world_size", f"is {world!r}, not an integer in 1..{MAX_WORLD}")
+    runs = manifest.get("file_bytes")
+    if isinstance(runs, list) and len(runs) > MAX_WORLD:
+        raise bad("file_bytes", f"has {len(runs)} runs, more than world_size can have")
+    for run in runs if isinstance(runs, list) else []:
+        if isinstance(run, list) and len(run) == 2 and all(type(v) is int for v in run) and \
+                not (0 <= run[0] < 1 << 63 and 1 <= run[1] <= MAX_WORLD):
+            raise bad("file_bytes", f"has the run {run!r} (a size in 0..2^63-1, a count in 1..{MAX_WORLD})")
+    for f in manifest.get("files") if isinstance(manifest.get("files"), list) else []:
+        size = f.get("bytes") if isinstance(f, dict) else None
+        if size is not None and (type(size) is not int or not 0 <= size < 1 << 63):
+            raise bad("files", f"gives a file {size!r} bytes")
 
 
 def _expand_files(manifest: Dict[str, Any], path: str) -> None:
@@ -178,6 +209,7 @@ def parse(raw: bytes, path: str) -> Dict[str, Any]:
     expected = manifest.pop("checksum", None)
     if expected != checksum(manifest):
         raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (file damaged)", path=path)
+    _check_ranges(manifest, path)
     _expand_files(manifest, path)
     files = manifest.get("files")
     world = manifest.get("world_size")

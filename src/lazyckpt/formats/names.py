@@ -19,6 +19,15 @@ SMALL_TEMP = re.compile(r"^(latest|manifest\.json|history\.json|\.writer)\.tmp-[
 #: The writer lease of a Checkpointer directory (``WriterLease``).
 WRITER = ".writer"
 
+#: The ranges a step, a commit's ``seq`` and a save id are read in (a record,
+#: a manifest, an object-store event key ``history/<seq:12>-<step:10>-<save_id>``
+#: must hold them all): anything else is damage, never trusted.
+MAX_STEP = 10 ** 10 - 1
+MAX_SEQ = 10 ** 12 - 1
+SAVE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+#: Ranks are named with 5 digits (``rank_filename``).
+MAX_WORLD = 100_000
+
 
 def step_dirname(step: int) -> str:
     return f"step_{step:010d}"

@@ -96,11 +96,19 @@ def verify(path: str, options: Optional[Options] = None,
     options = options or resolve_options()
     target = resolve(path, options)
     report = VerifyReport(target)
+    store = for_path(target.path)
+    # A step is held while it is verified, as while it is loaded: prune and
+    # retention in another process keep it, and one deleted anyway is reported
+    # as deleted (CheckpointNotFoundError), not as damage.
+    hold = (store.reading_step(target.step_dir, options, target.step) if target.step_dir is not None
+            else contextlib.nullcontext(None))
     # Only a store that holds incremental steps resolves references; elsewhere
     # a "ref" entry is reported as unresolvable.
-    with (resolver_for(target.files[0][1], options) if for_path(target.path).holds_references
-          else contextlib.nullcontext(None)) as refs:
+    with hold as held, (resolver_for(target.files[0][1], options) if store.holds_references
+                        else contextlib.nullcontext(None)) as refs:
         _verify(target, report, options, refs, progress, on_total)
+        if held is not None and not report.ok and not held.still_there():
+            raise held.deleted()
     return report
 
 

@@ -176,7 +176,10 @@ def write_file_atomic(path: str, data: bytes) -> None:
     """Write a small file so that readers see the old or the new content, never a mix."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp-{os.urandom(6).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # A new file of its own (O_EXCL, never through a symlink planted at its name);
+    # the rename then replaces ``path`` itself, a symlink there included.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         try:
             view = memoryview(data)
@@ -197,21 +200,27 @@ class NotARegularFile(OSError):
     """A path that should be a checkpoint file is a FIFO, a device, a directory..."""
 
 
-def open_regular(path: str) -> int:
+def open_regular(path: str, follow: bool = True) -> int:
     """Open ``path`` for reading, refusing anything but a regular file (a FIFO
-    would block the reader forever)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    would block the reader forever); ``follow=False``: a symlink too."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags if follow else flags | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        if not follow and exc.errno == errno.ELOOP:
+            raise NotARegularFile(errno.ELOOP, "a symbolic link", path) from None
+        raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise NotARegularFile(errno.EINVAL, "not a regular file", path)
     return fd
 
 
-def read_small_file(path: str, limit: int) -> Optional[bytes]:
+def read_small_file(path: str, limit: int, follow: bool = True) -> Optional[bytes]:
     """The whole file if it exists; at most ``limit + 1`` bytes (so callers can
     tell it is too large), allocating only what the file holds."""
     try:
-        fd = open_regular(path)
+        fd = open_regular(path, follow)
     except FileNotFoundError:
         return None
     try:

@@ -5,6 +5,7 @@ written and read at explicit offsets (O_DIRECT or buffered, as measured by
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Callable, ContextManager, Dict, Optional
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -15,7 +16,7 @@ from .base import HeldStep, Located, Store
 from .fileio import InputFile, NotARegularFile, OutputFile, open_regular, read_small_file
 from .iomode import use_o_direct
 from .layout import CheckpointDir, PendingSiblingFile
-from .locks import StepDir
+from .locks import StepDir, deleted_while_reading
 
 
 class LocalStore(Store):
@@ -68,21 +69,28 @@ class LocalStore(Store):
 
     def locate(self, path: str, options: Options, empty_ok: bool = False) -> Located:
         path = self.normalize(path)
-        if not os.path.exists(path):
+        # One stat decides what the path is: `lazyckpt prune` (or retention) may rename a
+        # step away between two looks, and a path that vanished is "not found", never
+        # "not a regular file or directory" (which stays for a FIFO, a device...).
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
             # empty_ok: a listing, which only takes a directory
             what = "directory" if empty_ok else "file or directory"
-            raise CheckpointNotFoundError(f"{path}: no such {what}", path=path)
-        if os.path.isfile(path):
+            raise CheckpointNotFoundError(f"{path}: no such {what}", path=path) from None
+        if stat.S_ISREG(st.st_mode):
             return Located("file", path)
-        if not os.path.isdir(path):
+        if not stat.S_ISDIR(st.st_mode):
             raise CheckpointError(f"{path}: not a regular file or directory", path=path)
+        m = STEP_DIR.match(os.path.basename(path))
         if os.path.isfile(os.path.join(path, MANIFEST)):
-            m = STEP_DIR.match(os.path.basename(path))
             if m and self.checkpoint_dir(os.path.dirname(path), options).superseded_by_record(path):
                 raise CheckpointNotFoundError(f"{path}: step {int(m.group(1))} was abandoned: a later commit of an "
                                               f"older step superseded it (a run resumed from an earlier step)",
                                               path=path, step=int(m.group(1)))
             return Located("step", path, path, int(m.group(1)) if m else None)
+        if m and not _still(path, st):
+            raise deleted_while_reading(path, int(m.group(1)))
         directory = self.checkpoint_dir(path, options)
         paths = directory.step_paths()
         steps = list(paths)
@@ -109,3 +117,11 @@ class LocalStore(Store):
             m = STEP_DIR.match(os.path.basename(os.path.abspath(step_path)))
             step = int(m.group(1)) if m else None
         return StepDir(step_path, step).reading()
+
+
+def _still(path: str, st: os.stat_result) -> bool:
+    """Whether ``path`` still names the directory ``st`` describes."""
+    try:
+        return os.path.samestat(os.stat(path), st)
+    except OSError:
+        return False

@@ -57,6 +57,38 @@ _held: Dict[Tuple[int, int], int] = {}          # (st_dev, st_ino) -> count, lea
 _held_lock = threading.Lock()
 
 
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _not_a_lease_file(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {what}, where lazyckpt keeps a lease file; refusing to write "
+                                  f"through it (remove it if nothing of yours put it there)", path=path)
+
+
+def open_lease_file(path: str) -> int:
+    """Open (create) a lease file for reading and writing, never through a
+    symlink (one planted at ``DIR/.writer`` would make a save truncate a file
+    outside the directory) and never anything but a regular file (a FIFO, a
+    directory): those are :class:`CorruptCheckpointError` naming the path."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                st = None
+            what = "a symbolic link" if st is not None and stat.S_ISLNK(st.st_mode) else \
+                "a directory" if st is not None and stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise _not_a_lease_file(path, what) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lease_file(path, "not a regular file")
+    return fd
+
+
 class Lease:
     """A save in progress holds this on a file it writes: an exclusive flock for
     as long as the save lives, and a heartbeat (the file's mtime refreshed every
@@ -66,7 +98,7 @@ class Lease:
     def __init__(self, path: str, heartbeat_s: float = DEFAULT_HEARTBEAT_S):
         self.path = path
         self.heartbeat_s = heartbeat_s
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.fd = open_lease_file(path)
         st = os.fstat(self.fd)
         self.key = (st.st_dev, st.st_ino)
         self.locked = False
@@ -80,6 +112,8 @@ class Lease:
             log.debug("lazyckpt: %s: no file locks here (%s); the heartbeat alone protects it", path, exc)
         with _held_lock:
             _held[self.key] = _held.get(self.key, 0) + 1
+        with _forkable_lock:
+            _forkable.add(self)
         _keeper.add(self)
 
     def beat(self) -> None:
@@ -98,8 +132,20 @@ class Lease:
                 _held[self.key] = n
             else:
                 _held.pop(self.key, None)
+        with _forkable_lock:
+            _forkable.discard(self)
         os.close(self.fd)           # drops the lock
         self.fd = -1
+
+    def _drop_in_child(self) -> None:
+        """In a forked child: close this process's copy of the descriptor (the
+        parent's lock stays held) and forget the lease (nothing heartbeats it here)."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
 
 
 class _Keeper:
@@ -151,6 +197,32 @@ class _Keeper:
 
 
 _keeper = _Keeper()
+
+#: Every descriptor of this process that holds a lock: leases (the writer's,
+#: saves in progress) and the shared locks of steps being read.
+_forkable: set = set()
+_forkable_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """Locks are not inherited through fork. A flock belongs to the open file
+    description, which a fork shares: a child that kept its copy (a DataLoader
+    worker forked after the Checkpointer took its lease) would hold the
+    directory's writer lease, or pin a step being read, after its parent was
+    killed, and refuse every restart. The child closes its copies (the
+    parent's locks stay held: the parent's descriptors still refer to them)
+    and starts with no lease, no keeper thread and fresh locks."""
+    global _held_lock, _forkable_lock
+    _held_lock, _forkable_lock = threading.Lock(), threading.Lock()     # another thread may have held them
+    _held.clear()
+    _keeper.__init__()
+    for holder in list(_forkable):
+        holder._drop_in_child()
+    _forkable.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _held_here(st: os.stat_result) -> bool:
@@ -230,19 +302,25 @@ class StepDir:
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.path}: no committed checkpoint (no {MANIFEST})",
                                           path=self.path, step=self.step) from None
+        held = _Held(self, fd, manifest)
+        with _forkable_lock:
+            _forkable.add(held)
         try:
             try:
                 _flock(fd, fcntl.LOCK_SH)
             except OSError as exc:
                 if exc.errno not in _LOCK_UNSUPPORTED:
                     raise
-            held = _Held(self, fd, manifest)
             # Locked, but the step may have been renamed away just before.
             if not held.still_there():
                 raise held.deleted()
             yield held
         finally:
-            os.close(fd)
+            with _forkable_lock:
+                _forkable.discard(held)
+            if held.fd >= 0:            # not closed already by a fork (in the child)
+                os.close(held.fd)
+                held.fd = -1
 
 
 class _Held:
@@ -264,6 +342,14 @@ class _Held:
             raise CheckpointNotFoundError(f"{self.path}: no committed checkpoint (no {MANIFEST})",
                                           path=self.path, step=self.step)
         return manifests.parse(raw, self.manifest)
+
+    def _drop_in_child(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
 
     def still_there(self) -> bool:
         """Whether the step's path still names the manifest being held."""
@@ -420,6 +506,11 @@ class WriterLease:
         and at every commit)."""
         lease = self._lease
         if lease.fd < 0:
+            if self.holder.get("pid") != os.getpid():
+                raise CheckpointError(f"{self.directory}: this Checkpointer was inherited through fork (by pid "
+                                      f"{os.getpid()} from pid {self.holder.get('pid')}); the writer lease stays "
+                                      f"with the parent: save from the parent, or open a Checkpointer here",
+                                      path=self.directory)
             raise CheckpointError(f"{self.directory}: this Checkpointer gave up its writer lease (closed)",
                                   path=self.directory)
         if self._current(lease):
@@ -453,7 +544,14 @@ class WriterLease:
 def read_writer(path: str) -> Optional[Dict]:
     """The holder a ``.writer`` file names, or None (missing, being written)."""
     import json
-    raw = read_small_file(path, 1 << 16)
+    try:
+        raw = read_small_file(path, 1 << 16, follow=False)
+    except NotARegularFile:
+        try:
+            link = stat.S_ISLNK(os.lstat(path).st_mode)
+        except OSError:
+            link = False
+        raise _not_a_lease_file(path, "a symbolic link" if link else "not a regular file") from None
     try:
         holder = json.loads(raw.decode()) if raw else None
     except (UnicodeDecodeError, ValueError):
