@@ -144,10 +144,25 @@ def file_program() -> Program:
                    kind="file")
 
 
+def takeover_program() -> Program:
+    """``Checkpointer(takeover=True)`` saves step 3 into a directory whose
+    ``.writer`` names another holder (left by a process that died): the
+    takeover's own durable operations (the new ``.writer`` written and renamed
+    over the old one, under the commit lock), then the commit."""
+    def prepare(ctx: Ctx) -> None:
+        _prepare_line(2)(ctx)
+        with open(os.path.join(ctx.case, "run", ".writer"), "w") as f:
+            f.write('{"pid": 1, "host": "elsewhere", "id": "x", "since": 0}')
+
+    before = World("before", 2, _line(2), (1, 2))
+    after = World("after", 3, {**_line(2), 3: NEW}, (1, 2, 3))
+    return Program("takeover-save", prepare, _save_run(3, NEW, takeover=True), [before, after])
+
+
 def local_programs() -> List[Program]:
     return [save_program(None), save_program(2), rollback_program(None), rollback_program(2),
             incremental_program(None), incremental_program(1), prune_program(2), leftovers_program(),
-            file_program()]
+            file_program(), takeover_program()]
 
 
 def persist_programs() -> List[Program]:
