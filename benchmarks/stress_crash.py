@@ -184,6 +184,24 @@ def committed_dirs(directory: str) -> List[str]:
                   and os.path.isfile(os.path.join(directory, n, "manifest.json")))
 
 
+def committed_steps(directory: str) -> List[int]:
+    """The committed steps by FORMAT.md §11.3, read here without the library:
+    the step directories holding a manifest -- unless history.json's
+    ``"commit"`` names a temporary directory still holding its manifest (a
+    commit killed between its record, the commit point, and its rename): then
+    the steps below that step, and that step."""
+    import json
+    steps = [int(n[5:]) for n in committed_dirs(directory)]
+    try:
+        with open(os.path.join(directory, "history.json"), "rb") as f:
+            step, _sid, _seq, tmp = json.load(f)["commit"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return steps
+    if not os.path.isfile(os.path.join(directory, tmp, "manifest.json")):
+        return steps
+    return [s for s in steps if s < step] + [step]
+
+
 def classify(directory: str, keep_last: int = KEEP_LAST) -> str:
     """Which phase a kill interrupted, from what it left on disk."""
     names = os.listdir(directory)
@@ -199,7 +217,9 @@ def classify(directory: str, keep_last: int = KEEP_LAST) -> str:
         except FileNotFoundError:
             inside = []
         if "manifest.json" in inside:
-            return "commit: manifest written, dir fsync/rename pending"
+            if committed_steps(directory)[-1:] == [int(sorted(tmps)[-1][len(".tmp-step_"):][:10])]:
+                return "commit: recorded (committed), renames pending"
+            return "commit: manifest written, record pending"
         if any(n.startswith("manifest.json.tmp-") for n in inside):
             return "commit: manifest being written"
         data = [n for n in inside if n.endswith(".lzc")]
@@ -216,7 +236,7 @@ def classify(directory: str, keep_last: int = KEEP_LAST) -> str:
         if tail == TRAILER_MAGIC:
             return "data: footer written, truncate/fsync pending"
         return "data: capture + writes in progress"
-    if len(committed_dirs(directory)) > keep_last:
+    if len(committed_steps(directory)) > keep_last:
         return "renamed (committed), retention not yet started"
     return "no checkpoint I/O on disk (compute, queue, or between saves)"
 
@@ -265,7 +285,7 @@ def verify_directory(directory: str, log_path: str, size: int, ckpt_kwargs: Dict
         # With the leftovers still there: they are never listed, and the
         # functional loader (which cleans nothing) picks the latest committed step.
         listed_before = lazyckpt.storage.layout.CheckpointDir(directory).steps()
-        expected = [int(n[5:]) for n in committed_dirs(directory)]
+        expected = committed_steps(directory)
         if listed_before != expected:
             problems.append(f"with leftovers {before}, steps() = {listed_before}, committed = {expected}")
         if expected:
@@ -287,7 +307,7 @@ def verify_directory(directory: str, log_path: str, size: int, ckpt_kwargs: Dict
     report["steps"] = steps
     # Incremental runs: which committed steps refer to earlier ones (the checks are not vacuous).
     report["referring_steps"] = [s for s in steps if _references_of(directory, s)]
-    listed = [int(n[5:]) for n in committed_dirs(directory)]
+    listed = committed_steps(directory)
     if steps != listed:
         problems.append(f"steps() = {steps} but committed directories are {listed}")
     report["determinism_problems"] = det
