@@ -117,6 +117,35 @@ def test_a_kill_between_the_renames_of_a_rollback_commit_never_loads_an_abandone
     assert report.ok, [p.message for p in report.problems]
 
 
+def _pause_inside_commit(ckpt, module: str):
+    """Start ``ckpt.save(step=10)`` on a thread that pauses just after its lease
+    check inside the directory's commit (``module``.commit: the last check before
+    the publish); returns (paused, release, the thread) once it is paused."""
+    writer = ckpt._writer
+    inside, release = threading.Event(), threading.Event()
+    real_check = writer.check
+
+    def paused_check() -> None:
+        real_check()
+        caller = sys._getframe(1).f_code
+        if caller.co_name == "commit" and os.path.basename(caller.co_filename) == f"{module}.py":
+            inside.set()
+            release.wait(60)
+
+    writer.check = paused_check
+
+    def save() -> None:
+        try:
+            ckpt.save(_state(10, "a"), step=10).wait()
+        except CheckpointError:
+            pass                                 # refused: it was displaced
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    assert inside.wait(60), "the save never reached its commit"
+    return inside, release, thread
+
+
 def test_a_writer_paused_inside_its_commit_never_publishes_after_a_takeover(tmp_path):
     """Case 5 of issue 33: a writer that paused just after its lease check inside the
     commit still renamed its step in after a takeover, and the new writer's load()
@@ -126,30 +155,8 @@ def test_a_writer_paused_inside_its_commit_never_publishes_after_a_takeover(tmp_
     directory = str(tmp_path / "run")
     a = lazyckpt.Checkpointer(directory)
     a.save(_state(1, "a"), step=1).wait()
-    writer = a._writer
-    inside, release = threading.Event(), threading.Event()
-    real_check = writer.check
-
-    def paused_check() -> None:
-        real_check()
-        # Only the check inside the directory's commit (the last one before the publish).
-        if sys._getframe(1).f_code.co_name == "commit" and "layout" in sys._getframe(1).f_code.co_filename:
-            inside.set()
-            release.wait(30)
-
-    writer.check = paused_check
-    outcome_a: list = []
-
-    def save_a() -> None:
-        try:
-            a.save(_state(10, "a"), step=10).wait()
-            outcome_a.append("committed")
-        except CheckpointError as exc:
-            outcome_a.append(exc)
-
-    ta = threading.Thread(target=save_a)
-    ta.start()
-    assert inside.wait(30)
+    writer, real_check = a._writer, a._writer.check
+    inside, release, ta = _pause_inside_commit(a, "layout")
     done_b: list = []
 
     def take_over() -> None:
@@ -248,30 +255,8 @@ def test_a_writer_paused_inside_its_object_store_commit_never_publishes_after_a_
     url = f"s3://{s3_bucket}/fenced"
     a = lazyckpt.Checkpointer(url)
     a.save(_state(1, "a"), step=1).wait()
-    writer = a._writer
-    inside, release = threading.Event(), threading.Event()
-    real_check = writer.check
-
-    def paused_check() -> None:
-        real_check()
-        caller = sys._getframe(1).f_code
-        if caller.co_name == "commit" and "s3layout" in caller.co_filename:
-            inside.set()
-            release.wait(60)
-
-    writer.check = paused_check
-    outcome_a: list = []
-
-    def save_a() -> None:
-        try:
-            a.save(_state(10, "a"), step=10).wait()
-            outcome_a.append("committed")
-        except CheckpointError as exc:
-            outcome_a.append(exc)
-
-    ta = threading.Thread(target=save_a)
-    ta.start()
-    assert inside.wait(60)
+    writer, real_check = a._writer, a._writer.check
+    inside, release, ta = _pause_inside_commit(a, "s3layout")
     b = lazyckpt.Checkpointer(url, takeover=True)
     try:
         b.save(_state(5, "b"), step=5).wait()

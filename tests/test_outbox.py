@@ -26,35 +26,8 @@ from lazyckpt.errors import CheckpointNotFoundError, CheckpointWriteError
 pytestmark = pytest.mark.timeout(600)
 
 
-def _options(server, endpoint=None, **extra):
-    return {"endpoint_url": endpoint or server.endpoint, "access_key_id": server.access_key,
-            "secret_access_key": server.secret_key, "region": server.region, **extra}
-
-
-def _state(step, run="first"):
-    g = torch.Generator().manual_seed(step + (0 if run == "first" else 1000))
-    return {"w": torch.randn(200_000, generator=g), "step": step, "run": run}
-
-
-def _same(a, b):
-    return a["step"] == b["step"] and a["run"] == b["run"] and torch.equal(a["w"], b["w"])
-
-
-@pytest.fixture
-def proxy(s3_server):
-    from _s3proxy import S3FaultProxy
-    with S3FaultProxy(s3_server.endpoint) as p:
-        yield p
-
-
-def _first_run_to_5(local, url, opts):
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as ck:
-        for step in range(1, 6):
-            ck.save(_state(step), step).wait(persisted=True)
-        assert ck.persistent.dir.steps() == [1, 2, 3, 4, 5]
-
-
-_elsewhere = itertools.count()
+# The same run, state and store fixtures as the line-of-history tests.
+from test_history import _first_run_to_5, _options, _same, _state, proxy  # noqa: E402,F401
 
 
 def _store_alone_is_on_the_line(tmp_path, url, opts, live):

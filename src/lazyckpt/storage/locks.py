@@ -140,12 +140,18 @@ class Lease:
     def _drop_in_child(self) -> None:
         """In a forked child: close this process's copy of the descriptor (the
         parent's lock stays held) and forget the lease (nothing heartbeats it here)."""
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
+        _close_in_child(self)
+
+
+def _close_in_child(holder: "Lease | _Held") -> None:
+    """Close a forked child's copy of a lock's descriptor (flock belongs to the
+    open file description: the parent's lock stays held)."""
+    if holder.fd >= 0:
+        try:
+            os.close(holder.fd)
+        except OSError:
+            pass
+        holder.fd = -1
 
 
 class _Keeper:
@@ -344,12 +350,7 @@ class _Held:
         return manifests.parse(raw, self.manifest)
 
     def _drop_in_child(self) -> None:
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
+        _close_in_child(self)
 
     def still_there(self) -> bool:
         """Whether the step's path still names the manifest being held."""
