@@ -29,6 +29,8 @@ pytestmark = pytest.mark.timeout(600)
 # The same run, state and store fixtures as the line-of-history tests.
 from test_history import _first_run_to_5, _options, _same, _state, proxy  # noqa: E402,F401
 
+_elsewhere = itertools.count()
+
 
 def _store_alone_is_on_the_line(tmp_path, url, opts, live):
     """A reader of the persistent tier alone (another machine, an empty local
