@@ -278,3 +278,54 @@ def test_a_writer_paused_inside_its_object_store_commit_never_publishes_after_a_
             a.close()
         except CheckpointError:
             pass
+
+
+@pytest.mark.parametrize("reader", ["lazyckpt.load", "Checkpointer.load"])
+def test_a_reader_of_the_latest_step_follows_a_commit_renaming_it_in(tmp_path, monkeypatch, reader):
+    """Between a commit's record (its commit point) and its rename, readers take the
+    new step from its temporary directory. If the rename happens while a reader is
+    about to read it there, the reader reads it under its name: never a spurious
+    'not found' for a step that exists (a training run's evaluator polling latest)."""
+    from lazyckpt import checkpointer as checkpointer_module
+    from lazyckpt.loading import loader
+    from lazyckpt.storage import layout
+    directory = str(tmp_path / "run")
+    writer = lazyckpt.Checkpointer(directory)
+    for s in (1, 2):
+        writer.save(_state(s, "w"), step=s).wait()
+    looker = lazyckpt.Checkpointer(directory) if reader == "Checkpointer.load" else None
+    recorded, go = threading.Event(), threading.Event()
+    real_move_in = layout.CheckpointDir._move_in
+
+    def move_in(self, tmp, step, keep_superseded):
+        if threading.current_thread() is not threading.main_thread():
+            recorded.set()
+            go.wait(30)
+        return real_move_in(self, tmp, step, keep_superseded)
+
+    monkeypatch.setattr(layout.CheckpointDir, "_move_in", move_in)
+    t = threading.Thread(target=lambda: writer.save(_state(3, "w"), step=3).wait())
+    t.start()
+    assert recorded.wait(30)
+    module = loader if looker is None else checkpointer_module
+    real_load_step = module.load_step
+    first = [True]
+
+    def load_step(path, *args, **kwargs):
+        if first[0]:                           # the rename lands between locating and reading
+            first[0] = False
+            assert os.path.basename(path).startswith(".tmp-step_0000000003"), path
+            go.set()
+            t.join(30)
+        return real_load_step(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, "load_step", load_step)
+    try:
+        got = lazyckpt.load(directory) if looker is None else looker.load()
+        assert _same(got, _state(3, "w"))
+    finally:
+        go.set()
+        t.join(30)
+        writer.close()
+        if looker is not None:
+            looker.close()

@@ -400,7 +400,15 @@ class Checkpointer:
         errors = []
         for step_, tier, path in self._candidates(step):
             try:
-                state = self._load_from(tier, path, kwargs)
+                try:
+                    state = self._load_from(tier, path, kwargs)
+                except CheckpointNotFoundError:
+                    if tier != "local" or path == self.layout.step_path(step_):
+                        raise
+                    # Read from where its commit left it before the rename (another process's
+                    # commit in progress): renamed in meanwhile, it is read under its name.
+                    path = self.layout.step_path(step_)
+                    state = self._load_from(tier, path, kwargs)
             except (CorruptCheckpointError, CheckpointNotFoundError, CheckpointReadError) as exc:
                 if self.persistent is None:
                     raise

@@ -363,7 +363,16 @@ def load_path(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Op
               **kwargs: Any) -> Any:
     """Load what ``path`` designates on its store (``Store.locate``): one data
     file, a committed step, or the latest step of a Checkpointer directory."""
-    located = for_path(path).locate(path, options)
-    if located.kind == "file":
-        return load_file(located.path, options, pool, **kwargs)
-    return load_step(located.step_path, None, options, pool, rank, **kwargs)     # its manifest: read under the hold
+    store = for_path(path)
+    for attempt in range(3):
+        located = store.locate(path, options)
+        if located.kind == "file":
+            return load_file(located.path, options, pool, **kwargs)
+        try:
+            return load_step(located.step_path, None, options, pool, rank, **kwargs)   # its manifest: read under the hold
+        except CheckpointNotFoundError:
+            # The latest step, read from where its commit left it before the rename, moved
+            # under its name meanwhile: found again there.
+            if not located.moving or attempt == 2:
+                raise
+    raise AssertionError("unreachable")

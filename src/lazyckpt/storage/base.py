@@ -178,6 +178,10 @@ class Located:
     step: Optional[int] = None
     #: Committed steps, oldest first ("directory" only).
     steps: List[int] = field(default_factory=list)
+    #: The step is read where its commit left it before its last rename (a local
+    #: commit between its record and its rename): it may move under the reader,
+    #: which then locates it again.
+    moving: bool = False
 
 
 @dataclass

@@ -101,7 +101,9 @@ class LocalStore(Store):
             if os.path.isfile(os.path.join(path, ".metadata")):
                 hint = " (it looks like a torch.distributed.checkpoint directory: use `lazyckpt convert`)"
             raise CheckpointNotFoundError(f"{path}: no committed checkpoint in this directory{hint}", path=path)
-        return Located("directory", path, paths[steps[-1]], steps[-1], steps)
+        latest = paths[steps[-1]]
+        return Located("directory", path, latest, steps[-1], steps,
+                       moving=latest != directory.step_path(steps[-1]))
 
     def read_manifest(self, step_path: str, options: Options) -> Dict[str, Any]:
         path = os.path.join(step_path, MANIFEST)
