@@ -329,3 +329,31 @@ def test_a_reader_of_the_latest_step_follows_a_commit_renaming_it_in(tmp_path, m
         writer.close()
         if looker is not None:
             looker.close()
+
+
+def test_an_error_after_the_commit_point_never_discards_the_committed_step(tmp_path, monkeypatch):
+    """A rename that fails after the record (EIO) fails the save, but the step is
+    committed there: the failed job must not remove its temporary directory (which
+    the record names), and the next Checkpointer finishes the commit. Before, the
+    failed job's cleanup deleted it and a rollback left neither line (step 2)."""
+    import errno
+    directory = str(tmp_path / "run")
+    _prepare(directory, None)
+    ckpt = lazyckpt.Checkpointer(directory)
+    ckpt.load(step=2)
+    real_rename = os.rename
+
+    def rename(src, dst, *a, **k):
+        if os.path.basename(str(src)).startswith(".tmp-step_"):
+            raise OSError(errno.EIO, "injected", str(src))
+        return real_rename(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(lazyckpt.CheckpointError):
+        ckpt.save(_state(3, "resumed"), step=3).wait()
+    monkeypatch.setattr(os, "rename", real_rename)
+    ckpt.close()
+    assert _same(lazyckpt.load(directory), _state(3, "resumed"))
+    with lazyckpt.Checkpointer(directory) as again:
+        assert again.steps() == [1, 2, 3]
+        assert _same(again.load(), _state(3, "resumed"))

@@ -544,7 +544,15 @@ class PendingStepDir:
         return self.directory.commit(self.path, self.step, keep_superseded, event)
 
     def discard(self) -> None:
-        if os.path.isdir(self.path):     # not renamed: nothing of this step may remain
+        committing = LocalRecord(self.directory.path).committing()
+        if committing is not None and committing.tmp == os.path.basename(self.path):
+            # Failed after its commit point (a rename): committed all the same. The next
+            # commit or Checkpointer finishes its renames; never remove what the record names.
+            log.warning("lazyckpt: %s: step %d is committed (its record was written) though its commit "
+                        "failed after that; it is finished when the directory is next opened",
+                        self.directory.path, self.step)
+            return
+        if os.path.isdir(self.path):     # not committed: nothing of this step may remain
             remove_tree(self.path)
 
 
