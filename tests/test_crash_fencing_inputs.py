@@ -13,6 +13,9 @@ outside the directory, an invisible step or a bare CheckpointError.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -498,3 +501,25 @@ def test_a_forked_child_cannot_save_with_its_parents_lease(tmp_path):
         assert "inherited through fork" in said, said
         c.save({"x": torch.ones(4)}, step=2).wait(60)
         assert c.steps() == [1, 2]
+
+
+def test_a_forked_child_loads_with_its_own_pools(tmp_path):
+    """The functional API's reader pool, made by a load before a fork, has no threads
+    in the forked child: a load there waited forever (the crash-point test's fork
+    server hung on it; so would a DataLoader worker forked after a load). The child
+    now builds its own pools."""
+    path = str(tmp_path / "x.lzc")
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch, lazyckpt
+        lazyckpt.save({{"w": torch.arange(10)}}, {path!r})
+        lazyckpt.load({path!r})                      # the parent's pools exist now
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)                         # a hang ends the child with SIGALRM
+            ok = torch.equal(lazyckpt.load({path!r})["w"], torch.arange(10))
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])

@@ -27,6 +27,18 @@ _shared: Dict[Options, Resources] = {}
 _shared_lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """After a fork: the parent's pools have no threads here (a job submitted to one
+    would wait forever) and its lock may be held; the child builds its own."""
+    global _shared_lock
+    _shared.clear()
+    _shared_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _resources(options: Options) -> Resources:
     """Process-wide caches and pools for the functional API, one set per distinct
     Options, created once and never torn down under a concurrent caller."""
