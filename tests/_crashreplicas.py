@@ -29,6 +29,7 @@ own local directory ``CASE/node0``, ``CASE/node1``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -279,7 +280,8 @@ def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int])
     return out
 
 
-def _job_problems(results: List[Tuple[str, Any]], where: str) -> Tuple[List[str], List[Dict[str, Any]]]:
+def _job_problems(results: List[Tuple[str, Any]], where: str, loaded: Optional[List[str]] = None
+                  ) -> Tuple[List[str], List[Dict[str, Any]]]:
     problems, outs = [], []
     for rank, (status, value) in enumerate(results):
         if status != "ok":
@@ -292,13 +294,16 @@ def _job_problems(results: List[Tuple[str, Any]], where: str) -> Tuple[List[str]
     if len(outs) == RANKS and len({o.get("world") for o in outs}) > 1 and outs[0]["step"] == outs[1]["step"]:
         problems.append(f"{where}: the ranks loaded step {outs[0]['step']} of different lines: "
                         f"{[o.get('world') for o in outs]}")
+    if loaded is not None:
+        loaded.append(f"{where}:" + "/".join(f"{o['step']}{(o.get('tier') or '-')[0]}" for o in outs))
     return problems, outs
 
 
-def check_case(case: str, program: DistProgram) -> List[str]:
-    """A, then B0 on ``case`` and B1 on a copy of it (after A)."""
+def check_case(case: str, program: DistProgram, loaded: Optional[List[str]] = None) -> List[str]:
+    """A, then B0 on ``case`` and B1 on a copy of it (after A). ``loaded`` gets,
+    per job, the step each rank loaded and its tier's initial (l: local, r: replica)."""
     results = run_job(lambda rank, peers: _check_rank(case, rank, program, None))
-    problems, _ = _job_problems(results, "A")
+    problems, _ = _job_problems(results, "A", loaded)
     copy = case + ".lose1"
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(case, copy, symlinks=True)
@@ -306,7 +311,7 @@ def check_case(case: str, program: DistProgram) -> List[str]:
         for lost, where in ((0, case), (1, copy)):
             shutil.rmtree(node_dir(where, lost))
             results = run_job(lambda rank, peers: _check_rank(where, rank, program, lost))
-            problems += _job_problems(results, f"B{lost}")[0]
+            problems += _job_problems(results, f"B{lost}", loaded)[0]
     finally:
         shutil.rmtree(copy, ignore_errors=True)
     return problems
@@ -374,10 +379,12 @@ def run_case(program: DistProgram, work: str, k: int, mode: str,
         out["duplicate"] = True
         out["problems"] = list(seen[fp])
     else:
+        loaded: List[str] = []
         try:
-            out["problems"] = check_case(case, program)
+            out["problems"] = check_case(case, program, loaded)
         except Exception:
             out["problems"] = [f"the check: {traceback.format_exc()[-2000:]}"]
+        out["loaded"] = " ".join(loaded)
         if seen is not None:
             seen[fp] = out["problems"]
     cp._cleanup(case, side)
@@ -385,20 +392,26 @@ def run_case(program: DistProgram, work: str, k: int, mode: str,
 
 
 def enumerate_program(program: DistProgram, mode: str, work: str, points: Optional[List[int]] = None,
-                      every: int = 1, log: Optional[Callable[[str], None]] = None) -> cp.Outcome:
-    """Dry run, then a crash at every point (or at ``points``, or every ``every``-th) and the checks."""
+                      every: int = 1, first: int = 1, log: Optional[Callable[[str], None]] = None) -> cp.Outcome:
+    """Dry run, then a crash at every point (or at ``points``, or at every
+    ``every``-th from ``first``) and the checks."""
     t0 = time.monotonic()
     n, descriptions = dry_run(program, work)
     seen: Dict[str, List[str]] = {}
-    violations, checked = [], 0
-    for k in (points if points is not None else range(1, n + 1, every)):
+    violations, checked, loaded = [], 0, collections.Counter()
+    for k in (points if points is not None else range(first, n + 1, every)):
         result = run_case(program, work, k, mode, seen)
         checked += not result["duplicate"]
+        if result.get("loaded"):
+            loaded[result["loaded"]] += 1
         if result["problems"]:
             violations.append(result)
             if log:
                 log(f"{program.name} {mode} k={k}/{n} {result['op']}: {result['problems']}")
-    return cp.Outcome(program.name, mode, n, descriptions, violations, checked, time.monotonic() - t0, [])
+    outcome = cp.Outcome(program.name, mode, n, descriptions, violations, checked, time.monotonic() - t0, [])
+    #: How often each combination of restored steps was seen ("A:2l/2l B0:2r/2l B1:2l/2r": 3 jobs, 2 ranks).
+    outcome.loaded = loaded          # type: ignore[attr-defined]
+    return outcome
 
 
 # ----------------------------------------------------------------------------- the programs

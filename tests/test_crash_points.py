@@ -77,6 +77,50 @@ def test_every_crash_point(name, mode, tmp_path, request):
     assert not outcome.violations, cp.summarize(outcome)
 
 
+# ----------------------------------------------------------------------------- with replicas= (2 nodes)
+
+import _crashreplicas as cr  # noqa: E402
+
+DIST_PROGRAMS = {p.name: p for p in cr.dist_programs()}
+
+
+def _dist_cases():
+    for name in DIST_PROGRAMS:
+        for mode in cp.MODES:
+            # Every point: slow (about 2 s a point: the crash job and three restarted jobs).
+            yield pytest.param(name, mode, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}-every")
+            # CI: every 4th point, in both modes (the offsets differ, so together they cover half).
+            yield pytest.param(name, mode, 4, id=f"{name}-{mode}-every4")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,mode,every", list(_dist_cases()))
+def test_every_crash_point_with_replicas(name, mode, every, tmp_path):
+    """Two ranks, one per node, replicas=1: rank 0 crashed before each of its
+    mutating calls (rank 1 killed with it), the whole job restarted, each node
+    lost in turn (tests/_crashreplicas.py)."""
+    program = DIST_PROGRAMS[name]
+    outcome = cr.enumerate_program(program, mode, str(tmp_path), every=every,
+                                   first=1 if every == 1 or mode == "kill" else 3)
+    _SUMMARY.append((f"{name}/{every}", mode, outcome.points, outcome.checked, len(outcome.violations),
+                     outcome.seconds))
+    print(cp.summarize(outcome))
+    assert outcome.points > 0
+    assert not outcome.violations, cp.summarize(outcome)
+
+
+def test_the_replicas_program_replicates_within_its_operation(tmp_path):
+    """Not vacuous: rank 0's points include its local commit and the replica it
+    receives from node 1 (COMPLETE), and the prepared nodes hold each other's step 2."""
+    n, descriptions = cr.dry_run(cr.replicas_save_program(), str(tmp_path))
+    text = "\n".join(descriptions)
+    assert "node0/history.json" in text and "node0/step_0000000003" in text, text
+    assert ".replicas/node_00001/rank_00000/step_0000000003/COMPLETE" in text, text
+    for rank in (0, 1):
+        held = tmp_path / "prepared" / f"node{rank}" / ".replicas" / f"node_{1 - rank:05d}" / "rank_00000"
+        assert os.listdir(held) == ["step_0000000002"]
+
+
 # ----------------------------------------------------------------------------- the harness itself
 
 def _ops(root):
