@@ -39,6 +39,7 @@ import select
 import shutil
 import signal
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -93,9 +94,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_child(rank: int, port: int, w: int, fn: Callable[[int], Any]) -> None:
+def _rank_child(rank: int, port: int, w: int, fn: Callable[[int], Any], stacks: str) -> None:
     code = 0
     try:
+        import faulthandler
+        # A job past its timeout: the parent asks every rank for its threads' stacks first.
+        faulthandler.register(signal.SIGUSR1, file=open(os.path.join(stacks, f"rank{rank}"), "w"),
+                              all_threads=True)
         from datetime import timedelta
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -126,6 +131,7 @@ def run_job(fn: Callable[[int, List[int]], Any], timeout: float = 120.0) -> List
     ("killed", signal) / ("timeout", None). A rank that dies or fails kills the
     other (the job is dead)."""
     port = _free_port()
+    stacks = tempfile.mkdtemp(prefix="lazyckpt-crash-stacks-")
     pids: List[int] = []
     pipes: List[int] = []
     for rank in (1, 0):
@@ -136,7 +142,7 @@ def run_job(fn: Callable[[int, List[int]], Any], timeout: float = 120.0) -> List
             os.close(r)
             for fd in pipes:
                 os.close(fd)
-            _rank_child(rank, port, w, lambda rk, peers=peers: fn(rk, peers))
+            _rank_child(rank, port, w, lambda rk, peers=peers: fn(rk, peers), stacks)
         os.close(w)
         pids.insert(0, pid)
         pipes.insert(0, r)
@@ -156,9 +162,20 @@ def run_job(fn: Callable[[int, List[int]], Any], timeout: float = 120.0) -> List
         while open_fds:
             left = deadline - time.monotonic()
             if left <= 0:
+                for fd, i in open_fds.items():
+                    try:
+                        os.kill(pids[i], signal.SIGUSR1)
+                    except OSError:
+                        pass
+                time.sleep(1.0)
                 kill_all()
                 for fd, i in open_fds.items():
-                    results[i] = results[i] or ("timeout", None)
+                    try:
+                        with open(os.path.join(stacks, f"rank{i}")) as f:
+                            dump = f.read()
+                    except OSError:
+                        dump = ""
+                    results[i] = results[i] or ("timeout", dump[-6000:])
                 break
             ready, _, _ = select.select(list(open_fds), [], [], left)
             for fd in ready:
@@ -190,13 +207,17 @@ def run_job(fn: Callable[[int, List[int]], Any], timeout: float = 120.0) -> List
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
+        shutil.rmtree(stacks, ignore_errors=True)
     return [r if r is not None else ("killed", None) for r in results]
 
 
 # ----------------------------------------------------------------------------- the checks
 
-def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int]) -> Dict[str, Any]:
-    """One rank of a restarted job (A: ``lost`` None; B: node ``lost`` was deleted)."""
+def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int],
+                may_be_empty: bool = False) -> Dict[str, Any]:
+    """One rank of a restarted job (A: ``lost`` None; B: node ``lost`` was deleted;
+    ``may_be_empty``: its partner holds no replica of a live save of the lost node,
+    so finding nothing is the right answer)."""
     import lazyckpt
     import torch.distributed as dist
     from lazyckpt.errors import CheckpointNotFoundError
@@ -224,7 +245,10 @@ def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int])
                                    "of no line (an abandoned or unknown save)")
                                 + f" (loaded_from {ck.loaded_from})")
         except CheckpointNotFoundError as exc:
-            problems.append(f"{where} rank {rank}: load(): nothing ({exc})")
+            out["tier"] = "none"
+            if not may_be_empty:
+                problems.append(f"{where} rank {rank}: load(): nothing, though the partner of node {lost} holds "
+                                f"a replica of a live save of it ({exc})")
         except Exception as exc:
             problems.append(f"{where} rank {rank}: load(): {type(exc).__name__}: {exc}")
         if lost == rank and out["tier"] not in (None, "replica"):
@@ -253,7 +277,7 @@ def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int])
                 report = lzverify.verify(node_dir(case, rank))
                 if not report.ok:
                     problems.append(f"{where} rank {rank}: verify: {[p.message for p in report.problems][:3]}")
-        else:
+        elif out["tier"] != "none":
             # The run goes on: a new save, replicated, round-trips (the step agreed: every rank saves).
             steps: List[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(steps, out["step"] or 0)
@@ -285,7 +309,7 @@ def _job_problems(results: List[Tuple[str, Any]], where: str, loaded: Optional[L
     problems, outs = [], []
     for rank, (status, value) in enumerate(results):
         if status != "ok":
-            problems.append(f"{where} rank {rank}: {status}: {str(value)[-1500:]}")
+            problems.append(f"{where} rank {rank}: {status}: {str(value)[-4000:]}")
         else:
             problems += value["problems"]
             outs.append(value)
@@ -299,18 +323,44 @@ def _job_problems(results: List[Tuple[str, Any]], where: str, loaded: Optional[L
     return problems, outs
 
 
+def _partner_holds_live(case: str, lost: int, program: DistProgram, world: Optional[str]) -> bool:
+    """Whether node ``lost``'s partner holds a complete replica of a save of the
+    line job A resumed in (``world``; None: of either line). Without one (the
+    window after a rollback, before its step is replicated: the replica held is
+    of an abandoned step), a lost node has nothing to restore from: no step is
+    the right answer (no persistent tier here)."""
+    import lazyckpt
+    held = os.path.join(node_dir(case, 1 - lost), ".replicas", f"node_{lost:05d}", "rank_00000")
+    lines = [w for n, w in (("before", program.before(lost)), ("after", program.after(lost))) if world in (None, n)]
+    for name in (os.listdir(held) if os.path.isdir(held) else []):
+        d = os.path.join(held, name)
+        if not (name.startswith("step_") and os.path.exists(os.path.join(d, "COMPLETE"))):
+            continue
+        step = int(name[5:])
+        try:
+            values = lazyckpt.load(os.path.join(d, "rank_00000.lzc"))
+        except Exception:
+            continue
+        if any(step in w and not differs(w[step], values) for w in lines):
+            return True
+    return False
+
+
 def check_case(case: str, program: DistProgram, loaded: Optional[List[str]] = None) -> List[str]:
     """A, then B0 on ``case`` and B1 on a copy of it (after A). ``loaded`` gets,
     per job, the step each rank loaded and its tier's initial (l: local, r: replica)."""
     results = run_job(lambda rank, peers: _check_rank(case, rank, program, None))
-    problems, _ = _job_problems(results, "A", loaded)
+    problems, outs = _job_problems(results, "A", loaded)
+    worlds = {o.get("world") for o in outs}
+    world = worlds.pop() if len(worlds) == 1 else None
     copy = case + ".lose1"
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(case, copy, symlinks=True)
     try:
         for lost, where in ((0, case), (1, copy)):
+            live = _partner_holds_live(where, lost, program, world)
             shutil.rmtree(node_dir(where, lost))
-            results = run_job(lambda rank, peers: _check_rank(where, rank, program, lost))
+            results = run_job(lambda rank, peers: _check_rank(where, rank, program, lost, not live))
             problems += _job_problems(results, f"B{lost}", loaded)[0]
     finally:
         shutil.rmtree(copy, ignore_errors=True)

@@ -245,3 +245,15 @@ def test_the_leftovers_program_has_leftovers_to_clean(tmp_path):
     left = sorted(os.listdir(tmp_path / "dry" / "run"))
     assert ".tmp-step_0000000004-0123456789ab" not in left and "latest.tmp-bbbbbbbbbbbb" not in left, left
     assert any("rmdir" in d for d in descriptions), descriptions
+
+
+def test_a_hung_job_is_killed_with_its_stacks():
+    """The harness of the replica programs: a job past its timeout is killed, and
+    reports where each rank was."""
+    def fn(rank, peers):
+        if rank == 1:
+            time.sleep(600)
+        return rank
+    results = cr.run_job(fn, timeout=5)
+    assert results[0][0] == "timeout" and results[1][0] == "timeout", results
+    assert "sleep" in results[1][1] or "fn" in results[1][1], results[1]
