@@ -358,7 +358,10 @@ def check_case(case: str, program: DistProgram, loaded: Optional[List[str]] = No
     shutil.copytree(case, copy, symlinks=True)
     try:
         for lost, where in ((0, case), (1, copy)):
-            live = _partner_holds_live(where, lost, program, world)
+            # In a fork: the fork server never loads (no reader threads inherited by later forks).
+            status, live = cp.run_forked(lambda: _partner_holds_live(where, lost, program, world))
+            if status != "ok":
+                problems.append(f"B{lost}: the replica held for node {lost}: {status}: {live}")
             shutil.rmtree(node_dir(where, lost))
             results = run_job(lambda rank, peers: _check_rank(where, rank, program, lost, not live))
             problems += _job_problems(results, f"B{lost}", loaded)[0]
