@@ -251,7 +251,7 @@ def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int],
                                 f"a replica of a live save of it ({exc})")
         except Exception as exc:
             problems.append(f"{where} rank {rank}: load(): {type(exc).__name__}: {exc}")
-        if lost == rank and out["tier"] not in (None, "replica"):
+        if lost == rank and out["tier"] not in (None, "replica", "none"):
             problems.append(f"{where} rank {rank}: the lost node loaded from the {out['tier']} tier")
         if lost is None:
             listed = ck.steps()
