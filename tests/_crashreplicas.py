@@ -214,7 +214,7 @@ def run_job(fn: Callable[[int, List[int]], Any], timeout: float = 120.0) -> List
 # ----------------------------------------------------------------------------- the checks
 
 def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int],
-                may_be_empty: bool = False) -> Dict[str, Any]:
+                may_be_empty: bool = False, a_world: Optional[str] = None) -> Dict[str, Any]:
     """One rank of a restarted job (A: ``lost`` None; B: node ``lost`` was deleted;
     ``may_be_empty``: its partner holds no replica of a live save of the lost node,
     so finding nothing is the right answer)."""
@@ -244,6 +244,10 @@ def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int],
                                 + (f"of the line {known[0]}, not its latest" if known else
                                    "of no line (an abandoned or unknown save)")
                                 + f" (loaded_from {ck.loaded_from})")
+            line_a = {"before": before, "after": after}.get(a_world or "")
+            if line_a is not None and not (step in line_a and not differs(line_a[step], got)):
+                problems.append(f"{where} rank {rank}: load() returned step {step}, not a save of the line the "
+                                f"job resumed in before the node was lost ('{a_world}': an abandoned save)")
         except CheckpointNotFoundError as exc:
             out["tier"] = "none"
             if not may_be_empty:
@@ -363,7 +367,7 @@ def check_case(case: str, program: DistProgram, loaded: Optional[List[str]] = No
             if status != "ok":
                 problems.append(f"B{lost}: the replica held for node {lost}: {status}: {live}")
             shutil.rmtree(node_dir(where, lost))
-            results = run_job(lambda rank, peers: _check_rank(where, rank, program, lost, not live))
+            results = run_job(lambda rank, peers: _check_rank(where, rank, program, lost, not live, world))
             problems += _job_problems(results, f"B{lost}", loaded)[0]
     finally:
         shutil.rmtree(copy, ignore_errors=True)
