@@ -104,6 +104,9 @@ class Interceptor:
         self.count = 0
         self.armed = False
         self.descriptions: List[str] = []
+        #: Processes killed with this one at the crash (the other ranks of a job: a job
+        #: whose rank died is dead), before it kills itself.
+        self.peers: List[int] = []
         #: What the program is doing (a longer program names its current operation): in the crash record.
         self.tag: Optional[str] = None
         self._lock = threading.RLock()
@@ -173,6 +176,11 @@ class Interceptor:
         fd = self._orig["open"](self.side_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._orig["write"](fd, data)
         os.close(fd)
+        for pid in self.peers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)          # not reached
 

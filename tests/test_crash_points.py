@@ -77,6 +77,61 @@ def test_every_crash_point(name, mode, tmp_path, request):
     assert not outcome.violations, cp.summarize(outcome)
 
 
+# ----------------------------------------------------------------------------- with replicas= (2 nodes)
+
+import _crashreplicas as cr  # noqa: E402
+
+DIST_PROGRAMS = {p.name: p for p in cr.dist_programs()}
+
+
+# With a rollback, nodes commit independently: a crash after one node committed the rollback's
+# step 3 and before the other did leaves a job that resumes at step 3 with the new save on one
+# node and the abandoned run's step 3 on the other (restore picks the newest step *number* every
+# node has); a node then lost finds no common step. Found here, not fixed yet (RELIABILITY §5).
+_MIXED_ROLLBACK = pytest.mark.xfail(reason="a rollback committed on one node only: the job resumes at step 3 "
+                                           "with old and new saves mixed", strict=False)
+
+
+def _dist_cases():
+    for name in DIST_PROGRAMS:
+        rollback = "rollback" in name
+        for mode in cp.MODES:
+            # Every point: slow (about 3 s a point here: the crash job and three restarted jobs).
+            marks = [pytest.mark.slow] + ([_MIXED_ROLLBACK] if rollback else [])
+            yield pytest.param(name, mode, 1, marks=marks, id=f"{name}-{mode}-every")
+            if not rollback:
+                # CI: every 4th point, in both modes (offsets 1 and 3: together half the points).
+                yield pytest.param(name, mode, 4, id=f"{name}-{mode}-every4")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,mode,every", list(_dist_cases()))
+def test_every_crash_point_with_replicas(name, mode, every, tmp_path):
+    """Two ranks, one per node, replicas=1: rank 0 crashed before each of its
+    mutating calls (rank 1 killed with it), the whole job restarted, each node
+    lost in turn (tests/_crashreplicas.py)."""
+    program = DIST_PROGRAMS[name]
+    outcome = cr.enumerate_program(program, mode, str(tmp_path), every=every,
+                                   first=1 if every == 1 or mode == "kill" else 3)
+    _SUMMARY.append((f"{name}/{every}", mode, outcome.points, outcome.checked, len(outcome.violations),
+                     outcome.seconds))
+    print(cp.summarize(outcome))
+    assert outcome.points > 0
+    assert not outcome.violations, cp.summarize(outcome)
+
+
+def test_the_replicas_program_replicates_within_its_operation(tmp_path):
+    """Not vacuous: rank 0's points include its local commit and the replica it
+    receives from node 1 (COMPLETE), and the prepared nodes hold each other's step 2."""
+    n, descriptions = cr.dry_run(cr.replicas_save_program(), str(tmp_path))
+    text = "\n".join(descriptions)
+    assert "node0/history.json" in text and "node0/step_0000000003" in text, text
+    assert ".replicas/node_00001/rank_00000/step_0000000003/COMPLETE" in text, text
+    for rank in (0, 1):
+        held = tmp_path / "prepared" / f"node{rank}" / ".replicas" / f"node_{1 - rank:05d}" / "rank_00000"
+        assert os.listdir(held) == ["step_0000000002"]
+
+
 # ----------------------------------------------------------------------------- the harness itself
 
 def _ops(root):
@@ -201,3 +256,15 @@ def test_the_leftovers_program_has_leftovers_to_clean(tmp_path):
     left = sorted(os.listdir(tmp_path / "dry" / "run"))
     assert ".tmp-step_0000000004-0123456789ab" not in left and "latest.tmp-bbbbbbbbbbbb" not in left, left
     assert any("rmdir" in d for d in descriptions), descriptions
+
+
+def test_a_hung_job_is_killed_with_its_stacks():
+    """The harness of the replica programs: a job past its timeout is killed, and
+    reports where each rank was."""
+    def fn(rank, peers):
+        if rank == 1:
+            time.sleep(600)
+        return rank
+    results = cr.run_job(fn, timeout=5)
+    assert results[0][0] == "timeout" and results[1][0] == "timeout", results
+    assert "sleep" in results[1][1] or "fn" in results[1][1], results[1]

@@ -422,11 +422,15 @@ class ReplicaTier(NewestWinsDrain):
             base = os.path.dirname(tmp)
             with open(os.path.join(tmp, MANIFEST), "wb") as f:
                 f.write(r["manifest"])
+                f.flush()           # before the fsync: else it syncs an empty file (issue 33 item 4)
                 os.fsync(f.fileno())
             os.rename(r["path"], os.path.join(tmp, rank_filename(r["local_rank"])))
             final = os.path.join(base, _step_name(r["step"]))
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
+            # The new replica durable under its name before the older ones go (a power loss
+            # could otherwise keep their deletion and lose this rename: no replica at all).
+            fsync_dir(base)
             with open(os.path.join(final, COMPLETE), "wb") as f:
                 os.fsync(f.fileno())
             fsync_dir(final)
@@ -608,6 +612,7 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     if recvs and node_ok and topo.local_rank == 0:
         with open(os.path.join(tmp, MANIFEST), "wb") as f:
             f.write(manifest_raw)
+            f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
         event = None
