@@ -299,3 +299,25 @@ def test_the_outbox_costs_no_listing_per_commit(s3_server, s3_bucket, proxy, tmp
     finally:
         proxy.reset()
         ck.close()
+
+
+def test_close_that_raises_a_persist_failure_still_releases_the_writer_lease(s3_server, s3_bucket, proxy,
+                                                                               tmp_path):
+    """Found by the model-based test's outage rule (issue 33 item 5: outage, save,
+    restart): close() raised the persistent tier's failure from inside its
+    ``finally`` before releasing the writer lease, so every later Checkpointer of
+    the same process on that directory was refused ("another Checkpointer on this
+    directory is still open; close() it") although the first one was closed."""
+    url = f"s3://{s3_bucket}/lease-after-failed-close"
+    opts = _options(s3_server, proxy.endpoint, max_attempts=1)
+    local = str(tmp_path / "run")
+    ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts)
+    ck.save(_state(1), 1).wait(persisted=True)
+    proxy.fail_matching(lambda *a: True)
+    ck.save(_state(2), 2).wait()                    # committed locally; its upload fails
+    with pytest.raises(CheckpointWriteError):
+        ck.close()                                  # the persist failure is reported ...
+    proxy.reset()
+    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as again:
+        again.save(_state(3), 3).wait(persisted=True)   # ... and the directory is free again
+        assert again.steps()[-1] == 3
