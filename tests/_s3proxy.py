@@ -258,6 +258,12 @@ class S3FaultProxy:
             self._delay = float(seconds)
             self._drop = drop
 
+    def armed(self) -> bool:
+        """Whether any fault or delay is in force (requests may fail or wait)."""
+        with self._lock:
+            return bool(self._fail_next or self._delay or self._drop
+                        or any(r.count is None or r.count > 0 for r in self._rules))
+
     def hold_matching(self, predicate: Callable[[str, str, object], bool]) -> Hold:
         hold = Hold(predicate)
         with self._lock:
