@@ -401,6 +401,10 @@ class Faults:
     def armed(self) -> bool:
         return self.proxy.armed()
 
+    def hits(self) -> int:
+        """Requests the proxy failed so far (an injected 5xx, or a dropped connection)."""
+        return sum(1 for _, _, status in list(self.proxy.requests) if status is None or status >= 500)
+
     def clear(self) -> None:
         self.proxy.reset()
 
@@ -470,6 +474,13 @@ class Run:
     def _store_down(self) -> bool:
         """Faults are armed on the proxy now (requests to the store may fail)."""
         return self.faults is not None and self.faults.armed()
+
+    def _hits(self) -> int:
+        return self.faults.hits() if self.faults is not None else 0
+
+    def _excused(self, hits_before: int) -> bool:
+        """A store error is the injected faults' doing: armed now, or some hit since."""
+        return self._store_down() or self._hits() > hits_before
 
     def _persist_error(self, exc: BaseException) -> bool:
         """A failure of the persistent tier the faults explain (the local commit held)."""
@@ -886,8 +897,9 @@ class Run:
         loads must raise CorruptCheckpointError/CheckpointNotFoundError or return a
         save of the line bit-exact (that same step from the other tier, or -- for
         load() of the latest -- an earlier step of the line), never an abandoned save
-        or other values. A damaged history.json: load() returns a save of the line or
-        refuses (documented in docs/RELIABILITY.md 2). Undone afterwards. One rank."""
+        or other values. A damaged history.json (a byte flipped, truncated, ``{}``):
+        load() and lazyckpt.load(DIR) return the line's latest or raise
+        CorruptCheckpointError (docs/RELIABILITY.md 2.1). Undone afterwards. One rank."""
         if self.distributed:
             return
         self._wait()
@@ -933,6 +945,7 @@ class Run:
                 with open(path, "wb") as f:
                     f.write(new)
                 target = f"{path} ({('a byte flipped', 'truncated', 'replaced')[how]})"
+            latest = self.line.latest()
             for s in [None] + sorted(self._listed_quietly()):
                 try:
                     got = self.ckpt.load(step=s)
@@ -940,9 +953,23 @@ class Run:
                     continue
                 loaded = self.ckpt.loaded_from["step"]
                 expected = self.line.steps.get(loaded)
-                if (s is not None and loaded != s) or expected is None or not same(expected, flat(got)):
+                # A damaged history.json: the step directories' names still tell the line (a
+                # rollback moved the abandoned steps aside), so load() is the line's latest.
+                strict = what == "history" and s is None and latest is not None
+                if ((s is not None and loaded != s) or expected is None or not same(expected, flat(got))
+                        or (strict and loaded != latest[0])):
                     self.fail(f"with {target} damaged, load(step={s}) returned step {loaded} from the "
-                              f"{self.ckpt.loaded_from['tier']} tier" + self._which(loaded, flat(got)))
+                              f"{self.ckpt.loaded_from['tier']} tier" + self._which(loaded, flat(got))
+                              + (f" (the line's latest is {latest[0]})" if strict else ""))
+            if what == "history" and latest is not None and self.ckpt.steps():
+                # A reader of the directory alone (no Checkpointer, nothing written).
+                try:
+                    got = flat(lazyckpt.load(self.local))
+                except CorruptCheckpointError:
+                    got = None
+                if got is not None and not same(latest[1], got):
+                    self.fail(f"with {target} damaged, lazyckpt.load({self.local}) is not the line's latest "
+                              f"step {latest[0]}" + self._which(latest[0], got))
         finally:
             for u in reversed(undo):
                 u()
@@ -1053,10 +1080,16 @@ class Run:
             self._wait()                 # collective loads need the same listing on every rank
         self._settle()
         latest = self.line.latest()
+        hits = self._hits()
         try:
             got = self.ckpt.load()
         except CheckpointNotFoundError:
             got = None
+        except CheckpointError as exc:
+            # The latest only on the store (after lose_local), its read failed by a fault.
+            if isinstance(exc, CorruptCheckpointError) or not self._excused(hits):
+                raise
+            return
         if latest is None:
             if got is not None:
                 self.fail(f"load() returned step {self.ckpt.loaded_from['step']} but nothing is on the line "
@@ -1078,9 +1111,16 @@ class Run:
             dist.all_gather_object(everyone, sorted(listed))
             listed = set.intersection(*map(set, everyone))
         for s in sorted(listed):
+            hits = self._hits()
             try:
                 got = self.ckpt.load(step=s)
-            except CheckpointNotFoundError:
+            except CheckpointError as exc:
+                if isinstance(exc, CheckpointNotFoundError):
+                    pass
+                elif not isinstance(exc, CorruptCheckpointError) and self._excused(hits):
+                    continue            # a step only on the store, its read failed by a fault
+                else:
+                    raise
                 # Retention may be running since the listing (keep_last once drained,
                 # persist_keep_last): once it has ended, a step still listed must load.
                 if s in self.line.steps and not self.cfg.replicas:
@@ -1089,6 +1129,8 @@ class Run:
                         try:
                             got = self.ckpt.load(step=s)
                         except CheckpointNotFoundError:
+                            if self._excused(hits):
+                                continue        # the store's listing failed by a fault: local only
                             self.fail(f"step {s} is listed and on the line but load(step={s}) finds nothing")
                     else:
                         continue
@@ -1132,8 +1174,11 @@ class Run:
             return                      # the study lists the store: not during an outage
         problems: List[str] = []
         if self.rank == 0:
+            hits = self._hits()
             try:
                 problems = self._study_problems()
+            except CheckpointError as exc:
+                problems = [] if self._excused(hits) else [f"{type(exc).__name__}: {exc}"]
             except Exception as exc:
                 problems = [f"{type(exc).__name__}: {exc}"]
         self._barrier()
@@ -1194,10 +1239,11 @@ class Run:
     def _listed(self) -> set:
         listed = set(self.ckpt.steps())
         if self.ckpt.persistent is not None:
+            hits = self._hits()
             try:
                 listed |= set(self.ckpt.persistent.dir.committed())
             except CheckpointError:
-                if not self._store_down():
+                if not self._excused(hits):
                     raise               # only the injected faults excuse it
         return listed
 

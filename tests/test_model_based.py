@@ -240,22 +240,23 @@ def test_one_rank_follows_the_line_of_history(cfg, model_store, tmp_path):
 
 # ----------------------------------------------------------------- two ranks: seeded programs
 
-def _two_rank_program(rank, world, cfg, base, persist_url, program):
+def _two_rank_program(rank, world, cfg, base, persist_url, program, knobs=None):
     logging.getLogger("lazyckpt").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     try:
-        return ("ok", run_program(cfg, base, persist_url, program, rank, world))
+        return ("ok", run_program(cfg, base, persist_url, program, rank, world, knobs=knobs))
     except InvariantError as exc:
         return ("invariant", str(exc))
 
 
 def run_two_ranks(cfg: Config, seed: int, base: str, persist_url, length: int = 25, timeout: float = 300):
     program = random_program(seed, length, cfg)
+    knobs = run_knobs(seed, cfg)
     url = f"{persist_url}/{uuid.uuid4().hex[:12]}" if persist_url else None
-    where = f"{cfg.id} seed={seed} (replay: LAZYCKPT_MODEL_SEED / scripts/soak_model.py --seed {seed} " \
-            f"--config {cfg.id} --length {length})"
+    where = f"{cfg.id} seed={seed} knobs={knobs} (replay: LAZYCKPT_MODEL_SEED / scripts/soak_model.py " \
+            f"--config {cfg.id} --length {length} --knobs \"{knobs}\" --program \"{program}\")"
     try:
-        results = run_ranks(cfg.ranks, _two_rank_program, cfg, base, url, program, timeout=timeout)
+        results = run_ranks(cfg.ranks, _two_rank_program, cfg, base, url, program, knobs, timeout=timeout)
     except (RuntimeError, TimeoutError) as exc:
         raise AssertionError(f"{where}: a rank failed outside the invariants: {exc}\nprogram: {program}") from exc
     failed = [r[1] for r in results if r[0] != "ok"]
