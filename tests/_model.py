@@ -573,6 +573,7 @@ class Run:
         handles = [h for h, _, _ in self.pending]
         self.pending = []
         ckpt, self.ckpt = self.ckpt, None
+        tier = ckpt.persistent
         del ckpt
         gc.collect()
         # The dropped object's threads are not killed: the "dead process" is the one whose
@@ -582,6 +583,15 @@ class Run:
                 h.wait(timeout=120)
             except Exception:
                 pass
+        if tier is not None:
+            # Its drain thread keeps the dropped object (and its writer lease) alive while it
+            # retries uploads (an outage): the "dead process" is also the one whose drain ended.
+            try:
+                tier.wait(timeout=120, raise_errors=False)
+            except CheckpointError:
+                pass
+            del tier
+            gc.collect()
         self._barrier()
         self.ckpt = self._open()
         self._resolve_uncertain()
