@@ -89,8 +89,18 @@ def model_store(request):
 
 
 @pytest.fixture
-def persist_url(model_store):
-    return model_store[0]
+def persist_url(request):
+    """An s3:// prefix on the session's SeaweedFS, reached directly (no proxy: the
+    tests without fault rules), or None when the config has no persist_to."""
+    cfg = request.node.callspec.params["cfg"]
+    if not cfg.persist:
+        return None
+    server = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    mp = request.getfixturevalue("monkeypatch")
+    for k, v in server.env().items():
+        mp.setenv(k, v)
+    return f"s3://{bucket}/model"
 
 
 # ----------------------------------------------------------------- one rank: hypothesis
