@@ -14,6 +14,16 @@ own state or is refused as not found; no abandoned save is ever returned;
 the end of a program, ``Run.check_study``: ``lazyckpt.trajectory``/``diff``
 (issue 26) on a few keys equal the oracle's norms and differences.
 
+Issue 33 item 5 adds faults: with persist_to the URL goes through the fault
+proxy of tests/_s3proxy.py (``Faults``; rules fail_next, outage, heal; what the
+oracle accepts under them is in docs/RELIABILITY.md 2.1), the persistent tier
+alone is read directly after a wait (``_check_store_alone``), and rules damage
+metadata (corrupt_meta), prune during a save (prune_in_flight), change the
+state's keys and dtypes (reshape) and let a stalled writer's lease expire
+(lease_expiry). The state holds a 64 KiB tensor that the "sparse" train kind
+changes only between the windows of incremental's sample digest; keep_last
+and full_every are drawn per run (``run_knobs``).
+
 A run is driven through ``Run.apply(rule, arg)``: rules are plain names with
 one int argument, so a program is a list of ``(rule, arg)`` that replays the
 same on every rank (``random_program``) and prints as a reproducer.

@@ -12,6 +12,13 @@ every rule against the line of history (tests/_model.py).
   the failing seed and program are in the message. Which two-rank
   configurations run is drawn from LAZYCKPT_MODEL_SEED (printed; random when
   unset) to fit CI; scripts/soak_model.py runs the whole matrix for longer.
+* Issue 33 item 5: with persist_to the hypothesis machine reaches SeaweedFS
+  through the fault proxy (tests/_s3proxy.py) and draws fail_next / outage /
+  heal; every machine draws corrupt_meta, prune_in_flight and reshape, and
+  keep_last (3, None, 1) and full_every (0, 2) per example; lease_expiry
+  starts a process (LAZYCKPT_MODEL_KILLS). Fixed short programs run each new
+  rule in CI (test_faults_corruption_and_prune_in_flight_..., test_a_writer_
+  whose_lease_expired_...).
 * Combinations the library refuses are asserted to be refused with a
   ValueError naming the reason (tests/_model.py: expected_refusal).
 """
