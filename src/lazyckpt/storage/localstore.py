@@ -75,6 +75,8 @@ class LocalStore(Store):
         if os.path.isfile(path):
             return Located("file", path)
         if not os.path.isdir(path):
+            if not os.path.exists(path):    # removed since the first look (a step pruned under a reader)
+                raise CheckpointNotFoundError(f"{path}: deleted while it was being opened", path=path)
             raise CheckpointError(f"{path}: not a regular file or directory", path=path)
         if os.path.isfile(os.path.join(path, MANIFEST)):
             m = STEP_DIR.match(os.path.basename(path))
