@@ -14,6 +14,16 @@ own state or is refused as not found; no abandoned save is ever returned;
 the end of a program, ``Run.check_study``: ``lazyckpt.trajectory``/``diff``
 (issue 26) on a few keys equal the oracle's norms and differences.
 
+Issue 33 item 5 adds faults: with persist_to the URL goes through the fault
+proxy of tests/_s3proxy.py (``Faults``; rules fail_next, outage, heal; what the
+oracle accepts under them is in docs/RELIABILITY.md 2.1), the persistent tier
+alone is read directly after a wait (``_check_store_alone``), and rules damage
+metadata (corrupt_meta), prune during a save (prune_in_flight), change the
+state's keys and dtypes (reshape) and let a stalled writer's lease expire
+(lease_expiry). The state holds a 64 KiB tensor that the "sparse" train kind
+changes only between the windows of incremental's sample digest; keep_last
+and full_every are drawn per run (``run_knobs``).
+
 A run is driven through ``Run.apply(rule, arg)``: rules are plain names with
 one int argument, so a program is a list of ``(rule, arg)`` that replays the
 same on every rank (``random_program``) and prints as a reproducer.
@@ -21,7 +31,9 @@ same on every rank (``random_program``) and prints as a reproducer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import gc
 import os
 import random
@@ -41,7 +53,7 @@ from lazyckpt.cli import inspect as lzinspect
 from lazyckpt.cli import prune as lzprune
 from lazyckpt.loading import resolve as lzresolve
 from lazyckpt.loading import verify as lzverify
-from lazyckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
 from lazyckpt.saving.costs import problems as cost_problems
 from lazyckpt.knobs import INCREMENTAL_MODES, resolve
 
@@ -104,18 +116,40 @@ def expected_refusal(cfg: Config) -> List[str]:
     return reasons
 
 
-def checkpointer_kwargs(cfg: Config, persist_url: Optional[str]) -> Dict[str, Any]:
+def checkpointer_kwargs(cfg: Config, persist_url: Optional[str], **knobs: Any) -> Dict[str, Any]:
+    """The Checkpointer's keyword arguments for ``cfg``; ``knobs`` (a run's draw, see
+    ``run_knobs``: keep_last, full_every) override the defaults. A child process
+    gets the same from the MODEL_KNOBS variable (repr of the dict)."""
+    if not knobs and os.environ.get("MODEL_KNOBS"):
+        knobs = eval(os.environ["MODEL_KNOBS"])
     kw: Dict[str, Any] = dict(keep_last=3, incremental=cfg.incremental, commit_timeout_s=60,
                               lease_expiry_s=30.0)
     if cfg.persist:
-        kw.update(persist_to=persist_url, persist_keep_last=6)
+        # Two attempts per request (botocore's standard backoff, <= 1 s): an injected
+        # fault (tests/_s3proxy.py) is retried once, an outage fails in about a second.
+        kw.update(persist_to=persist_url, persist_keep_last=6,
+                  storage_options={"max_attempts": 2, "connect_timeout": 2, "read_timeout": 10})
     if cfg.replicas:
         kw.update(replicas=cfg.replicas, node_size=1)
     if cfg.replicated == "named":
         kw["replicated"] = ["shared"]
     elif cfg.replicated == "auto":
         kw["replicated"] = "auto"
+    kw.update({k: v for k, v in knobs.items() if k in ("keep_last", "full_every")})
+    if resolve(incremental=cfg.incremental).incremental == "off":
+        kw.pop("full_every", None)          # refused where it does not apply
     return kw
+
+
+def run_knobs(seed: int, cfg: Config) -> Dict[str, Any]:
+    """A run's draw of the knobs that are not Config dimensions (not to multiply the
+    CI matrix): keep_last None (abandoned steps kept as .abandoned-*), 1 or 3, and
+    for incremental configurations full_every 0 or 2."""
+    rng = random.Random(seed * 7919 + 17)
+    knobs: Dict[str, Any] = {"keep_last": rng.choice([None, 1, 3])}
+    if resolve(incremental=cfg.incremental).incremental != "off":
+        knobs["full_every"] = rng.choice([0, 2])
+    return knobs
 
 
 # ----------------------------------------------------------------- the live state
@@ -137,6 +171,12 @@ class Trainee:
         except (RuntimeError, ValueError):      # a torch without fused CPU kernels
             self.opt_b = torch.optim.AdamW(self.b.parameters(), lr=1e-2)
         self.shared = torch.zeros(64)
+        #: 64 KiB: above the 16 KiB of incremental's sample digest (1024 windows of 16 bytes,
+        #: one every 64 bytes here), so the sampled path of content hashing runs; the
+        #: "sparse" kind changes it only between the sampled windows.
+        self.big = torch.randn(16384, generator=g)
+        #: Keys added, removed and re-typed by rule_reshape (path -> tensor).
+        self.extra: Dict[str, torch.Tensor] = {}
         self.gen = g
         # One step each, so the optimizers' state (moments, step counters) exists from the start.
         self.train("plain")
@@ -144,7 +184,8 @@ class Trainee:
 
     def state(self) -> Dict[str, Any]:
         return {"a": self.a.state_dict(), "b": self.b.state_dict(), "opt_a": self.opt_a.state_dict(),
-                "opt_b": self.opt_b.state_dict(), "shared": {"buf": self.shared}}
+                "opt_b": self.opt_b.state_dict(), "shared": {"buf": self.shared}, "big": self.big,
+                **({"extra": self.extra} if self.extra else {})}
 
     def _batch(self) -> torch.Tensor:
         return torch.randn(8, 16, generator=self.gen)
@@ -175,11 +216,39 @@ class Trainee:
             if dist.is_available() and dist.is_initialized():
                 dist.all_reduce(self.shared)
                 self.shared.numpy()[:] /= dist.get_world_size()
+        elif kind == "sparse":               # a few elements of the big tensor, all outside the sample
+            n = int(torch.randint(1, 4, (), generator=self.gen))
+            for _ in range(n):
+                # float j*16 + 4..15: bytes 16..63 of a 64-byte stride, between two sampled windows
+                i = 16 * int(torch.randint(0, 1023, (), generator=self.gen)) + int(torch.randint(4, 16, (), generator=self.gen))
+                self.big[i] += 1.0           # an in-place op: the version counter moves too
+            for t in self.extra.values():
+                t.add_(1)
         else:
             raise ValueError(kind)
 
+    def reshape(self, arg: int) -> None:
+        """Change the state's structure or dtypes: add a key, remove one, or change a
+        tensor's dtype (float32 <-> bfloat16), a new tensor (not in place)."""
+        what = arg % 3
+        if what == 0 or not self.extra:
+            name = f"t{arg % 5}"
+            self.extra[name] = torch.randn(64 + arg % 7, generator=self.gen)
+        elif what == 1:
+            del self.extra[sorted(self.extra)[arg % len(self.extra)]]
+        else:
+            name = sorted(self.extra)[arg % len(self.extra)]
+            t = self.extra[name]
+            self.extra[name] = t.to(torch.float32 if t.dtype == torch.bfloat16 else torch.bfloat16)
 
-TRAIN_KINDS = ("plain", "fused", "batchnorm", "data", "numpy", "collective")
+    def shape_like(self, values: Dict[str, Any]) -> None:
+        """Give the live state the structure of a saved one (its "extra" keys and
+        dtypes), so that load(into=) of that save fills every tensor."""
+        self.extra = {k[len("/extra/"):]: torch.empty_like(v) for k, v in values.items()
+                      if k.startswith("/extra/") and isinstance(v, torch.Tensor)}
+
+
+TRAIN_KINDS = ("plain", "fused", "batchnorm", "data", "numpy", "collective", "sparse")
 
 #: The writers an incremental mode documents that it misses (knobs.Options.incremental):
 #: outside its contract, so the model does not use them in that mode (a "plain" step instead).
@@ -286,6 +355,73 @@ print("committed", flush=True)
 """
 
 
+@contextlib.contextmanager
+def no_file_locks():
+    """A file system without locks (flock raises ENOLCK, as on some NFS mounts): the
+    writer lease's heartbeat alone orders writers there (docs/RELIABILITY.md 1.2.1
+    "Fencing"), so a lease can expire. With locks a stalled holder keeps its flock,
+    and only a takeover displaces it (rule_takeover)."""
+    from lazyckpt.storage import locks
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "no locks on this file system (model)")
+    real, locks._flock = locks._flock, no_locks
+    try:
+        yield
+    finally:
+        locks._flock = real
+
+
+# A writer whose lease expires (no file locks): it commits a step with a short lease_expiry_s, prints
+# "committed", is stopped (SIGSTOP) by the model past its expiry while a new writer takes
+# the directory and commits, then is continued, told "go", and tries another save: it
+# must be refused (prints "refused"), never commit.
+_STALLED_WRITER = """
+import sys, torch, lazyckpt
+from _model import Config, checkpointer_kwargs, no_file_locks
+directory, state_file, step, cfg, url, expiry = sys.argv[1:]
+no_file_locks().__enter__()
+kw = {**checkpointer_kwargs(eval(cfg), eval(url)), "lease_expiry_s": float(expiry)}
+ckpt = lazyckpt.Checkpointer(directory, **kw)
+state = torch.load(state_file, weights_only=False)
+ckpt.save(state, step=int(step)).wait()
+print("committed", flush=True)
+sys.stdin.readline()
+try:
+    ckpt.save(state, step=int(step) + 2).wait()
+except lazyckpt.CheckpointError as exc:
+    print("refused", type(exc).__name__, str(exc)[:300], flush=True)
+else:
+    print("committed-again", flush=True)
+try:
+    ckpt.close(cancel=True)
+except lazyckpt.CheckpointError:
+    pass
+"""
+
+
+class Faults:
+    """The fault-injecting proxy (tests/_s3proxy.py S3FaultProxy) the run's persist URL
+    goes through (AWS_ENDPOINT_URL points at it), and the server's own endpoint, which
+    the model uses to read the store alone (never faulted)."""
+
+    def __init__(self, proxy: Any, direct_endpoint: str):
+        self.proxy, self.direct = proxy, direct_endpoint
+
+    def armed(self) -> bool:
+        return self.proxy.armed()
+
+    def hits(self) -> int:
+        """Requests the proxy failed so far (an injected 5xx, or a dropped connection)."""
+        return sum(1 for _, _, status in list(self.proxy.requests) if status is None or status >= 500)
+
+    def clear(self) -> None:
+        self.proxy.reset()
+
+    def options(self) -> Any:
+        return lazyckpt.Options(storage_options={"endpoint_url": self.direct, "max_attempts": 3})
+
+
 class InvariantError(AssertionError):
     pass
 
@@ -296,8 +432,18 @@ class Run:
     """One rank's training run, its Checkpointer and its oracle."""
 
     def __init__(self, cfg: Config, base: str, persist_url: Optional[str], rank: int = 0, world: int = 1,
-                 log: Optional[List[str]] = None):
+                 log: Optional[List[str]] = None, knobs: Optional[Dict[str, Any]] = None,
+                 faults: Optional["Faults"] = None):
         self.cfg, self.base, self.persist_url, self.rank, self.world = cfg, base, persist_url, rank, world
+        #: keep_last / full_every of this run (run_knobs), also given to its child processes.
+        self.knobs = dict(knobs or {})
+        #: The fault-injecting proxy the persist URL goes through (one rank, persist_to), or None.
+        self.faults = faults if (cfg.persist and world == 1 and not cfg.replicas) else None
+        #: Rules left in the current outage window (rule_outage); 0: none.
+        self.outage_left = 0
+        #: Faults were injected since the store last caught up (rule_heal): the store alone
+        #: may lag, even show steps a rollback abandoned since (it could not be told).
+        self.dirty = False
         self.local = os.path.join(base, f"node{rank}") if cfg.replicas else os.path.join(base, "run")
         self.trainee = Trainee(rank)
         self.line = Line()
@@ -331,8 +477,44 @@ class Run:
         dist.all_gather_object(every, listed)
         return sorted(set.intersection(*(set(x) for x in every)))
 
-    def _open(self) -> lazyckpt.Checkpointer:
-        return lazyckpt.Checkpointer(self.local, **checkpointer_kwargs(self.cfg, self.persist_url))
+    def _open(self, **over: Any) -> lazyckpt.Checkpointer:
+        return lazyckpt.Checkpointer(self.local, **{**checkpointer_kwargs(self.cfg, self.persist_url, **self.knobs),
+                                                    **over})
+
+    def _store_down(self) -> bool:
+        """Faults are armed on the proxy now (requests to the store may fail)."""
+        return self.faults is not None and self.faults.armed()
+
+    def _hits(self) -> int:
+        return self.faults.hits() if self.faults is not None else 0
+
+    def _excused(self, hits_before: int) -> bool:
+        """A store error is the injected faults' doing: armed now, or some hit since."""
+        return self._store_down() or self._hits() > hits_before
+
+    def _persist_error(self, exc: BaseException) -> bool:
+        """A failure of the persistent tier the faults explain (the local commit held)."""
+        return (self.dirty and isinstance(exc, CheckpointError) and self.persist_url is not None
+                and self.persist_url in str(exc))
+
+    def _wait(self) -> None:
+        """ckpt.wait(); under faults a persist failure is accepted: the local commit
+        holds and the store catches up after the outage (rule_heal checks it)."""
+        try:
+            self.ckpt.wait()
+        except CheckpointError as exc:
+            if not self._persist_error(exc):
+                raise
+            self.log.append(f"  (persist failed: {type(exc).__name__})")
+
+    def _close(self) -> None:
+        """ckpt.close(), a persist failure under faults accepted (as _wait)."""
+        ckpt, self.ckpt = self.ckpt, None
+        try:
+            ckpt.close()
+        except CheckpointError as exc:
+            if not self._persist_error(exc):
+                raise
 
     def fail(self, message: str) -> None:
         raise InvariantError(f"[rank {self.rank}] {message}")
@@ -350,6 +532,10 @@ class Run:
     # -- rules
     def apply(self, rule: str, arg: int = 0) -> None:
         self.log.append(f"{rule}({arg})")
+        if self.outage_left:
+            self.outage_left -= 1
+            if not self.outage_left:            # the window is over: the store answers again
+                self.faults.clear()
         getattr(self, "rule_" + rule)(arg)
 
     def rule_train(self, arg: int) -> None:
@@ -368,17 +554,18 @@ class Run:
         self.next_step = step + 1
 
     def rule_wait(self, arg: int) -> None:
-        self.ckpt.wait()
+        self._wait()
         self._settle()
 
     def rule_rollback(self, arg: int) -> None:
         """Load step k of the line into the live state; the next save is k+1."""
-        self.ckpt.wait()
+        self._wait()
         self._settle()
         listed = self._listed_everywhere()
         if not listed:
             return
         k = listed[arg % len(listed)]
+        self.trainee.shape_like(self.line.steps[k])     # its keys and dtypes (rule_reshape)
         self.ckpt.load(step=k, into=self.trainee.state())
         diff = tensor_diff(self.line.steps[k], flat(self.trainee.state()))
         if diff:
@@ -396,6 +583,7 @@ class Run:
         handles = [h for h, _, _ in self.pending]
         self.pending = []
         ckpt, self.ckpt = self.ckpt, None
+        tier = ckpt.persistent
         del ckpt
         gc.collect()
         # The dropped object's threads are not killed: the "dead process" is the one whose
@@ -405,6 +593,15 @@ class Run:
                 h.wait(timeout=120)
             except Exception:
                 pass
+        if tier is not None:
+            # Its drain thread keeps the dropped object (and its writer lease) alive while it
+            # retries uploads (an outage): the "dead process" is also the one whose drain ended.
+            try:
+                tier.wait(timeout=120, raise_errors=False)
+            except CheckpointError:
+                pass
+            del tier
+            gc.collect()
         self._barrier()
         self.ckpt = self._open()
         self._resolve_uncertain()
@@ -415,7 +612,8 @@ class Run:
         here again. One rank only (the others would wait for it in a collective)."""
         if self.distributed:
             return
-        self.ckpt.close()
+        self._store_up_for_child()
+        self._close()
         self._settle()
         step = self.next_step
         state = self.trainee.state()
@@ -425,7 +623,7 @@ class Run:
         child = subprocess.Popen(
             [sys.executable, "-c", _KILLED_SAVER, self.local, state_file, str(step), repr(self.cfg),
              repr(self.persist_url)],
-            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))})
+            stdout=subprocess.PIPE, env=self._child_env())
         try:
             child.stdout.readline()               # "saving": save() was called
             time.sleep(random.Random(arg).uniform(0, 0.05))   # mostly mid-save, some after it
@@ -438,13 +636,17 @@ class Run:
         self.ckpt = self._open()
         self._resolve_uncertain()
 
+    def _child_env(self) -> Dict[str, str]:
+        return {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
+                "MODEL_KNOBS": repr(self.knobs)}
+
     def _child(self, script: str, step: int, *extra: str) -> "subprocess.CompletedProcess":
         state_file = os.path.join(self.base, "child-state.pt")
         torch.save(self.trainee.state(), state_file)
         return subprocess.run(
             [sys.executable, "-c", script, self.local, state_file, str(step), repr(self.cfg), repr(self.persist_url),
              *extra], capture_output=True, text=True, timeout=300,
-            env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))})
+            env=self._child_env())
 
     def rule_kill_in_commit(self, arg: int) -> None:
         """Another process of the run saves the next step and is SIGKILLed inside
@@ -452,7 +654,8 @@ class Run:
         the superseded steps aside first): issue 33's crash inside a commit. One rank."""
         if self.distributed:
             return
-        self.ckpt.close()
+        self._store_up_for_child()
+        self._close()
         self._settle()
         step, values = self.next_step, flat(self.trainee.state())
         proc = self._child(_KILLED_IN_COMMIT, step, str(1 + arg % 4))
@@ -469,7 +672,8 @@ class Run:
         and a new Checkpointer goes on from the other one's step. One rank."""
         if self.distributed:
             return
-        self.ckpt.wait()
+        self._store_up_for_child()
+        self._wait()
         self._settle()
         step, values = self.next_step, flat(self.trainee.state())
         proc = self._child(_TAKER, step)
@@ -484,7 +688,7 @@ class Run:
                 pass
             else:
                 self.fail("a Checkpointer displaced by a takeover still committed a save")
-        self.ckpt.close()
+        self._close()
         self.ckpt = self._open()
 
     def _resolve_uncertain(self) -> None:
@@ -514,15 +718,20 @@ class Run:
                   f"{[(l.latest() or (None,))[0] for l in candidates]}")
 
     def rule_restart(self, arg: int) -> None:
-        self.ckpt.close()
+        self._close()
         self._settle()
         self._barrier()
         self.ckpt = self._open()
 
     def rule_lose_local(self, arg: int) -> None:
         """The node-local directory is gone (a replaced node). With persist_to or
-        replicas the latest committed step comes back, else nothing is left."""
-        self.ckpt.close()
+        replicas the latest committed step comes back, else nothing is left.
+        Not while faults kept the store behind (``dirty``): the commits it never
+        got are lost with the node by design (a restart instead)."""
+        if self.dirty:
+            self.rule_restart(arg)
+            return
+        self._close()
         self._settle()
         self._barrier()
         if self.cfg.replicas:
@@ -542,7 +751,7 @@ class Run:
         """Flip one byte of this rank's file of a listed step: load(step) must raise
         CorruptCheckpointError or return that same save (an intact copy on another
         tier, or an unchecked padding byte), never other values. Undone afterwards."""
-        self.ckpt.wait()
+        self._wait()
         self._settle()
         listed = self._listed_everywhere()
         if not listed:
@@ -621,23 +830,289 @@ class Run:
         if problems:
             self.fail(f"a reader during prune --keep {keep}: {problems[:3]}")
 
+    # -- faults of the persistent tier (one rank, persist_to: a no-op elsewhere)
+    def rule_fail_next(self, arg: int) -> None:
+        """The next 1-4 requests to the store fail (503 or 500): retried once by the client,
+        so a few become failed requests of whatever runs next."""
+        if self.faults is None:
+            return
+        self.faults.proxy.fail_next(1 + arg % 4, status=(503, 500)[(arg >> 2) % 2])
+        self.dirty = True
+
+    def rule_outage(self, arg: int) -> None:
+        """An outage window: for this rule's check and the next 1-3 rules every request
+        fails (503), or its connection is dropped unanswered, or (no failure) every
+        request is delayed; then the store answers again. Saves commit locally; their
+        uploads and events fail (wait() may raise a persist error: accepted, see _wait)."""
+        if self.faults is None:
+            return
+        kind, window = arg % 3, 2 + (arg >> 2) % 3
+        self.faults.clear()
+        if kind == 0:
+            self.faults.proxy.fail_matching(lambda *a: True, status=503)
+        elif kind == 1:
+            self.faults.proxy.delay(0.01, drop=True)
+        else:
+            self.faults.proxy.delay(0.03)
+        self.dirty = self.dirty or kind != 2
+        self.outage_left = window
+
+    def _store_up_for_child(self) -> None:
+        """A child process opens its own Checkpointer, which checks the bucket once
+        (wrong credentials, a missing bucket): the outage ends before one starts."""
+        if self._store_down():
+            self.faults.clear()
+            self.outage_left = 0
+
+    def rule_heal(self, arg: int) -> None:
+        """The faults end; after a restart and a wait() that raises nothing, the store
+        alone (read directly, not through the proxy) holds the line's latest step:
+        the outbox published every event the outage kept back, the latest was
+        uploaded again (docs/RELIABILITY.md 1.6)."""
+        if self.faults is None:
+            return
+        self.faults.clear()
+        self.outage_left = 0
+        was_dirty = self.dirty
+        self._close()
+        self._settle()
+        self.ckpt = self._open()
+        self.dirty = False
+        self.ckpt.wait()        # must not raise now
+        self._check_store_alone(strict=True, why=f"after the faults ended{'' if was_dirty else ' (none)'}")
+
+    def _check_store_alone(self, strict: bool, why: str) -> None:
+        """The persistent tier alone (a reader with nothing local, as another machine):
+        every step it lists loads that step's own save, never an abandoned one -- unless
+        faults kept a rollback's event from it (not ``strict`` while dirty: then a
+        listed step may be an abandoned save, bit-exact, never other values); with
+        ``strict`` its latest is the line's latest."""
+        if self.faults is None or self.persist_url is None:
+            return
+        from lazyckpt.storage.s3layout import ObjectCheckpointDir
+        opts = self.faults.options()
+        paths = ObjectCheckpointDir(self.persist_url, opts).step_paths()
+        for s, path in sorted(paths.items()):
+            try:
+                values = flat(lazyckpt.load(path, options=opts))
+            except CheckpointNotFoundError:
+                continue                        # retention since the listing
+            on_line = s in self.line.steps and same(self.line.steps[s], values)
+            if on_line:
+                continue
+            abandoned = any(a == s and same(v, values) for a, v in self.line.abandoned)
+            if abandoned and not strict and self.dirty:
+                continue
+            self.fail(f"{why}: the persistent tier alone ({self.persist_url}) lists step {s}, "
+                      + ("an ABANDONED save" if abandoned else "not a save of the line") + self._which(s, values))
+        latest = self.line.latest()
+        if strict and latest is not None and (not paths or max(paths) != latest[0]):
+            self.fail(f"{why}: the persistent tier alone lists {sorted(paths)}, not the line's latest step "
+                      f"{latest[0]}")
+
+    # -- metadata corruption, prune during a save, structure changes, an expired lease
+    def rule_corrupt_meta(self, arg: int) -> None:
+        """Damage a step's manifest.json, the directory's history.json, or (persist_to)
+        the store's commit event objects (a body where there is none, malformed keys);
+        loads must raise CorruptCheckpointError/CheckpointNotFoundError or return a
+        save of the line bit-exact (that same step from the other tier, or -- for
+        load() of the latest -- an earlier step of the line), never an abandoned save
+        or other values. A damaged history.json (a byte flipped, truncated, ``{}``):
+        load() and lazyckpt.load(DIR) return the line's latest or raise
+        CorruptCheckpointError (docs/RELIABILITY.md 2.1). Undone afterwards. One rank."""
+        if self.distributed:
+            return
+        self._wait()
+        self._settle()
+        what = ("manifest", "history", "event")[arg % 3]
+        if what == "event" and self.faults is None:
+            what = "manifest"
+        undo: List[Any] = []
+        rng = random.Random(arg)
+        try:
+            if what == "event":
+                from lazyckpt.storage.s3layout import ObjectCheckpointDir
+                d = ObjectCheckpointDir(self.persist_url, self.faults.options())
+                keys = [o["Key"] for o in d.store.list(d._key("history", ""))]
+                for key in keys[:1]:
+                    d.store.put(key, b"\x00garbage" * 7)
+                    undo.append(lambda key=key: d.store.put(key, b""))
+                for bogus in ("history/not-an-event", "history/00000000", f"history/{'9' * 12}-x-y"):
+                    d.store.put(d._key(bogus), b"{")
+                    undo.append(lambda bogus=bogus: d.store.delete([d._key(bogus)]))
+                target = "the store's events"
+            else:
+                if what == "manifest":
+                    listed = self._listed_everywhere()
+                    if not listed:
+                        return
+                    path = os.path.join(self.ckpt.step_path(listed[(arg >> 2) % len(listed)]), "manifest.json")
+                else:
+                    path = os.path.join(self.local, "history.json")
+                    if not os.path.exists(path):
+                        return
+                with open(path, "rb") as f:
+                    old = f.read()
+                undo.append(lambda: open(path, "wb").write(old))
+                how = (arg >> 4) % 3
+                if how == 0:
+                    i = rng.randrange(len(old))
+                    new = old[:i] + bytes([old[i] ^ 0x5A]) + old[i + 1:]
+                elif how == 1:
+                    new = old[:rng.randrange(len(old))]
+                else:
+                    new = b"{}" if what == "history" else b"not json"
+                with open(path, "wb") as f:
+                    f.write(new)
+                target = f"{path} ({('a byte flipped', 'truncated', 'replaced')[how]})"
+            latest = self.line.latest()
+            for s in [None] + sorted(self._listed_quietly()):
+                try:
+                    got = self.ckpt.load(step=s)
+                except (CorruptCheckpointError, CheckpointNotFoundError):
+                    continue
+                loaded = self.ckpt.loaded_from["step"]
+                expected = self.line.steps.get(loaded)
+                # A damaged history.json: the step directories' names still tell the line (a
+                # rollback moved the abandoned steps aside), so load() is the line's latest. With
+                # persist_to the store's events outrank a local step whose event is unreadable:
+                # load() may lag there (the store's latest, a step of the line; soak seed 23
+                # program-seed 30227908), never return an abandoned one.
+                strict = what == "history" and s is None and latest is not None and not self.cfg.persist
+                if ((s is not None and loaded != s) or expected is None or not same(expected, flat(got))
+                        or (strict and loaded != latest[0])):
+                    self.fail(f"with {target} damaged, load(step={s}) returned step {loaded} from the "
+                              f"{self.ckpt.loaded_from['tier']} tier" + self._which(loaded, flat(got))
+                              + (f" (the line's latest is {latest[0]})" if strict else ""))
+            if what == "history" and latest is not None and self.ckpt.steps():
+                # A reader of the directory alone (no Checkpointer, nothing written).
+                try:
+                    got = flat(lazyckpt.load(self.local))
+                except CorruptCheckpointError:
+                    got = None
+                if got is not None and not same(latest[1], got):
+                    self.fail(f"with {target} damaged, lazyckpt.load({self.local}) is not the line's latest "
+                              f"step {latest[0]}" + self._which(latest[0], got))
+        finally:
+            for u in reversed(undo):
+                u()
+
+    def _listed_quietly(self) -> set:
+        try:
+            return set(self.ckpt.steps())
+        except CheckpointError:
+            return set()
+
+    def rule_prune_in_flight(self, arg: int) -> None:
+        """`lazyckpt prune --keep 1|2` on the directory while a save is pending (its
+        capture or write in progress): the save commits (then it is the line's
+        latest, whatever prune removed) or fails with a CheckpointError (then
+        nothing of it is visible); a committed save never refers to pruned bytes."""
+        if self.distributed:
+            return
+        step = self.next_step
+        state = self.trainee.state()
+        values = flat(state)
+        handle = self.ckpt.save(state, step=step)
+        self.next_step = step + 1
+        try:
+            lzprune.prune(self.local, 1 + arg % 2)
+        except CheckpointError as exc:
+            self.fail(f"prune during the save of step {step} failed: {type(exc).__name__}: {exc}")
+        try:
+            handle.wait(timeout=120)
+        except CheckpointError:
+            self.uncertain = self.uncertain + [(s, v) for _, s, v in self.pending] + [(step, values)]
+            self.pending = []
+            self._resolve_uncertain()
+            return
+        self._settle()
+        self.line.commit(step, values)
+
+    def rule_reshape(self, arg: int) -> None:
+        """The state's structure or dtypes change (a key added or removed, a tensor
+        float32 <-> bfloat16) before the next save."""
+        self.ckpt.wait_for_snapshot()
+        self.trainee.reshape(arg)
+
+    def rule_lease_expiry(self, arg: int) -> None:
+        """A writer whose lease expires, on a file system without locks (where the
+        heartbeat alone orders writers): another process commits step S with a short
+        lease_expiry_s and is stopped (SIGSTOP) past it; a new writer here commits
+        S+1; the stalled one continues and tries S+2: it must be refused (the line
+        is S, S+1). One rank; a process start (LAZYCKPT_MODEL_KILLS)."""
+        if self.distributed:
+            return
+        self._store_up_for_child()
+        self._close()
+        self._settle()
+        expiry = 1.0
+        step, values = self.next_step, flat(self.trainee.state())
+        state_file = os.path.join(self.base, "child-state.pt")
+        torch.save(self.trainee.state(), state_file)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _STALLED_WRITER, self.local, state_file, str(step), repr(self.cfg),
+             repr(self.persist_url), str(expiry)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._child_env())
+        try:
+            line = child.stdout.readline()
+            if "committed" not in line:
+                child.kill()
+                self.fail(f"the writer to be stalled did not commit: {child.stderr.read()[-2000:]}")
+            self.line.commit(step, values)
+            child.send_signal(signal.SIGSTOP)
+            time.sleep(expiry * 1.5)
+            self.trainee.train("plain")
+            mine, mine_values = step + 1, flat(self.trainee.state())
+            with no_file_locks():
+                self.ckpt = self._open(lease_expiry_s=expiry)
+                try:
+                    self.ckpt.save(self.trainee.state(), step=mine).wait()
+                except CheckpointError as exc:
+                    self.fail(f"a new writer after the old one's lease expired could not commit: {exc}")
+                self.line.commit(mine, mine_values)
+                self.next_step = mine + 1
+                child.send_signal(signal.SIGCONT)
+                out, err = child.communicate("go\n", timeout=120)
+                self._close()
+        finally:
+            if child.returncode is None:
+                child.send_signal(signal.SIGCONT)
+                child.kill()
+                child.wait()
+        self.ckpt = self._open()
+        self.log.append(f"  (stalled writer: {out.strip()[:200]})")
+        if "refused" not in out:
+            self.fail(f"the writer whose lease expired (no file locks), continued after a new writer "
+                      f"committed step {mine}, was not refused its save of step {mine + 1}: it said {out!r} "
+                      f"{err[-1500:]}")
+
     def _settle_if_quiet(self) -> None:
-        self.ckpt.wait()
+        self._wait()
         self._settle()
 
     RULES = ("train", "save", "wait", "rollback", "crash", "kill", "kill_in_commit", "takeover", "restart",
-             "lose_local", "corrupt", "prune")
+             "lose_local", "corrupt", "prune", "fail_next", "outage", "heal", "corrupt_meta", "prune_in_flight",
+             "reshape", "lease_expiry")
+    #: Rules that start a process (seconds each): under LAZYCKPT_MODEL_KILLS in the hypothesis machine.
+    SPAWNING = ("kill", "kill_in_commit", "takeover", "lease_expiry")
 
     # -- invariants
     def check(self) -> None:
         if self.distributed or self.cfg.replicas:
-            self.ckpt.wait()                 # collective loads need the same listing on every rank
+            self._wait()                 # collective loads need the same listing on every rank
         self._settle()
         latest = self.line.latest()
+        hits = self._hits()
         try:
             got = self.ckpt.load()
         except CheckpointNotFoundError:
             got = None
+        except CheckpointError as exc:
+            # The latest only on the store (after lose_local), its read failed by a fault.
+            if isinstance(exc, CorruptCheckpointError) or not self._excused(hits):
+                raise
+            return
         if latest is None:
             if got is not None:
                 self.fail(f"load() returned step {self.ckpt.loaded_from['step']} but nothing is on the line "
@@ -650,9 +1125,7 @@ class Run:
                 self.fail(f"load() returned step {step} from the {self.ckpt.loaded_from['tier']} tier, "
                           f"the line's latest is step {latest[0]}"
                           + self._which(step, flat(got)))
-        listed = set(self.ckpt.steps())
-        if self.ckpt.persistent is not None:
-            listed |= set(self.ckpt.persistent.dir.committed())
+        listed = self._listed()
         if self.cfg.replicas:
             # load() is collective there: every rank asks for the same step. A node that lost its
             # directory holds only what was restored (the latest): the steps every node lists.
@@ -661,17 +1134,26 @@ class Run:
             dist.all_gather_object(everyone, sorted(listed))
             listed = set.intersection(*map(set, everyone))
         for s in sorted(listed):
+            hits = self._hits()
             try:
                 got = self.ckpt.load(step=s)
-            except CheckpointNotFoundError:
+            except CheckpointError as exc:
+                if isinstance(exc, CheckpointNotFoundError):
+                    pass
+                elif not isinstance(exc, CorruptCheckpointError) and self._excused(hits):
+                    continue            # a step only on the store, its read failed by a fault
+                else:
+                    raise
                 # Retention may be running since the listing (keep_last once drained,
                 # persist_keep_last): once it has ended, a step still listed must load.
                 if s in self.line.steps and not self.cfg.replicas:
-                    self.ckpt.wait()
+                    self._wait()
                     if s in self._listed():
                         try:
                             got = self.ckpt.load(step=s)
                         except CheckpointNotFoundError:
+                            if self._excused(hits):
+                                continue        # the store's listing failed by a fault: local only
                             self.fail(f"step {s} is listed and on the line but load(step={s}) finds nothing")
                     else:
                         continue
@@ -694,7 +1176,10 @@ class Run:
                     continue                # retention ran since the listing
                 if cost is None or cost_problems(cost):
                     self.fail(f"step {s}: its manifest's save costs are {cost!r}: {cost_problems(cost)}")
-        if self.log and self.log[-1].split("(")[0] in STUDY_AFTER:
+        last = self.log[-1].split("(")[0] if self.log else ""
+        if last in STORE_ALONE_AFTER and not self._store_down():
+            self._check_store_alone(strict=False, why=f"after {last}")
+        if last in STUDY_AFTER:
             self.check_study()
 
     def check_study(self) -> None:
@@ -706,12 +1191,17 @@ class Run:
         tier) gives the model's max|a-b|, fraction changed and relative change,
         and reports unchanged by reference only tensors that are equal. Read on
         rank 0 (a plain tensor's value is rank 0's), the others wait."""
-        self.ckpt.wait()
+        self._wait()
         self._settle()
+        if self._store_down():
+            return                      # the study lists the store: not during an outage
         problems: List[str] = []
         if self.rank == 0:
+            hits = self._hits()
             try:
                 problems = self._study_problems()
+            except CheckpointError as exc:
+                problems = [] if self._excused(hits) else [f"{type(exc).__name__}: {exc}"]
             except Exception as exc:
                 problems = [f"{type(exc).__name__}: {exc}"]
         self._barrier()
@@ -772,7 +1262,12 @@ class Run:
     def _listed(self) -> set:
         listed = set(self.ckpt.steps())
         if self.ckpt.persistent is not None:
-            listed |= set(self.ckpt.persistent.dir.committed())
+            hits = self._hits()
+            try:
+                listed |= set(self.ckpt.persistent.dir.committed())
+            except CheckpointError:
+                if not self._excused(hits):
+                    raise               # only the injected faults excuse it
         return listed
 
     def _which(self, step: int, values: Dict[str, Any]) -> str:
@@ -786,7 +1281,7 @@ class Run:
 
     def close(self) -> None:
         if self.ckpt is not None:
-            self.ckpt.close()
+            self._close()
             self.ckpt = None
 
 
@@ -796,6 +1291,9 @@ STUDY_KEYS = ("a/0.weight", "a/1.running_mean", "a/1.num_batches_tracked", "b/bi
               "opt_b/state/0/step", "shared/buf")
 #: check() runs check_study after these rules (they wait anyway: no wait is added) and at the end.
 STUDY_AFTER = ("wait", "rollback")
+#: check() reads the persistent tier alone (through the server, not the proxy) after these
+#: (it drained the tier; and rule_heal, strictly).
+STORE_ALONE_AFTER = ("wait",)
 
 
 def _close(got: float, want: float) -> bool:
@@ -829,22 +1327,32 @@ def _diff_row_problems(where: str, row: Any, a: torch.Tensor, b: torch.Tensor) -
 
 #: Relative weights of the rules in a random program.
 WEIGHTS = {"train": 6, "save": 6, "wait": 2, "rollback": 2, "crash": 1, "kill": 1, "kill_in_commit": 1,
-           "takeover": 1, "restart": 1, "lose_local": 1, "corrupt": 1, "prune": 1}
+           "takeover": 1, "restart": 1, "lose_local": 1, "corrupt": 1, "prune": 1,
+           "corrupt_meta": 1, "prune_in_flight": 1, "reshape": 1, "lease_expiry": 1}
+#: The fault rules (persist_to, one rank): in random programs with ``faults=True``
+#: (scripts/soak_model.py --faults); elsewhere they are no-ops.
+FAULT_WEIGHTS = {"fail_next": 1, "outage": 1, "heal": 1}
 
 
-def random_program(seed: int, length: int, cfg: Config) -> List[Tuple[str, int]]:
+def random_program(seed: int, length: int, cfg: Config, faults: bool = False) -> List[Tuple[str, int]]:
     rng = random.Random(seed)
-    rules = [r for r in WEIGHTS if r != "lose_local" or cfg.persist or cfg.replicas or rng.random() < 0.5]
-    weights = [WEIGHTS[r] for r in rules]
+    weights_of = {**WEIGHTS, **(FAULT_WEIGHTS if faults and cfg.persist and cfg.ranks == 1 else {})}
+    rules = [r for r in weights_of if r != "lose_local" or cfg.persist or cfg.replicas or rng.random() < 0.5]
+    weights = [weights_of[r] for r in rules]
     return [(rng.choices(rules, weights)[0], rng.randrange(1 << 16)) for _ in range(length)]
 
 
 def run_program(cfg: Config, base: str, persist_url: Optional[str], program: List[Tuple[str, int]],
-                rank: int = 0, world: int = 1) -> List[str]:
+                rank: int = 0, world: int = 1, knobs: Optional[Dict[str, Any]] = None,
+                faults: Optional[Faults] = None) -> List[str]:
     """Run ``program`` with an invariant check after every rule; raise InvariantError
-    naming the rule index and the program prefix that reproduces it."""
+    naming the rule index and the program prefix that reproduces it. ``knobs``:
+    run_knobs' draw; ``faults``: the proxy the persist URL goes through (then the
+    program ends with a ``heal``: the store must catch up)."""
     log: List[str] = []
-    run = Run(cfg, base, persist_url, rank, world, log)
+    run = Run(cfg, base, persist_url, rank, world, log, knobs=knobs, faults=faults)
+    if run.faults is not None:
+        program = list(program) + [("heal", 0)]
     try:
         run.check()
         for i, (rule, arg) in enumerate(program):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import socket
 import threading
 import time
 import urllib.parse
@@ -72,6 +73,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self):
         super().setup()
+        # Headers and body go out in separate writes: without TCP_NODELAY, Nagle's
+        # algorithm holds the second one for the client's delayed ACK (~40 ms a request).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._upstream: http.client.HTTPConnection | None = None
 
     def finish(self):
@@ -145,6 +149,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._upstream = http.client.HTTPConnection(*self.server.owner.upstream_addr, timeout=300)
             conn = self._upstream
             try:
+                if conn.sock is None:
+                    conn.connect()
+                    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                 for name, value in self.headers.items():
                     if name.lower() not in _HOP_BY_HOP:
@@ -257,6 +264,12 @@ class S3FaultProxy:
         with self._lock:
             self._delay = float(seconds)
             self._drop = drop
+
+    def armed(self) -> bool:
+        """Whether any fault or delay is in force (requests may fail or wait)."""
+        with self._lock:
+            return bool(self._fail_next or self._delay or self._drop
+                        or any(r.count is None or r.count > 0 for r in self._rules))
 
     def hold_matching(self, predicate: Callable[[str, str, object], bool]) -> Hold:
         hold = Hold(predicate)

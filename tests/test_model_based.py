@@ -12,6 +12,13 @@ every rule against the line of history (tests/_model.py).
   the failing seed and program are in the message. Which two-rank
   configurations run is drawn from LAZYCKPT_MODEL_SEED (printed; random when
   unset) to fit CI; scripts/soak_model.py runs the whole matrix for longer.
+* Issue 33 item 5: with persist_to the hypothesis machine reaches SeaweedFS
+  through the fault proxy (tests/_s3proxy.py) and draws fail_next / outage /
+  heal; every machine draws corrupt_meta, prune_in_flight and reshape, and
+  keep_last (3, None, 1) and full_every (0, 2) per example; lease_expiry
+  starts a process (LAZYCKPT_MODEL_KILLS). Fixed short programs run each new
+  rule in CI (test_faults_corruption_and_prune_in_flight_..., test_a_writer_
+  whose_lease_expired_...).
 * Combinations the library refuses are asserted to be refused with a
   ValueError naming the reason (tests/_model.py: expected_refusal).
 """
@@ -29,12 +36,12 @@ import torch
 
 import lazyckpt
 from _dist import run_ranks
-from _model import (TRAIN_KINDS, Config, InvariantError, Run, all_configs, checkpointer_kwargs,
-                    expected_refusal, random_program, run_program)
+from _model import (TRAIN_KINDS, Config, Faults, InvariantError, Run, all_configs, checkpointer_kwargs,
+                    expected_refusal, random_program, run_knobs, run_program)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, settings, strategies as st  # noqa: E402
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -69,8 +76,29 @@ def _quiet_lazyckpt():
 
 
 @pytest.fixture
+def model_store(request):
+    """(an s3:// prefix on the session's SeaweedFS, the Faults of the proxy in front of it),
+    or (None, None) when the config has no persist_to. The Checkpointers (and their child
+    processes) reach the server through the fault-injecting proxy (AWS_ENDPOINT_URL)."""
+    cfg = request.node.callspec.params["cfg"]
+    if not cfg.persist:
+        return None, None
+    from _s3proxy import S3FaultProxy
+    server = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    mp = request.getfixturevalue("monkeypatch")
+    proxy = S3FaultProxy(server.endpoint)
+    request.addfinalizer(proxy.close)
+    for k, v in server.env().items():
+        mp.setenv(k, v)
+    mp.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    return f"s3://{bucket}/model", Faults(proxy, server.endpoint)
+
+
+@pytest.fixture
 def persist_url(request):
-    """An s3:// prefix on the session's SeaweedFS, or None when the config has no persist_to."""
+    """An s3:// prefix on the session's SeaweedFS, reached directly (no proxy: the
+    tests without fault rules), or None when the config has no persist_to."""
     cfg = request.node.callspec.params["cfg"]
     if not cfg.persist:
         return None
@@ -84,13 +112,23 @@ def persist_url(request):
 
 # ----------------------------------------------------------------- one rank: hypothesis
 
-def machine_for(cfg: Config, base: str, persist_url):
+def machine_for(cfg: Config, base: str, persist_url, faults=None):
     class LineOfHistory(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
             self.dir = tempfile.mkdtemp(dir=base)
-            url = f"{persist_url}/{uuid.uuid4().hex[:12]}" if persist_url else None
-            self.run = Run(cfg, self.dir, url)
+            self.url = f"{persist_url}/{uuid.uuid4().hex[:12]}" if persist_url else None
+            self.run = None
+
+        # keep_last and full_every: drawn per run, not Config dimensions (CI time).
+        @initialize(keep_last=st.sampled_from([3, None, 1]), full_every=st.sampled_from([0, 2]))
+        def start(self, keep_last, full_every):
+            if faults is not None:
+                faults.clear()
+            knobs = {"keep_last": keep_last}
+            if lazyckpt.Options(incremental=cfg.incremental).incremental != "off":
+                knobs["full_every"] = full_every
+            self.run = Run(cfg, self.dir, self.url, knobs=knobs, faults=faults)
 
         @rule(kind=st.sampled_from(range(len(TRAIN_KINDS))))
         def train(self, kind):
@@ -145,17 +183,59 @@ def machine_for(cfg: Config, base: str, persist_url):
         def prune(self, keep):
             self.run.apply("prune", keep)
 
+        @rule(arg=st.integers(0, 1 << 16))
+        def corrupt_meta(self, arg):
+            self.run.apply("corrupt_meta", arg)
+
+        @rule(keep=st.integers(0, 1))
+        def prune_in_flight(self, keep):
+            self.run.apply("prune_in_flight", keep)
+
+        @rule(arg=st.integers(0, 1 << 16))
+        def reshape(self, arg):
+            self.run.apply("reshape", arg)
+
+        @precondition(lambda self: KILLS)
+        @rule()
+        def lease_expiry(self):
+            self.run.apply("lease_expiry")
+
+        # Faults of the store (persist_to): the proxy between the Checkpointer and SeaweedFS.
+        @precondition(lambda self: faults is not None)
+        @rule(arg=st.integers(0, 7))
+        def fail_next(self, arg):
+            self.run.apply("fail_next", arg)
+
+        @precondition(lambda self: faults is not None)
+        @rule(arg=st.integers(0, 1 << 8))
+        def outage(self, arg):
+            self.run.apply("outage", arg)
+
+        @precondition(lambda self: faults is not None)
+        @rule()
+        def heal(self):
+            self.run.apply("heal")
+
         @invariant()
         def line_of_history_holds(self):
+            if self.run is None:
+                return
             self.run.check()
             self.checked = len(self.run.log)
 
         def teardown(self):
+            if self.run is None:
+                return
             try:
-                # The final study check, only after a run that passed (not to mask its failure).
+                # The final checks, only after a run that passed (not to mask its failure):
+                # the store catches up once the faults end, then the study.
                 if getattr(self, "checked", -1) == len(self.run.log):
+                    self.run.apply("heal")
+                    self.run.check()
                     self.run.check_study()
             finally:
+                if faults is not None:
+                    faults.clear()
                 self.run.close()
 
     LineOfHistory.__name__ = f"LineOfHistory[{cfg.id}]"
@@ -163,8 +243,8 @@ def machine_for(cfg: Config, base: str, persist_url):
 
 
 @pytest.mark.parametrize("cfg", ONE_RANK, ids=[c.id for c in ONE_RANK])
-def test_one_rank_follows_the_line_of_history(cfg, persist_url, tmp_path):
-    machine = machine_for(cfg, str(tmp_path), persist_url)
+def test_one_rank_follows_the_line_of_history(cfg, model_store, tmp_path):
+    machine = machine_for(cfg, str(tmp_path), *model_store)
     # Shrinking replays dozens of whole runs: minutes, off in CI (LAZYCKPT_MODEL_SHRINK=1 turns it on).
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if SHRINK else [])
     # A server round trip per rule: fewer examples with persist_to.
@@ -177,22 +257,23 @@ def test_one_rank_follows_the_line_of_history(cfg, persist_url, tmp_path):
 
 # ----------------------------------------------------------------- two ranks: seeded programs
 
-def _two_rank_program(rank, world, cfg, base, persist_url, program):
+def _two_rank_program(rank, world, cfg, base, persist_url, program, knobs=None):
     logging.getLogger("lazyckpt").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     try:
-        return ("ok", run_program(cfg, base, persist_url, program, rank, world))
+        return ("ok", run_program(cfg, base, persist_url, program, rank, world, knobs=knobs))
     except InvariantError as exc:
         return ("invariant", str(exc))
 
 
 def run_two_ranks(cfg: Config, seed: int, base: str, persist_url, length: int = 25, timeout: float = 300):
     program = random_program(seed, length, cfg)
+    knobs = run_knobs(seed, cfg)
     url = f"{persist_url}/{uuid.uuid4().hex[:12]}" if persist_url else None
-    where = f"{cfg.id} seed={seed} (replay: LAZYCKPT_MODEL_SEED / scripts/soak_model.py --seed {seed} " \
-            f"--config {cfg.id} --length {length})"
+    where = f"{cfg.id} seed={seed} knobs={knobs} (replay: LAZYCKPT_MODEL_SEED / scripts/soak_model.py " \
+            f"--config {cfg.id} --length {length} --knobs \"{knobs}\" --program \"{program}\")"
     try:
-        results = run_ranks(cfg.ranks, _two_rank_program, cfg, base, url, program, timeout=timeout)
+        results = run_ranks(cfg.ranks, _two_rank_program, cfg, base, url, program, knobs, timeout=timeout)
     except (RuntimeError, TimeoutError) as exc:
         raise AssertionError(f"{where}: a rank failed outside the invariants: {exc}\nprogram: {program}") from exc
     failed = [r[1] for r in results if r[0] != "ok"]
@@ -287,3 +368,41 @@ def test_accepted_combinations_are_not_refused(tmp_path):
     for cfg in ONE_RANK:
         if not cfg.persist:
             assert _open(0, 1, cfg, str(tmp_path / cfg.id), None) is None, cfg.id
+
+
+# ----------------------------------------------------------------- issue 33 item 5: faults
+
+#: Fixed short programs exercising each rule of issue 33 item 5. Locally (incremental,
+#: full_every=3, keep_last=2): metadata corruption (manifest.json, history.json: a byte
+#: flipped, truncated, replaced), prune during a save, keys added/removed and a dtype
+#: changed, sparse changes of the 64 KiB tensor that its sample digest misses.
+LOCAL_FAULT_PROGRAM = [("save", 0), ("train", 6), ("save", 0), ("wait", 0), ("corrupt_meta", 0), ("corrupt_meta", 1),
+                       ("corrupt_meta", 17), ("corrupt_meta", 33), ("corrupt_meta", 4), ("reshape", 0),
+                       ("train", 6), ("save", 0), ("prune_in_flight", 0), ("reshape", 2), ("train", 6), ("save", 0),
+                       ("reshape", 3), ("save", 0), ("rollback", 1), ("train", 6), ("save", 0),
+                       ("prune_in_flight", 1), ("corrupt_meta", 49), ("wait", 0)]
+#: With persist_to through the proxy: the store's event objects damaged, a few failed
+#: requests, an outage across a rollback, its save and a restart (the store never learns
+#: of the rollback until it ends), the catch-up (heal: the store alone holds the line's
+#: latest), dropped connections, a slow store; run_program ends with another heal.
+PERSIST_FAULT_PROGRAM = [("save", 0), ("save", 0), ("wait", 0), ("corrupt_meta", 2), ("fail_next", 3), ("train", 6),
+                         ("save", 0), ("wait", 0), ("outage", 8), ("rollback", 0), ("save", 0), ("restart", 0),
+                         ("heal", 0), ("outage", 1), ("train", 0), ("save", 0), ("outage", 2), ("save", 0),
+                         ("wait", 0)]
+
+
+@pytest.mark.parametrize("cfg", [Config(incremental=True), Config(persist=True)], ids=lambda c: c.id)
+def test_faults_corruption_and_prune_in_flight_keep_the_line_of_history(cfg, model_store, tmp_path):
+    persist_url, faults = model_store
+    url = f"{persist_url}/{uuid.uuid4().hex[:12]}" if persist_url else None
+    knobs = {"keep_last": 2, **({"full_every": 3} if cfg.incremental else {})}
+    program = PERSIST_FAULT_PROGRAM if cfg.persist else LOCAL_FAULT_PROGRAM
+    run_program(cfg, str(tmp_path), url, program, knobs=knobs, faults=faults)
+
+
+def test_a_writer_whose_lease_expired_never_commits_again(tmp_path):
+    """A stalled writer (SIGSTOPped past lease_expiry_s) and a new writer: nothing is
+    lost, and the displaced one's next save is refused (also after a rollback)."""
+    program = [("save", 0), ("train", 1), ("save", 0), ("rollback", 0), ("lease_expiry", 0), ("save", 0),
+               ("wait", 0)]
+    run_program(Config(), str(tmp_path), None, program, knobs={"keep_last": None})

@@ -274,3 +274,46 @@ def test_the_outbox_costs_no_listing_per_commit(s3_server, s3_bucket, proxy, tmp
     finally:
         proxy.reset()
         ck.close()
+
+
+def test_close_that_raises_a_persist_failure_still_releases_the_writer_lease(s3_server, s3_bucket, proxy,
+                                                                               tmp_path):
+    """Found by the model-based test's outage rule (issue 33 item 5: outage, save,
+    restart): close() raised the persistent tier's failure from inside its
+    ``finally`` before releasing the writer lease, so every later Checkpointer of
+    the same process on that directory was refused ("another Checkpointer on this
+    directory is still open; close() it") although the first one was closed."""
+    url = f"s3://{s3_bucket}/lease-after-failed-close"
+    opts = _options(s3_server, proxy.endpoint, max_attempts=1)
+    local = str(tmp_path / "run")
+    ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts)
+    ck.save(_state(1), 1).wait(persisted=True)
+    proxy.fail_matching(lambda *a: True)
+    ck.save(_state(2), 2).wait()                    # committed locally; its upload fails
+    with pytest.raises(CheckpointWriteError):
+        ck.close()                                  # the persist failure is reported ...
+    proxy.reset()
+    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as again:
+        again.save(_state(3), 3).wait(persisted=True)   # ... and the directory is free again
+        assert again.steps()[-1] == 3
+
+
+@pytest.mark.xfail(strict=True, reason="a Checkpointer with persist_to cannot be opened while the store is down: "
+                   "PersistentTier.__init__ checks the bucket (HEAD, retried) and cleans the store's leftovers, "
+                   "and raises CheckpointReadError on a 503; a process restarted during an outage cannot resume "
+                   "from its local tier (the model ends an outage before it starts a child process)")
+def test_a_checkpointer_opens_on_its_local_tier_while_the_store_is_down(s3_server, s3_bucket, proxy, tmp_path):
+    url = f"s3://{s3_bucket}/open-during-outage"
+    opts = _options(s3_server, proxy.endpoint, max_attempts=2)
+    local = str(tmp_path / "run")
+    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as ck:
+        ck.save(_state(1), 1).wait(persisted=True)
+    code = (f"import lazyckpt, torch\n"
+            f"ck = lazyckpt.Checkpointer({local!r}, persist_to={url!r}, storage_options={opts!r})\n"
+            f"assert ck.load()['step'] == 1\n"
+            f"ck.save({{'w': torch.ones(3), 'step': 2, 'run': 'first'}}, 2).wait()\n"
+            f"print('resumed')\n")
+    proxy.fail_matching(lambda *a: True)      # a new process (its bucket check not cached) during the outage
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proxy.reset()
+    assert "resumed" in proc.stdout, proc.stderr[-1500:]

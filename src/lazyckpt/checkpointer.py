@@ -545,12 +545,16 @@ class Checkpointer:
             if self._replicas is not None and not cancel:
                 self._replicas.wait()
         finally:
-            if self.persistent is not None:
-                self.persistent.close(cancel=cancel)
-            if not cancel and (self.persistent is not None or self._replicas is not None):
-                self._retain_drained()
-            if self._writer is not None:
-                self._writer.release()
+            # The writer lease is released whatever the tiers raise (a failed upload is
+            # reported here): else this process could never open the directory again.
+            try:
+                if self.persistent is not None:
+                    self.persistent.close(cancel=cancel)
+                if not cancel and (self.persistent is not None or self._replicas is not None):
+                    self._retain_drained()
+            finally:
+                if self._writer is not None:
+                    self._writer.release()
 
     def __enter__(self) -> "Checkpointer":
         return self
