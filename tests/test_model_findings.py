@@ -23,15 +23,15 @@ def test_a_step_pruned_right_after_the_reader_saw_it_is_not_found(tmp_path, monk
         ck.save({"w": torch.ones(4)}, 1).wait()
         ck.save({"w": torch.ones(4) * 2}, 2).wait()
         path = ck.step_path(1)
-    real_exists, moved = os.path.exists, []
+    real_stat, moved = os.stat, []
 
-    def exists_then_pruned(p):
-        found = real_exists(p)
+    def stat_then_pruned(p, *args, **kwargs):
+        found = real_stat(p, *args, **kwargs)
         if p == path and not moved:         # prune's rename lands right after the reader's first look
             os.rename(path, os.path.join(str(tmp_path), ".deleting-step_0000000001-model"))
             moved.append(p)
         return found
-    monkeypatch.setattr(localstore.os.path, "exists", exists_then_pruned)
+    monkeypatch.setattr(localstore.os, "stat", stat_then_pruned)
     with pytest.raises(CheckpointNotFoundError):
         lazyckpt.load(path)
     assert moved

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import lazyckpt
+import lazyckpt.cli.prune
 import lazyckpt.storage.s3layout
 import lazyckpt.storage.s3leases
 import lazyckpt.loading.verify
