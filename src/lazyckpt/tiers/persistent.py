@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from lazyckpt.distributed import agree
-from lazyckpt.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, rank_filename
 from lazyckpt.history import Event, line, max_seq
 from lazyckpt.knobs import Options
@@ -91,7 +91,13 @@ class PersistentTier(NewestWinsDrain):
             # Checkpointer refuses a local persist_to before it gets here).
             raise ValueError(f"persist_to must be on a remote store, got {url!r}")
         self.url = store.normalize(url)
-        store.check(self.url, options)  # wrong credentials, a missing bucket: one clear error, now
+        try:
+            store.check(self.url, options)  # wrong credentials, a missing bucket: one clear error, now
+        except CheckpointReadError as exc:
+            # Down or overloaded (the request was retried): the local tier still opens, loads and
+            # saves; the drain publishes and uploads once the store answers (the outbox).
+            log.warning("lazyckpt: %s cannot be reached now (%s); saves go on locally and reach it later",
+                        self.url, exc)
         self.dir = store.checkpoint_dir(self.url, options)
         super().__init__(dist, self.url)
         self.options = options
@@ -113,7 +119,10 @@ class PersistentTier(NewestWinsDrain):
         #: Whether a save was superseded locally (a rollback committed since): its upload is dropped.
         self.abandoned: Callable[[int, str], bool] = lambda step, save_id: False
         if dist.coordinator:
-            self.dir.clean_leftovers()
+            try:
+                self.dir.clean_leftovers()
+            except CheckpointReadError as exc:
+                log.warning("lazyckpt: %s: its leftovers are cleaned later (%s)", self.url, exc)
 
     def enqueue(self, handle: Any, step: int, call: int, save_id: str, local_path: str,
                 seq: Optional[int] = None) -> None:
