@@ -297,11 +297,11 @@ def test_a_reader_of_the_latest_step_follows_a_commit_renaming_it_in(tmp_path, m
     recorded, go = threading.Event(), threading.Event()
     real_move_in = layout.CheckpointDir._move_in
 
-    def move_in(self, tmp, step, keep_superseded):
+    def move_in(self, tmp, step, keep_superseded, **kwargs):
         if threading.current_thread() is not threading.main_thread():
             recorded.set()
             go.wait(30)
-        return real_move_in(self, tmp, step, keep_superseded)
+        return real_move_in(self, tmp, step, keep_superseded, **kwargs)
 
     monkeypatch.setattr(layout.CheckpointDir, "_move_in", move_in)
     t = threading.Thread(target=lambda: writer.save(_state(3, "w"), step=3).wait())
@@ -331,29 +331,48 @@ def test_a_reader_of_the_latest_step_follows_a_commit_renaming_it_in(tmp_path, m
             looker.close()
 
 
-def test_an_error_after_the_commit_point_never_discards_the_committed_step(tmp_path, monkeypatch):
-    """A rename that fails after the record (EIO) fails the save, but the step is
-    committed there: the failed job must not remove its temporary directory (which
-    the record names), and the next Checkpointer finishes the commit. Before, the
-    failed job's cleanup deleted it and a rollback left neither line (step 2)."""
+@pytest.mark.parametrize("undo", ["succeeds", "fails"])
+def test_a_rename_failing_inside_a_rollback_commit_leaves_one_line(tmp_path, monkeypatch, undo):
+    """A rename that fails after the record (EIO) fails the save. The process is
+    alive to undo it: the superseded steps go back and the record is restored, so
+    the failed save changes nothing (steps 1-5). If the undo fails too, the step
+    stays committed (the record names it): the failed job must not remove its
+    temporary directory, and the next Checkpointer finishes the commit. Before,
+    the failed job's cleanup deleted it and the rollback left step 2."""
     import errno
+    from lazyckpt.storage import layout
     directory = str(tmp_path / "run")
     _prepare(directory, None)
     ckpt = lazyckpt.Checkpointer(directory)
     ckpt.load(step=2)
-    real_rename = os.rename
+    real_rename, real_write = os.rename, layout.write_file_atomic
 
     def rename(src, dst, *a, **k):
         if os.path.basename(str(src)).startswith(".tmp-step_"):
             raise OSError(errno.EIO, "injected", str(src))
         return real_rename(src, dst, *a, **k)
 
+    def write(path, data):
+        # The record is written by history.py; the layout rewrites it only to undo a commit.
+        if undo == "fails" and path.endswith("history.json"):
+            raise OSError(errno.EIO, "injected", path)
+        return real_write(path, data)
+
     monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(layout, "write_file_atomic", write)
     with pytest.raises(lazyckpt.CheckpointError):
         ckpt.save(_state(3, "resumed"), step=3).wait()
-    monkeypatch.setattr(os, "rename", real_rename)
+    monkeypatch.undo()
     ckpt.close()
-    assert _same(lazyckpt.load(directory), _state(3, "resumed"))
+    if undo == "succeeds":
+        expected, latest = [1, 2, 3, 4, 5], _state(5, "first")
+        assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+    else:
+        expected, latest = [1, 2, 3], _state(3, "resumed")
+    assert _same(lazyckpt.load(directory), latest)
     with lazyckpt.Checkpointer(directory) as again:
-        assert again.steps() == [1, 2, 3]
-        assert _same(again.load(), _state(3, "resumed"))
+        assert again.steps() == expected
+        assert _same(again.load(), latest)
+        for s in expected:
+            want = _state(3, "resumed") if undo == "fails" and s == 3 else _state(s, "first")
+            assert _same(again.load(step=s), want)

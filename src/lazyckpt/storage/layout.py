@@ -245,9 +245,28 @@ class CheckpointDir:
             if self.writer is not None:
                 self.writer.check()     # displaced by a takeover: commit nothing (fenced by the lock)
             self._recover_locked()      # an earlier commit's renames first (a crash, or an error)
-            if event is not None:
-                LocalRecord(self.path).add(event, self._present(), tmp=os.path.basename(tmp))
-            return self._move_in(tmp, step, keep_superseded)
+            present = self._present()
+            name = self.step_path(step)
+            if step not in present and os.path.lexists(name):
+                # Checked before the commit point: the rename could never land.
+                raise CheckpointError(f"{name} is in the way of step {step}: it is not a committed step (no "
+                                      f"{MANIFEST}); move it away", path=name, step=step)
+            if event is None:
+                return self._move_in(tmp, step, keep_superseded)
+            record = LocalRecord(self.path)
+            before = read_small_file(record.path, 16 << 20)
+            record.add(event, present, tmp=os.path.basename(tmp))
+            try:
+                return self._move_in(tmp, step, keep_superseded, undo=True)
+            except BaseException:
+                # This process is alive to undo it: the failed save changes nothing (the
+                # superseded steps are back, the record as it was). If the undo fails too,
+                # the step stays committed and recovery finishes it.
+                if before is None:
+                    remove_quietly(record.path)
+                else:
+                    write_file_atomic(record.path, before)
+                raise
 
     def recover(self, wait: bool = True) -> List[int]:
         """Finish a commit whose renames a crash interrupted (roll forward: its
@@ -267,19 +286,29 @@ class CheckpointDir:
                     committing.event.step)
         return self._move_in(os.path.join(self.path, committing.tmp), committing.event.step, keep_superseded=True)
 
-    def _move_in(self, tmp: str, step: int, keep_superseded: bool) -> List[int]:
+    def _move_in(self, tmp: str, step: int, keep_superseded: bool, undo: bool = False) -> List[int]:
+        """The renames after a commit point. ``undo``: if one fails, the steps
+        already moved aside are put back before the error propagates."""
         superseded = [s for s in self._present() if s >= step]
         retired = []
-        for s in sorted(superseded, reverse=True):
-            trash = self._retire(s, ABANDONED_PREFIX if keep_superseded else DELETING_PREFIX, force=True)
-            if trash is not None:
-                retired.append(trash)
-        if retired:
-            fsync_dir(self.path)        # the old line is gone before the new step appears
-            log.warning("lazyckpt: %s: step %d supersedes step(s) %s of an abandoned run (%s)", self.path,
-                        step, superseded, "kept as .abandoned-*" if keep_superseded else "deleted")
-        os.rename(tmp, self.step_path(step))
+        try:
+            for s in sorted(superseded, reverse=True):
+                trash = self._retire(s, ABANDONED_PREFIX if keep_superseded else DELETING_PREFIX, force=True)
+                if trash is not None:
+                    retired.append((s, trash))
+            if retired:
+                fsync_dir(self.path)    # the old line is gone before the new step appears
+                log.warning("lazyckpt: %s: step %d supersedes step(s) %s of an abandoned run (%s)", self.path,
+                            step, superseded, "kept as .abandoned-*" if keep_superseded else "deleted")
+            os.rename(tmp, self.step_path(step))
+        except BaseException:
+            if undo:
+                for s, trash in reversed(retired):
+                    os.rename(trash, self.step_path(s))
+                fsync_dir(self.path)
+            raise
         fsync_dir(self.path)
+        retired = [trash for _s, trash in retired]
         if not keep_superseded:
             for trash in retired:
                 self._remove_trash(trash)
