@@ -552,16 +552,7 @@ def run_forked(fn: Callable[[], Any], timeout: float = 120.0) -> Tuple[str, Any]
         except BaseException:
             payload = ("error", traceback.format_exc())
             code = 1
-        try:
-            data = pickle.dumps(payload)
-        except Exception:
-            data = pickle.dumps(("error", f"unpicklable result: {payload!r}"[:4000]))
-        view = memoryview(data)
-        while view:
-            n = os.write(w, view)
-            view = view[n:]
-        os.close(w)
-        os._exit(code)
+        report_and_exit(w, payload, code)
     os.close(w)
     chunks, deadline = [], time.monotonic() + timeout
     try:
@@ -1026,3 +1017,17 @@ def summarize(outcome: Outcome) -> str:
         if v["dropped"]:
             lines.append(f"      power loss dropped: {v['dropped'][:6]}")
     return "\n".join(lines)
+
+
+def report_and_exit(w: int, payload, code: int) -> None:
+    """A forked child's last act: its result, pickled, down the pipe ``w``; then ``os._exit``."""
+    try:
+        data = pickle.dumps(payload)
+    except Exception:
+        data = pickle.dumps(("error", f"unpicklable result: {payload!r}"[:4000]))
+    view = memoryview(data)
+    while view:
+        n = os.write(w, view)
+        view = view[n:]
+    os.close(w)
+    os._exit(code)

@@ -113,16 +113,7 @@ def _rank_child(rank: int, port: int, w: int, fn: Callable[[int], Any], stacks: 
     except BaseException:
         payload = ("error", traceback.format_exc())
         code = 1
-    try:
-        data = pickle.dumps(payload)
-    except Exception:
-        data = pickle.dumps(("error", f"unpicklable result: {payload!r}"[:4000]))
-    view = memoryview(data)
-    while view:
-        n = os.write(w, view)
-        view = view[n:]
-    os.close(w)
-    os._exit(code)
+    cp.report_and_exit(w, payload, code)
 
 
 def run_job(fn: Callable[[int, List[int]], Any], timeout: float = 120.0) -> List[Tuple[str, Any]]:
