@@ -299,6 +299,7 @@ def verify_directory(directory: str, log_path: str, size: int, ckpt_kwargs: Dict
     if before:
         time.sleep(LEASE_EXPIRY_S * 1.2)        # the killed child's leases run out
     ckpt = lazyckpt.Checkpointer(directory, keep_last=KEEP_LAST, **ckpt_kwargs)
+    ckpt.layout.close()     # the leftover scan opening starts runs in the background: wait for it
     after = leftovers(directory)
     report["leftovers_after_open"] = after
     if after:

@@ -693,6 +693,36 @@ def _checkpointer(ctx: Ctx, program: Program, directory: Optional[str] = None) -
     return lazyckpt.Checkpointer(directory or os.path.join(ctx.case, "run"), **kw)
 
 
+def index_problems(directory: str, when: str) -> List[str]:
+    """The index (``CheckpointDir.tail``/``locate_step``: the record's last
+    commit and ``latest``, a few stats) against the listing (``step_paths``:
+    the names and the record), on a local directory: where the index answers,
+    it must give what the listing gives (issue 34). A listing that changed
+    while the index was asked (retention of a drained tier) is asked again."""
+    from lazyckpt.storage.layout import CheckpointDir
+    if not os.path.isdir(directory):
+        return []
+    layout = CheckpointDir(directory)
+    for _attempt in range(5):
+        listing = layout.step_paths()
+        newest = (max(listing), listing[max(listing)]) if listing else None
+        problems = []
+        tail = layout.tail()
+        if tail is not None and tail != newest:
+            problems.append(f"{when}: the index says the latest step is {tail}, the listing {newest}")
+        if layout.locate_step(None) != newest:
+            problems.append(f"{when}: locate_step(None) = {layout.locate_step(None)}, the listing {newest}")
+        for s in sorted(set(listing) | {s + 1 for s in listing}):
+            want = (s, listing[s]) if s in listing else None
+            if layout.locate_step(s) != want:
+                problems.append(f"{when}: locate_step({s}) = {layout.locate_step(s)}, the listing {want}")
+        if layout.latest() != (newest[0] if newest else None):
+            problems.append(f"{when}: latest() = {layout.latest()}, the listing {newest}")
+        if not problems or layout.step_paths() == listing:
+            return problems
+    return problems
+
+
 def check_case(ctx: Ctx, program: Program) -> List[str]:
     """The invariants after a crash (run in a fresh child). Returns the violations."""
     import lazyckpt
@@ -701,6 +731,7 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
         return _check_file(ctx, program)
     problems: List[str] = []
     directory = os.path.join(ctx.case, "run")
+    problems += index_problems(directory, "after the crash, before any open")
     union = {}
     for w in program.worlds:
         union.update({(s, id(v)): (s, v) for s, v in w.allowed.items()})
@@ -721,6 +752,7 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
         ckpt = _checkpointer(ctx, program)
     except Exception as exc:
         return problems + [f"Checkpointer(dir) after the crash: {type(exc).__name__}: {exc}"]
+    problems += index_problems(directory, "after the open's recovery")
     world = None
     try:
         try:
@@ -783,6 +815,7 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
                                 f"{ckpt.loaded_from['step']} / other values")
         except Exception as exc:
             problems.append(f"restart: save(step={new_step}): {type(exc).__name__}: {exc}")
+        problems += index_problems(directory, "after the restart's save")
     finally:
         try:
             ckpt.close()

@@ -57,6 +57,8 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, Checkpoint
 from lazyckpt.saving.costs import problems as cost_problems
 from lazyckpt.knobs import INCREMENTAL_MODES, resolve
 
+from _crashpoints import index_problems
+
 # ----------------------------------------------------------------- configurations
 
 #: incremental= values to drive: off, True (the default mode's alias) and every
@@ -554,6 +556,19 @@ class Run:
         self.next_step = step + 1
 
     def rule_wait(self, arg: int) -> None:
+        self._wait()
+        self._settle()
+
+    def rule_burst(self, arg: int) -> None:
+        """A long history quickly (issue 34): many saves of the same state in a
+        row, past the record's bounded window (history.RECENT_EVENTS), so that
+        the index, retention and later rollbacks meet a run of hundreds of steps."""
+        n = BURST_STEPS if not (self.cfg.persist or self.cfg.replicas or self.distributed) else BURST_STEPS_TIERS
+        for _ in range(n):
+            self.rule_save(0)
+            if len(self.pending) >= 16:
+                self._wait()
+                self._settle()
         self._wait()
         self._settle()
 
@@ -1091,7 +1106,7 @@ class Run:
         self._wait()
         self._settle()
 
-    RULES = ("train", "save", "wait", "rollback", "crash", "kill", "kill_in_commit", "takeover", "restart",
+    RULES = ("train", "save", "wait", "burst", "rollback", "crash", "kill", "kill_in_commit", "takeover", "restart",
              "lose_local", "corrupt", "prune", "fail_next", "outage", "heal", "corrupt_meta", "prune_in_flight",
              "reshape", "lease_expiry")
     #: Rules that start a process (seconds each): under LAZYCKPT_MODEL_KILLS in the hypothesis machine.
@@ -1164,6 +1179,10 @@ class Run:
             if expected is None or not same(expected, values):
                 self.fail(f"load(step={s}) from the {self.ckpt.loaded_from['tier']} tier"
                           + self._which(s, values))
+        if (self.rank == 0 or self.cfg.replicas) and os.path.isdir(self.local):
+            # The index (latest step in a few stats) says what the listing says (issue 34).
+            for problem in index_problems(self.local, f"after {self.log[-1] if self.log else 'the start'}"):
+                self.fail(problem)
         if (self.rank == 0 or self.cfg.replicas) and self.ckpt.steps():
             report = lzverify.verify(self.local)
             if not report.ok:
@@ -1325,8 +1344,13 @@ def _diff_row_problems(where: str, row: Any, a: torch.Tensor, b: torch.Tensor) -
 
 # ----------------------------------------------------------------- random programs
 
+#: Saves in one ``burst`` (past history.RECENT_EVENTS = 256), and with tiers or
+#: several ranks (each save there costs an upload or a round).
+BURST_STEPS = 300
+BURST_STEPS_TIERS = 24
+
 #: Relative weights of the rules in a random program.
-WEIGHTS = {"train": 6, "save": 6, "wait": 2, "rollback": 2, "crash": 1, "kill": 1, "kill_in_commit": 1,
+WEIGHTS = {"train": 6, "save": 6, "wait": 2, "burst": 1, "rollback": 2, "crash": 1, "kill": 1, "kill_in_commit": 1,
            "takeover": 1, "restart": 1, "lose_local": 1, "corrupt": 1, "prune": 1,
            "corrupt_meta": 1, "prune_in_flight": 1, "reshape": 1, "lease_expiry": 1}
 #: The fault rules (persist_to, one rank): in random programs with ``faults=True``

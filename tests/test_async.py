@@ -192,7 +192,8 @@ def test_close_drains_saves_in_flight(tmp_path):
     for i in range(4):
         ckpt.save({"w": torch.randn(20_000)}, step=i)
     ckpt.close()
-    assert lazyckpt.Checkpointer(tmp_path).steps() == [0, 1, 2, 3]
+    with lazyckpt.Checkpointer(tmp_path) as reopened:       # (its leftover scan is a thread until closed)
+        assert reopened.steps() == [0, 1, 2, 3]
     assert _lazy_threads() <= before
 
 
@@ -213,7 +214,8 @@ def test_close_cancel_commits_nothing_pending_and_leaks_nothing(tmp_path):
     finally:
         fileio.OutputFile.pwrite_all = real
     assert all(h.done() for h in handles)
-    committed = lazyckpt.Checkpointer(tmp_path).steps()
+    with lazyckpt.Checkpointer(tmp_path) as reopened:
+        committed = reopened.steps()
     assert all(h.cancelled for h in handles if h.step not in committed)
     assert any(h.cancelled for h in handles)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]

@@ -317,6 +317,18 @@ def test_kills_inside_rollback_commits_and_takeovers_keep_the_line_of_history(cf
     run_program(cfg, str(tmp_path), url, program)
 
 
+@pytest.mark.parametrize("cfg,keep_last", [(Config(), None), (Config(), 3), (Config(incremental=True), None)],
+                         ids=["keep-all", "keep-3", "incremental-keep-all"])
+def test_a_long_history_keeps_the_index_on_the_line(cfg, keep_last, tmp_path):
+    """Issue 34: hundreds of steps (past the record's bounded window), rollbacks
+    into them and kills inside their commits: the index (the latest step in a few
+    stats) answers what the listing answers after every rule (Run.check)."""
+    program = [("save", 0), ("burst", 0), ("train", 1), ("rollback", 7), ("save", 0), ("burst", 0),
+               ("kill_in_commit", 0), ("rollback", 1 << 15), ("train", 2), ("kill_in_commit", 1),
+               ("save", 0), ("crash", 0), ("burst", 0), ("restart", 0), ("save", 0), ("wait", 0)]
+    run_program(cfg, str(tmp_path), None, program, knobs={"keep_last": keep_last})
+
+
 # ----------------------------------------------------------------- refused combinations
 
 def test_the_matrix_is_the_issue_matrix():

@@ -179,7 +179,7 @@ class Checkpointer:
             # a commit in progress elsewhere finishes its own), then only what is provably
             # dead (leases expired) is removed: never another process's live save.
             self.layout.recover(wait=False)
-            self.layout.clean_leftovers()
+            self.layout.start_tidy()
         #: The latest local step re-enqueued for the persistent tier at start (its upload
         #: failed or never ran before the last run ended), or None.
         self.resumed_drain: Optional[SaveHandle] = None
@@ -493,9 +493,13 @@ class Checkpointer:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""
         if self.persistent is None:
             # One tier: its steps are one line by construction (committing S removes every step >= S).
+            tier = "local" if not self.on_object_store else "object store"
+            if not self.on_object_store:
+                found = self.layout.locate_step(step)       # the index: no listing
+                return [] if found is None else [(found[0], tier, found[1])]
             local = self.layout.step_paths()
             order = sorted(local, reverse=True) if step is None else [step] if step in local else []
-            return [(s, "local" if not self.on_object_store else "object store", local[s]) for s in order]
+            return [(s, tier, local[s]) for s in order]
         # Two tiers: a copy counts only if it is the live save of its step (the same save_id), so
         # neither an abandoned step nor another run's save of the same step number is ever loaded.
         live, local, remote = self._line()
@@ -555,6 +559,7 @@ class Checkpointer:
             finally:
                 if self._writer is not None:
                     self._writer.release()
+                self.layout.close()
 
     def __enter__(self) -> "Checkpointer":
         return self

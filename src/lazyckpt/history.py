@@ -51,8 +51,9 @@ _EVENT_KEY = re.compile(r"^history/(\d{12})-(\d{10})-([A-Za-z0-9_.-]{1,128})$")
 # What an event key holds (formats/names.py: MAX_SEQ, MAX_STEP, SAVE_ID): every
 # number read from a record, a manifest or a key is checked against them, and
 # no commit is numbered past them.
-#: Events kept in the local record besides those of steps present: enough to
-#: tell any tier's leftover of a recent abandoned run from the live line.
+#: Events kept in the local record (the newest; present steps' events are also
+#: in their manifests): enough to tell any tier's leftover of a recent
+#: abandoned run from the live line, and bounded (issue 34).
 RECENT_EVENTS = 256
 
 
@@ -229,18 +230,17 @@ class LocalRecord:
             return None
         return Committing(Event(step, sid, seq), tmp)
 
-    def add(self, event: Event, present_steps: Iterable[int], tmp: Optional[str] = None) -> None:
+    def add(self, event: Event, tmp: Optional[str] = None) -> None:
         """Record a commit (coordinator, once the step is complete in ``tmp``:
-        this atomic write is the commit point). Keeps the events of the steps
-        present and the newest others (bounded)."""
+        this atomic write is the commit point). Keeps the newest
+        ``RECENT_EVENTS`` events, whatever the number of steps kept: every
+        present step's event is also in its manifest, so the record's size,
+        and the cost of rewriting it at every commit, do not grow with the run."""
         top, events = self.read()
         events = [e for e in events if (e.step, e.save_id) != (event.step, event.save_id)] + [event]
-        present = set(present_steps)
         events.sort(key=lambda e: e.seq)
-        recent = events[-RECENT_EVENTS:]
-        kept = [e for e in events[:-RECENT_EVENTS] if e.step in present] + recent
         doc: Dict[str, Any] = {"seq": max(top, event.seq or 0),
-                               "events": [[e.step, e.save_id, e.seq] for e in kept]}
+                               "events": [[e.step, e.save_id, e.seq] for e in events[-RECENT_EVENTS:]]}
         if tmp is not None:
             doc["commit"] = [event.step, event.save_id, event.seq, tmp]
         write_file_atomic(self.path, json.dumps(doc, separators=(",", ":")).encode())
@@ -266,7 +266,15 @@ class History:
         if self._top is None:
             top = 0
             if self.record is not None:
-                top = max(self.record.read()[0], max_seq(self.local_events()))
+                top = self.record.read()[0]
+                tail = self.layout.tail() if top else None
+                if tail is not None:
+                    # The record holds the largest seq; the newest step's manifest too, in
+                    # case a copy brought it in without the record (no listing either way).
+                    e = manifest_event(read_small_file(os.path.join(tail[1], MANIFEST), 1 << 30))
+                    top = max(top, e.seq or 0) if e is not None else top
+                else:
+                    top = max(top, max_seq(self.local_events()))     # no record, or no index: every manifest
             if self.remote is not None:
                 try:
                     top = max(top, max_seq(self.remote.listing()[1]))

@@ -251,7 +251,7 @@ class StepCommit(CommitStrategy):
         self.layout.apply_retention(self.keep_last)
         # Superseding made the step just committed the newest one.
         self.layout.write_latest(self.step)
-        self.layout.clean_leftovers()
+        self.layout.tidy()              # what needs another look, not a listing (issue 34)
 
     def failure_message(self, job: Job, cause: str) -> str:
         return f"{self.path}: checkpoint of step {self.step} failed: {cause}"

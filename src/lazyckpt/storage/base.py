@@ -310,6 +310,16 @@ class Directory(Protocol):
     def clean_leftovers(self) -> List[str]:
         """Remove what is provably dead (expired saves, interrupted deletes); never data."""
 
+    def start_tidy(self) -> None:
+        """At open: start the cleanup of leftovers (in the background where a
+        listing grows with the steps kept)."""
+
+    def tidy(self) -> List[str]:
+        """After a commit: clean what needs another look (never data)."""
+
+    def close(self) -> None:
+        """Wait for what :meth:`start_tidy` started."""
+
     def recover(self, wait: bool = True) -> List[int]:
         """Finish a commit a crash interrupted after its commit point (roll
         forward); returns the steps it superseded. Where a commit is one atomic

@@ -86,6 +86,11 @@ def _lock_dir(fd: int, timeout_s: Optional[float]) -> bool:
         time.sleep(0.005)
 
 
+#: Leftover kinds :meth:`CheckpointDir.tidy` watches while they are live (a save
+#: in progress, a trash a reader holds); abandoned steps stay until retention.
+_WATCHED = ("saving",)
+
+
 def remove_tree(path: str) -> None:
     """Remove a file or a directory tree; a path already gone is fine."""
     try:
@@ -131,6 +136,13 @@ class CheckpointDir:
         self._lock_depth = 0
         self._lock_mutex = threading.RLock()
         self._lock_fd = -1
+        #: Leftovers to look at again after a commit (:meth:`tidy`): what the last full scan
+        #: found still live, and this writer's own trash a reader kept it from removing.
+        #: Bounded by the crashes and busy readers, not by the steps kept.
+        self._watch: set = set()
+        self._watch_mutex = threading.Lock()
+        #: The full leftover scan started at open (:meth:`start_tidy`), or None.
+        self._scan: Optional[threading.Thread] = None
 
     # ---------------------------------------------------------------- names
 
@@ -192,9 +204,51 @@ class CheckpointDir:
         m = STEP_DIR.match(os.path.basename(step_path))
         return committing is not None and m is not None and int(m.group(1)) >= committing.event.step
 
+    def tail(self) -> Optional[Tuple[int, str]]:
+        """The latest committed step and where it is, from the index -- the
+        record's last commit, when ``DIR/latest`` names the same step and that
+        step is complete -- in a few ``stat`` calls whatever the number of
+        steps kept; None when the index cannot be trusted (no record, a crash
+        between the commit point and ``latest``, the step deleted by hand or
+        by ``prune``, a commit that kept no line of history): then the caller
+        lists. Why it is right: a commit of S supersedes every step >= S, so
+        the last commit's step is the newest one on the line until something
+        deletes it; every commit writes ``latest`` last and a commit without a
+        record removes ``latest`` first (FORMAT.md §11.10)."""
+        committing = LocalRecord(self.path).committing()
+        if committing is None:
+            return None
+        step = committing.event.step
+        tmp = os.path.join(self.path, committing.tmp)
+        if os.path.isfile(os.path.join(tmp, MANIFEST)):
+            return step, tmp            # committed, renames pending: the record's line
+        if self.latest_file() != step:
+            return None
+        path = self.step_path(step)
+        return (step, path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
+
     def latest(self) -> Optional[int]:
+        tail = self.tail()
+        if tail is not None:
+            return tail[0]
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def locate_step(self, step: Optional[int]) -> Optional[Tuple[int, str]]:
+        """(step, where it is) for a committed step (None: the latest), or None
+        if it is not committed: the view of :meth:`step_paths` for one step,
+        in a few ``stat`` calls, listing only when the index cannot be trusted."""
+        if step is None:
+            tail = self.tail()
+            if tail is not None:
+                return tail
+            paths = self.step_paths()
+            return (max(paths), paths[max(paths)]) if paths else None
+        committing = self._interrupted()
+        if committing is not None and step >= committing.event.step:
+            return (step, os.path.join(self.path, committing.tmp)) if step == committing.event.step else None
+        path = self.step_path(step)
+        return (step, path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
 
     def latest_file(self) -> Optional[int]:
         """What ``DIR/latest`` says (advisory: readers trust the listing)."""
@@ -245,19 +299,23 @@ class CheckpointDir:
             if self.writer is not None:
                 self.writer.check()     # displaced by a takeover: commit nothing (fenced by the lock)
             self._recover_locked()      # an earlier commit's renames first (a crash, or an error)
-            present = self._present()
             name = self.step_path(step)
-            if step not in present and os.path.lexists(name):
+            if os.path.lexists(name) and not os.path.isfile(os.path.join(name, MANIFEST)):
                 # Checked before the commit point: the rename could never land.
                 raise CheckpointError(f"{name} is in the way of step {step}: it is not a committed step (no "
                                       f"{MANIFEST}); move it away", path=name, step=step)
+            # Before the commit point (after it the index names the new step).
+            superseded = self._superseded(step)
             if event is None:
-                return self._move_in(tmp, step, keep_superseded)
+                # No record names this commit: the index must not outlive it (tail()).
+                remove_quietly(os.path.join(self.path, LATEST))
+                fsync_dir(self.path)
+                return self._move_in(tmp, step, keep_superseded, superseded=superseded)
             record = LocalRecord(self.path)
             before = read_small_file(record.path, 16 << 20)
-            record.add(event, present, tmp=os.path.basename(tmp))
+            record.add(event, tmp=os.path.basename(tmp))
             try:
-                return self._move_in(tmp, step, keep_superseded, undo=True)
+                return self._move_in(tmp, step, keep_superseded, undo=True, superseded=superseded)
             except BaseException:
                 # This process is alive to undo it: the failed save changes nothing (the
                 # superseded steps are back, the record as it was). If the undo fails too,
@@ -286,10 +344,21 @@ class CheckpointDir:
                     committing.event.step)
         return self._move_in(os.path.join(self.path, committing.tmp), committing.event.step, keep_superseded=True)
 
-    def _move_in(self, tmp: str, step: int, keep_superseded: bool, undo: bool = False) -> List[int]:
+    def _superseded(self, step: int) -> List[int]:
+        """The committed steps >= ``step``. A commit past the latest step (every
+        commit but a rollback's) supersedes nothing and needs no listing."""
+        tail = self.tail()
+        if tail is not None and step > tail[0]:
+            return []
+        return [s for s in self._present() if s >= step]
+
+    def _move_in(self, tmp: str, step: int, keep_superseded: bool, undo: bool = False,
+                 superseded: Optional[List[int]] = None) -> List[int]:
         """The renames after a commit point. ``undo``: if one fails, the steps
-        already moved aside are put back before the error propagates."""
-        superseded = [s for s in self._present() if s >= step]
+        already moved aside are put back before the error propagates.
+        ``superseded``: the steps >= ``step`` (listed when not given)."""
+        if superseded is None:
+            superseded = [s for s in self._present() if s >= step]
         retired = []
         try:
             for s in sorted(superseded, reverse=True):
@@ -332,7 +401,7 @@ class CheckpointDir:
 
     def record_event(self, event: Any) -> None:
         """The local record of the line of history (``DIR/history.json``)."""
-        LocalRecord(self.path).add(event, self.steps())
+        LocalRecord(self.path).add(event)
 
     def write_latest(self, step: int) -> None:
         write_file_atomic(os.path.join(self.path, LATEST), f"{step}\n".encode())
@@ -451,18 +520,24 @@ class CheckpointDir:
         if fd is not None:
             os.close(fd)
         if busy:
-            return                      # a reader still holds it: a later cleanup removes it
+            with self._watch_mutex:
+                self._watch.add(os.path.basename(trash))    # a reader still holds it: tidy() retries
+            return
         shutil.rmtree(trash, ignore_errors=True)
 
     # ---------------------------------------------------------------- leftovers
 
-    def leftovers(self, expiry_s: Optional[float] = None) -> List[Leftover]:
+    def leftovers(self, expiry_s: Optional[float] = None, names: Optional[List[str]] = None) -> List[Leftover]:
+        """What interrupted saves, deletes and superseded steps left here
+        (``names``: only among those, without listing the directory)."""
         expiry = self.lease_expiry_s if expiry_s is None else expiry_s
         out = []
         now = time.time()
         committing = self._interrupted()
-        for name in sorted(os.listdir(self.path)):
+        for name in sorted(os.listdir(self.path) if names is None else names):
             path = os.path.join(self.path, name)
+            if names is not None and not os.path.lexists(path):
+                continue
             if committing is not None and name == committing.tmp:
                 continue                # a committed step whose rename is pending (recover): not a leftover
             if name.startswith(TEMP_PREFIX + "step_"):
@@ -485,11 +560,18 @@ class CheckpointDir:
             out.append(Leftover(name, kind, tree_bytes(path), _step_in(name)))
         return out
 
-    def clean_leftovers(self) -> List[str]:
+    def clean_leftovers(self, names: Optional[List[str]] = None) -> List[str]:
         """Remove what is provably dead: expired saves, interrupted deletes (not
-        being read), stale small temporaries. Never a live save, never data."""
+        being read), stale small temporaries. Never a live save, never data.
+        The leftovers still live are watched (:meth:`tidy` looks at them again).
+        ``names``: only among those (no listing)."""
         removed = []
-        for leftover in self.leftovers():
+        found = self.leftovers(names=names)
+        with self._watch_mutex:
+            if names is not None:
+                self._watch.difference_update(names)
+            self._watch.update(x.name for x in found if not x.removable and x.kind in _WATCHED)
+        for leftover in found:
             if not leftover.removable:
                 continue
             path = os.path.join(self.path, leftover.name)
@@ -502,6 +584,38 @@ class CheckpointDir:
         if removed:
             log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", self.path, removed)
         return removed
+
+    def start_tidy(self) -> None:
+        """At open: the full leftover scan (one listing of the directory, which
+        grows with the steps kept), in the background so that opening and the
+        first load do not wait for it. :meth:`tidy` and :meth:`close` join it."""
+        if self._scan is None:
+            self._scan = threading.Thread(target=self._scan_quietly, name="lazyckpt-leftovers", daemon=True)
+            self._scan.start()
+
+    def _scan_quietly(self) -> None:
+        try:
+            self.clean_leftovers()
+        except Exception as exc:        # cleanup is best effort: a later open scans again
+            log.warning("lazyckpt: %s: the leftover scan failed: %s", self.path, exc)
+
+    def tidy(self) -> List[str]:
+        """After a commit: the leftovers known to need another look (those the
+        scan at open found live, this writer's trash a reader held), not a
+        listing of the directory: a commit costs the same whatever the number
+        of steps kept. Leftovers that appear later from another process (a
+        writer displaced by a takeover) wait for the next open, an explicit
+        :meth:`clean_leftovers` or ``lazyckpt prune``."""
+        self.close()
+        with self._watch_mutex:
+            names = sorted(self._watch)
+        return self.clean_leftovers(names) if names else []
+
+    def close(self) -> None:
+        """Wait for the scan started at open."""
+        scan = self._scan
+        if scan is not None and scan is not threading.current_thread():
+            scan.join()
 
     # ---------------------------------------------------------------- the read side (base.Directory)
 

@@ -326,6 +326,15 @@ class ObjectCheckpointDir:
     def recover(self, wait: bool = True) -> List[int]:
         return []                       # a save becomes visible by one PUT (its manifest): nothing to finish
 
+    def start_tidy(self) -> None:
+        self.clean_leftovers()
+
+    def tidy(self) -> List[str]:
+        return self.clean_leftovers()
+
+    def close(self) -> None:
+        pass
+
     def clean_leftovers(self, expiry_s: Optional[float] = None) -> List[str]:
         """Delete dead saves' prefixes and abort their open uploads (never a
         save whose heartbeat or upload is younger than the lease expiry)."""

@@ -1,0 +1,213 @@
+"""Bookkeeping against history length (issue 34): what one commit, ``steps()``,
+``latest_step()`` and opening a Checkpointer + ``load()`` of the latest step
+cost when a run keeps every step (``keep_last=None``), at 10, 1,000, 10,000
+and 100,000 steps kept, and how many bytes every record file holds.
+
+Directories are **synthetic** past the first real saves: one real step is
+saved, then cloned (hard links to its data file, a rewritten manifest with
+its own step, save id and seq and a fresh checksum) into as many step
+directories as the point needs, and ``history.json`` is written with the
+events the library itself keeps for them. Building 100,000 steps by saving
+them would take hours; the directory is the same byte for byte in every
+file the bookkeeping reads. Then, on that directory, a Checkpointer is
+opened, timed, and saves ``--commits`` more steps of a 4 KB state
+(``save().wait()`` each, timed: the commit's latency), and ``steps()`` and
+``latest_step()`` are timed on it.
+
+    .venv/bin/python benchmarks/bench_long_run.py                 # local, 10..100,000
+    .venv/bin/python benchmarks/bench_long_run.py --s3            # SeaweedFS too (10..10,000)
+    .venv/bin/python benchmarks/bench_long_run.py --sizes 10 1000 --baseline-src /work/wt/orig/src
+
+Each size runs in a fresh process (``--baseline-src``: the same with another
+tree's ``src`` first on ``PYTHONPATH``, interleaved). Printed: medians, and
+the ratio of every figure to the 10-step one (goal: commit within 1.2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
+
+
+def _median_ms(samples):
+    return 1e3 * statistics.median(samples)
+
+
+def build_local(path: str, steps: int) -> None:
+    """``steps`` committed steps in ``path``: 2 real saves, the rest cloned."""
+    import torch
+    import lazyckpt
+    from lazyckpt.formats import manifest as manifests
+
+    with lazyckpt.Checkpointer(path, keep_last=None) as ckpt:
+        for s in (1, 2):
+            ckpt.save({"w": torch.randn(1024)}, step=s).wait()
+    if steps <= 2:
+        return
+    src = os.path.join(path, "step_0000000001")
+    with open(os.path.join(src, "manifest.json"), "rb") as f:
+        template = json.loads(f.read())
+    template.pop("checksum")
+    # Steps 1..steps-1 are clones (step 2 is re-made as a clone too); the real
+    # step 2 becomes the newest one, renumbered, so the latest step loads for real.
+    real = os.path.join(path, "step_0000000002")
+    last = os.path.join(path, f"step_{steps:010d}")
+    os.rename(real, last)
+    events = []
+    for s in range(1, steps):
+        d = os.path.join(path, f"step_{s:010d}")
+        sid = uuid.uuid4().hex
+        if s != 1:
+            os.mkdir(d)
+            for name in os.listdir(src):
+                if name != "manifest.json":
+                    os.link(os.path.join(src, name), os.path.join(d, name))
+        doc = dict(template, step=s, save_id=sid, seq=s, metadata={"step": s})
+        doc["checksum"] = manifests.checksum(doc)
+        with open(os.path.join(d, "manifest.json"), "w") as f:
+            f.write(json.dumps(doc, separators=(",", ":")))
+        events.append([s, sid, s])
+    with open(os.path.join(last, "manifest.json"), "rb") as f:
+        doc = json.loads(f.read())
+    doc.pop("checksum")
+    doc.update(step=steps, seq=steps, metadata={"step": steps})
+    doc["checksum"] = manifests.checksum(doc)
+    with open(os.path.join(last, "manifest.json"), "w") as f:
+        f.write(json.dumps(doc, separators=(",", ":")))
+    events.append([steps, doc["save_id"], steps])
+    # The record as the library keeps it: the events of every step present.
+    record = {"seq": steps, "events": events,
+              "commit": [steps, doc["save_id"], steps, ".tmp-step_%010d-000000000000" % steps]}
+    with open(os.path.join(path, "history.json"), "w") as f:
+        f.write(json.dumps(record, separators=(",", ":")))
+    with open(os.path.join(path, "latest"), "w") as f:
+        f.write(f"{steps}\n")
+    os.sync()
+
+
+def record_bytes(path: str) -> dict:
+    """Bytes of every file the bookkeeping keeps outside the steps."""
+    out = {}
+    for name in sorted(os.listdir(path)):
+        p = os.path.join(path, name)
+        if os.path.isfile(p):
+            out[name] = os.path.getsize(p)
+    return out
+
+
+def measure(url: str, steps: int, commits: int) -> dict:
+    import torch
+    import lazyckpt
+
+    state = {"w": torch.randn(1024)}
+    t0 = time.perf_counter()
+    ckpt = lazyckpt.Checkpointer(url, keep_last=None)
+    got = ckpt.load()
+    open_load = time.perf_counter() - t0
+    assert got["w"].shape == (1024,)
+    commit = []
+    step = steps
+    for _ in range(commits):
+        step += 1
+        t = time.perf_counter()
+        ckpt.save(state, step=step).wait()
+        commit.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    listed = ckpt.steps()
+    steps_s = time.perf_counter() - t
+    t = time.perf_counter()
+    latest = ckpt.latest_step()
+    latest_s = time.perf_counter() - t
+    assert latest == step and len(listed) == steps + commits, (latest, step, len(listed))
+    ckpt.close()
+    return {"commit_ms": _median_ms(commit), "commit_p90_ms": 1e3 * sorted(commit)[int(0.9 * len(commit))],
+            "steps_ms": 1e3 * steps_s, "latest_ms": 1e3 * latest_s, "open_load_ms": 1e3 * open_load}
+
+
+def child(args: argparse.Namespace) -> None:
+    root = tempfile.mkdtemp(prefix="lazyckpt-longrun-", dir=args.dir)
+    try:
+        path = os.path.join(root, "run")
+        t = time.perf_counter()
+        build_local(path, args.child)
+        built_s = time.perf_counter() - t
+        url = path
+        server = None
+        if args.s3:
+            sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+            from _s3server import SeaweedServer
+            server = SeaweedServer(os.path.join(root, "weed"))
+            server.start()
+            url = server.bucket_url("longrun")
+            server.upload_tree(path, url)
+        os.system("sync")
+        out = measure(url, args.child, args.commits)
+        if not args.s3:
+            out["records"] = record_bytes(path)
+        out["build_s"] = built_s
+        if server is not None:
+            server.stop()
+        print(json.dumps(out))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10, 1000, 10000, 100000])
+    ap.add_argument("--commits", type=int, default=30, help="timed commits per size")
+    ap.add_argument("--runs", type=int, default=1, help="fresh processes per size (medians across)")
+    ap.add_argument("--s3", action="store_true", help="on SeaweedFS instead of a local directory")
+    ap.add_argument("--baseline-src", help="another tree's src, measured interleaved")
+    ap.add_argument("--dir", default=None, help="where the synthetic directories go (default: $TMPDIR)")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        child(args)
+        return
+    trees = {"this": SRC}
+    if args.baseline_src:
+        trees["baseline"] = os.path.abspath(args.baseline_src)
+    results = {name: {n: [] for n in args.sizes} for name in trees}
+    for r in range(args.runs):
+        for n in args.sizes:
+            for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", str(n), "--commits", str(args.commits)]
+                if args.s3:
+                    cmd.append("--s3")
+                if args.dir:
+                    cmd += ["--dir", args.dir]
+                done = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=trees[name]), check=True,
+                                      capture_output=True, text=True)
+                fig = json.loads(done.stdout.strip().splitlines()[-1])
+                results[name][n].append(fig)
+                print(f"run {r + 1} {name} {n:>7} steps: " +
+                      " ".join(f"{k}={v:.2f}" for k, v in fig.items() if isinstance(v, float)), flush=True)
+                if "records" in fig:
+                    print(f"    record files (bytes): {fig['records']}", flush=True)
+    metrics = ["commit_ms", "commit_p90_ms", "steps_ms", "latest_ms", "open_load_ms"]
+    where = "SeaweedFS (s3://)" if args.s3 else "local directory"
+    for name, by_size in results.items():
+        print(f"\n{name} ({trees[name]}), {where}, keep_last=None, 4 KB state; medians over {args.runs} run(s)")
+        print(f"{'steps kept':>10}" + "".join(f"{m:>15}" for m in metrics) + f"{'commit/10':>11}")
+        base = None
+        for n in args.sizes:
+            med = {m: statistics.median(f[m] for f in by_size[n]) for m in metrics}
+            base = base or med
+            print(f"{n:>10}" + "".join(f"{med[m]:>15.2f}" for m in metrics) +
+                  f"{med['commit_ms'] / base['commit_ms']:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()
