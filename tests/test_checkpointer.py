@@ -75,7 +75,8 @@ def test_context_manager_drains_and_closes(ckpt_dir, no_leaked_threads):
     with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
         for s in range(3):
             ckpt.save(state_for(s), step=s)          # no wait: exit drains
-    assert lazyckpt.Checkpointer(ckpt_dir).steps() == [0, 1, 2]
+    with lazyckpt.Checkpointer(ckpt_dir) as reopened:       # (its leftover scan is a thread until closed)
+        assert reopened.steps() == [0, 1, 2]
     with pytest.raises(lazyckpt.CheckpointError, match="closed"):
         ckpt.save(state_for(9), step=9)
     with pytest.raises(lazyckpt.CheckpointError, match="closed"):
@@ -89,7 +90,8 @@ def test_exception_in_context_cancels_and_leaks_nothing(ckpt_dir, no_leaked_thre
             ckpt.save(state_for(1), step=1).wait()
             ckpt.save(state_for(2), step=2)
             raise RuntimeError("boom")
-    steps = lazyckpt.Checkpointer(ckpt_dir).steps()
+    with lazyckpt.Checkpointer(ckpt_dir) as reopened:
+        steps = reopened.steps()
     assert steps in ([1], [1, 2])
     assert not [n for n in os.listdir(ckpt_dir) if n.startswith(".tmp-")]
 
