@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -111,33 +112,104 @@ def record_bytes(path: str) -> dict:
     return out
 
 
-def measure(url: str, steps: int, commits: int) -> dict:
+def upload_run(path: str, client, bucket: str, prefix: str) -> None:
+    """The synthetic local run as an object-store directory (FORMAT.md §11.9):
+    each step under ``step_X/<save_id>/``, one event per commit, and -- where
+    the tree being measured keeps one -- the index ``head.json``."""
+    from concurrent.futures import ThreadPoolExecutor
+    from lazyckpt.storage import s3layout
+    puts = []
+    top = None
+    for name in sorted(os.listdir(path)):
+        if not name.startswith("step_"):
+            continue
+        d = os.path.join(path, name)
+        with open(os.path.join(d, "manifest.json"), "rb") as f:
+            raw = f.read()
+        doc = json.loads(raw)
+        step, sid, seq = doc["step"], doc["save_id"], doc["seq"]
+        for fname in os.listdir(d):
+            with open(os.path.join(d, fname), "rb") as f:
+                puts.append((f"{prefix}/{name}/{sid}/{fname}", f.read()))
+        puts.append((f"{prefix}/history/{seq:012d}-{step:010d}-{sid}", b""))
+        top = (step, sid, seq) if top is None or seq > top[2] else top
+    if hasattr(s3layout, "HEAD") and top is not None:
+        puts.append((f"{prefix}/{s3layout.HEAD}", json.dumps({"step": top[0], "save_id": top[1],
+                                                               "seq": top[2]}).encode()))
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda kv: client.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]), puts))
+
+
+class RequestCounter:
+    """Every request lazyckpt's S3 clients send, by kind (a hook on each client)."""
+
+    def __init__(self):
+        from lazyckpt.storage import s3
+        self.counts = {}
+        original = s3.ObjectStore.__init__
+        counter = self
+
+        def count(request=None, **_kw):
+            method = getattr(request, "method", "?")
+            url = getattr(request, "url", "")
+            kind = "LIST" if method == "GET" and ("list-type=" in url or "?prefix=" in url or "&prefix=" in url) \
+                else method
+            if threading.current_thread().name == "lazyckpt-leftovers":
+                kind = "scan " + kind       # the leftover scan opening starts, in the background
+            counter.counts[kind] = counter.counts.get(kind, 0) + 1
+
+        def init(store, *args, **kwargs):
+            original(store, *args, **kwargs)
+            store.client.meta.events.register("before-send.s3", count)
+        s3.ObjectStore.__init__ = init
+        s3._stores.clear()
+
+    def take(self) -> dict:
+        out, self.counts = dict(self.counts), {}
+        return out
+
+
+def measure(url: str, steps: int, commits: int, counter=None, storage_options=None) -> dict:
     import torch
     import lazyckpt
 
     state = {"w": torch.randn(1024)}
+    kw = {"storage_options": storage_options} if storage_options else {}
+    requests = {}
     t0 = time.perf_counter()
-    ckpt = lazyckpt.Checkpointer(url, keep_last=None)
+    ckpt = lazyckpt.Checkpointer(url, keep_last=None, **kw)
     got = ckpt.load()
     open_load = time.perf_counter() - t0
     assert got["w"].shape == (1024,)
+    if counter is not None:
+        ckpt.layout.close()             # the leftover scan opening starts: counted apart ("scan ...")
+        requests["open_load"] = counter.take()
     commit = []
     step = steps
-    for _ in range(commits):
+    for i in range(commits):
         step += 1
         t = time.perf_counter()
         ckpt.save(state, step=step).wait()
         commit.append(time.perf_counter() - t)
+        if counter is not None and i == commits - 1:
+            requests["one_commit"] = counter.take()
+        elif counter is not None and i == commits - 2:
+            counter.take()              # (the first save also takes the writer lease)
     t = time.perf_counter()
     listed = ckpt.steps()
     steps_s = time.perf_counter() - t
     t = time.perf_counter()
     latest = ckpt.latest_step()
     latest_s = time.perf_counter() - t
+    if counter is not None:
+        counter.take()
     assert latest == step and len(listed) == steps + commits, (latest, step, len(listed))
     ckpt.close()
-    return {"commit_ms": _median_ms(commit), "commit_p90_ms": 1e3 * sorted(commit)[int(0.9 * len(commit))],
-            "steps_ms": 1e3 * steps_s, "latest_ms": 1e3 * latest_s, "open_load_ms": 1e3 * open_load}
+    out = {"commit_ms": _median_ms(commit), "commit_p90_ms": 1e3 * sorted(commit)[int(0.9 * len(commit))],
+           "steps_ms": 1e3 * steps_s, "latest_ms": 1e3 * latest_s, "open_load_ms": 1e3 * open_load}
+    if requests:
+        out["requests"] = requests
+    return out
 
 
 def child(args: argparse.Namespace) -> None:
@@ -147,22 +219,23 @@ def child(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         build_local(path, args.child)
         built_s = time.perf_counter() - t
-        url = path
-        server = None
-        if args.s3:
+        if not args.s3:
+            os.system("sync")
+            out = measure(path, args.child, args.commits)
+            out["records"] = record_bytes(path)
+        else:
             sys.path.insert(0, os.path.join(HERE, "..", "tests"))
             from _s3server import SeaweedServer
-            server = SeaweedServer(os.path.join(root, "weed"))
-            server.start()
-            url = server.bucket_url("longrun")
-            server.upload_tree(path, url)
-        os.system("sync")
-        out = measure(url, args.child, args.commits)
-        if not args.s3:
-            out["records"] = record_bytes(path)
+            with SeaweedServer(os.path.join(root, "weed")) as server:
+                client = server.client()
+                bucket = server.make_bucket()
+                upload_run(path, client, bucket, "run")
+                built_s = time.perf_counter() - t
+                so = {"endpoint_url": server.endpoint, "access_key_id": server.access_key,
+                      "secret_access_key": server.secret_key, "region": server.region}
+                counter = RequestCounter()
+                out = measure(f"s3://{bucket}/run", args.child, args.commits, counter, so)
         out["build_s"] = built_s
-        if server is not None:
-            server.stop()
         print(json.dumps(out))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -201,6 +274,8 @@ def main() -> None:
                       " ".join(f"{k}={v:.2f}" for k, v in fig.items() if isinstance(v, float)), flush=True)
                 if "records" in fig:
                     print(f"    record files (bytes): {fig['records']}", flush=True)
+                if "requests" in fig:
+                    print(f"    requests: {fig['requests']}", flush=True)
     metrics = ["commit_ms", "commit_p90_ms", "steps_ms", "latest_ms", "open_load_ms"]
     where = "SeaweedFS (s3://)" if args.s3 else "local directory"
     for name, by_size in results.items():

@@ -723,6 +723,25 @@ def index_problems(directory: str, when: str) -> List[str]:
     return problems
 
 
+def remote_index_problems(url: str, storage_options: Any, when: str) -> List[str]:
+    """The object-store index (``ObjectCheckpointDir.tail``: ``head.json``
+    checked against the events after it) against the listing's line: where it
+    answers, it names the newest live save (issue 34)."""
+    from lazyckpt.knobs import resolve
+    from lazyckpt.storage.s3layout import ObjectCheckpointDir
+    tier = ObjectCheckpointDir(url, resolve(storage_options=storage_options))
+    for _attempt in range(5):
+        live = tier.committed()
+        newest = (max(live), live[max(live)]) if live else None
+        tail = tier.tail()
+        got = (tail.step, tail.save_id) if tail is not None else None
+        if tail is None or got == newest:
+            return []
+        if tier.committed() == live:
+            return [f"{when}: the store's index says the latest save is {got}, its listing's line {newest}"]
+    return [f"{when}: the store's index says the latest save is {got}, its listing's line {newest}"]
+
+
 def check_case(ctx: Ctx, program: Program) -> List[str]:
     """The invariants after a crash (run in a fresh child). Returns the violations."""
     import lazyckpt
@@ -732,6 +751,8 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
     problems: List[str] = []
     directory = os.path.join(ctx.case, "run")
     problems += index_problems(directory, "after the crash, before any open")
+    if program.persist:
+        problems += remote_index_problems(ctx.persist_to, ctx.storage_options, "after the crash")
     union = {}
     for w in program.worlds:
         union.update({(s, id(v)): (s, v) for s, v in w.allowed.items()})
@@ -816,6 +837,8 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
         except Exception as exc:
             problems.append(f"restart: save(step={new_step}): {type(exc).__name__}: {exc}")
         problems += index_problems(directory, "after the restart's save")
+        if program.persist:
+            problems += remote_index_problems(ctx.persist_to, ctx.storage_options, "after the restart's save")
     finally:
         try:
             ckpt.close()

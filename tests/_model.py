@@ -57,7 +57,7 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, Checkpoint
 from lazyckpt.saving.costs import problems as cost_problems
 from lazyckpt.knobs import INCREMENTAL_MODES, resolve
 
-from _crashpoints import index_problems
+from _crashpoints import index_problems, remote_index_problems
 
 # ----------------------------------------------------------------- configurations
 
@@ -1183,6 +1183,12 @@ class Run:
             # The index (latest step in a few stats) says what the listing says (issue 34).
             for problem in index_problems(self.local, f"after {self.log[-1] if self.log else 'the start'}"):
                 self.fail(problem)
+            if self.cfg.persist and not self._store_down():
+                self._wait()            # the drain has published what it will
+                kw = checkpointer_kwargs(self.cfg, self.persist_url, **self.knobs)
+                for problem in remote_index_problems(kw["persist_to"], kw.get("storage_options"),
+                                                     f"after {self.log[-1] if self.log else 'the start'}"):
+                    self.fail(problem)
         if (self.rank == 0 or self.cfg.replicas) and self.ckpt.steps():
             report = lzverify.verify(self.local)
             if not report.ok:

@@ -215,7 +215,7 @@ def test_prune_keeps_latest(run, s3_bucket, s3_server, capsys, monkeypatch):
     assert result["freed_bytes"] == sum(a["bytes"] for a in result["actions"])
     left = {o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="run/")["Contents"]}
     # The newest commit event stays (it keeps the numbering of the line of history, FORMAT.md §11.10).
-    assert all(k.startswith("run/step_0000000030/") or k == "run/latest" for k in left
+    assert all(k.startswith("run/step_0000000030/") or k in ("run/latest", "run/head.json") for k in left
                if not k.startswith("run/history/")), left
     assert [k.split("-")[1] for k in left if k.startswith("run/history/")] == ["0000000030"], left
 

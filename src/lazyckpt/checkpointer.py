@@ -493,13 +493,9 @@ class Checkpointer:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""
         if self.persistent is None:
             # One tier: its steps are one line by construction (committing S removes every step >= S).
+            found = self.layout.locate_step(step)       # the index: no listing (issue 34)
             tier = "local" if not self.on_object_store else "object store"
-            if not self.on_object_store:
-                found = self.layout.locate_step(step)       # the index: no listing
-                return [] if found is None else [(found[0], tier, found[1])]
-            local = self.layout.step_paths()
-            order = sorted(local, reverse=True) if step is None else [step] if step in local else []
-            return [(s, tier, local[s]) for s in order]
+            return [] if found is None else [(found[0], tier, found[1])]
         # Two tiers: a copy counts only if it is the live save of its step (the same save_id), so
         # neither an abandoned step nor another run's save of the same step number is ever loaded.
         live, local, remote = self._line()

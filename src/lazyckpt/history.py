@@ -277,7 +277,7 @@ class History:
                     top = max(top, max_seq(self.local_events()))     # no record, or no index: every manifest
             if self.remote is not None:
                 try:
-                    top = max(top, max_seq(self.remote.listing()[1]))
+                    top = max(top, self.remote.top_seq())
                 except Exception as exc:        # unreachable now: local numbering still orders locally
                     log.warning("lazyckpt: %s: its history cannot be read (%s); numbering commits from the "
                                 "local tier", getattr(self.remote, "url", self.remote), exc)

@@ -310,6 +310,10 @@ class Directory(Protocol):
     def clean_leftovers(self) -> List[str]:
         """Remove what is provably dead (expired saves, interrupted deletes); never data."""
 
+    def locate_step(self, step: Optional[int]) -> Optional[Tuple[int, str]]:
+        """(step, where it is) for a committed step (None: the latest), or None;
+        from the store's index where it can answer, without listing (issue 34)."""
+
     def start_tidy(self) -> None:
         """At open: start the cleanup of leftovers (in the background where a
         listing grows with the steps kept)."""

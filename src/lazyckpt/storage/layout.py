@@ -28,6 +28,7 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
 from lazyckpt.history import Committing, LocalRecord, manifest_event
+from .scan import BackgroundScan
 from .base import Leftover, StepRecord
 from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
 from . import locks
@@ -141,8 +142,8 @@ class CheckpointDir:
         #: Bounded by the crashes and busy readers, not by the steps kept.
         self._watch: set = set()
         self._watch_mutex = threading.Lock()
-        #: The full leftover scan started at open (:meth:`start_tidy`), or None.
-        self._scan: Optional[threading.Thread] = None
+        #: The full leftover scan started at open (:meth:`start_tidy`).
+        self._scan = BackgroundScan(self.clean_leftovers, self.path)
 
     # ---------------------------------------------------------------- names
 
@@ -587,17 +588,8 @@ class CheckpointDir:
 
     def start_tidy(self) -> None:
         """At open: the full leftover scan (one listing of the directory, which
-        grows with the steps kept), in the background so that opening and the
-        first load do not wait for it. :meth:`tidy` and :meth:`close` join it."""
-        if self._scan is None:
-            self._scan = threading.Thread(target=self._scan_quietly, name="lazyckpt-leftovers", daemon=True)
-            self._scan.start()
-
-    def _scan_quietly(self) -> None:
-        try:
-            self.clean_leftovers()
-        except Exception as exc:        # cleanup is best effort: a later open scans again
-            log.warning("lazyckpt: %s: the leftover scan failed: %s", self.path, exc)
+        grows with the steps kept), in the background (storage/scan.py)."""
+        self._scan.start()
 
     def tidy(self) -> List[str]:
         """After a commit: the leftovers known to need another look (those the
@@ -606,16 +598,14 @@ class CheckpointDir:
         of steps kept. Leftovers that appear later from another process (a
         writer displaced by a takeover) wait for the next open, an explicit
         :meth:`clean_leftovers` or ``lazyckpt prune``."""
-        self.close()
+        self._scan.join()
         with self._watch_mutex:
             names = sorted(self._watch)
         return self.clean_leftovers(names) if names else []
 
     def close(self) -> None:
         """Wait for the scan started at open."""
-        scan = self._scan
-        if scan is not None and scan is not threading.current_thread():
-            scan.join()
+        self._scan.join()
 
     # ---------------------------------------------------------------- the read side (base.Directory)
 

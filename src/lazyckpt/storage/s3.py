@@ -264,10 +264,14 @@ class ObjectStore:
         finally:
             body.close()
 
-    def list(self, prefix: str) -> Iterator[Dict[str, Any]]:
-        """Every object under ``prefix`` (``Key``, ``Size``, ``LastModified``)."""
+    def list(self, prefix: str, start_after: Optional[str] = None) -> Iterator[Dict[str, Any]]:
+        """Every object under ``prefix`` (``Key``, ``Size``, ``LastModified``);
+        with ``start_after``, only keys after it (the listing starts there:
+        its cost is what it returns, not what the prefix holds)."""
+        extra = {"StartAfter": start_after} if start_after else {}
         try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix,
+                                                                           **extra)
             for page in pages:
                 yield from page.get("Contents", [])
         except Exception as exc:

@@ -8,6 +8,7 @@ gets its own prefix and the manifest, written last, is the commit)::
     PREFIX/step_0000000010/<save_id>/rank_00000.lzc    data, one object per rank
     PREFIX/step_0000000010/<save_id>/manifest.json     the commit: the step exists from here on
     PREFIX/latest                                      "10", written after the manifest (a hint)
+    PREFIX/head.json                                   the index: the last commit event published here
 
 A step is committed when its manifest exists; a prefix without one (an
 interrupted or failed save) is invisible to listing and loading and is
@@ -18,20 +19,29 @@ in between leaves an invisible leftover, never a step with missing files.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import LATEST, MANIFEST, rank_filename, step_dirname
-from lazyckpt.history import Event, event_key, line, manifest_event, parse_event_key, prunable
+from lazyckpt.history import (EVENTS_PREFIX, Event, event_key, event_problem, line, manifest_event, max_seq,
+                              parse_event_key, prunable)
 from lazyckpt.knobs import Options
+from .scan import BackgroundScan
 from .base import Leftover, StepRecord
 from .s3leases import FENCES, LEASE_PREFIX, READERS, ObjectLease, ObjectWriterLease
 from .s3 import ObjectURL, store_for
 
 log = logging.getLogger("lazyckpt")
+
+#: The index (issue 34, FORMAT.md §11.9): ``{"step", "save_id", "seq"}`` of the
+#: last commit event a writer published here. A hint: readers check it against
+#: the events after it (one listing that starts there) and its manifest.
+HEAD = "head.json"
 
 _COMMITTED = re.compile(r"^step_(\d{10})/([^/]+)/" + re.escape(MANIFEST) + "$")
 _SAVE_KEY = re.compile(r"^step_(\d{10})/([^/]+)/")
@@ -49,6 +59,10 @@ class ObjectCheckpointDir:
         self.writer: Optional[ObjectWriterLease] = None
         #: (step, save id) of manifests written before commit events existed (no ``seq``).
         self._legacy: set = set()
+        #: Save prefixes the last leftover scan found live: tidy() looks at them again.
+        self._watch: set = set()
+        self._watch_mutex = threading.Lock()
+        self._scan = BackgroundScan(self.clean_leftovers, self.url)
 
     def _key(self, *names: str) -> str:
         return "/".join(([self.prefix] if self.prefix else []) + list(names))
@@ -72,6 +86,75 @@ class ObjectCheckpointDir:
         if step not in committed:
             raise CheckpointNotFoundError(f"{self.url}: no committed step {step}", path=self.url, step=step)
         return self.save_url(step, committed[step])
+
+    # ---------------------------------------------------------------- the index
+
+    def _head(self) -> Optional[Event]:
+        raw = self.store.get(self._key(HEAD), 4096)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+            event = Event(doc["step"], doc["save_id"], doc["seq"])
+        except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            return None
+        return None if event_problem(event.step, event.save_id, event.seq, seq_optional=False) else event
+
+    def _write_head(self, event: Event) -> None:
+        try:
+            self.store.put(self._key(HEAD), json.dumps({"step": event.step, "save_id": event.save_id,
+                                                        "seq": event.seq}).encode())
+        except CheckpointError as exc:          # a hint: without it readers list
+            log.debug("lazyckpt: %s: writing %s failed (readers list instead): %s", self.url, HEAD, exc)
+
+    def _events_from(self, seq: int) -> List[Event]:
+        """The events numbered ``seq`` or later, fenced ones dropped: one listing
+        that starts at ``seq`` (event keys sort by it) and one of the fences."""
+        objects = list(self.store.list(self._key(EVENTS_PREFIX), start_after=self._key(f"{EVENTS_PREFIX}{seq:012d}")))
+        return self._events(objects + list(self.store.list(self._key(FENCES + "/"))))
+
+    def tail(self) -> Optional[Event]:
+        """The newest live committed save, from the index, in four requests
+        whatever the number of steps kept (GET ``head.json``, a listing of the
+        events from its ``seq`` on, one of the fences, a HEAD of the manifest);
+        None when the index cannot answer (no head, the newest event's save not
+        here yet or deleted): then the caller lists. The newest event is on
+        the line (nothing after it supersedes it), and it is committed here
+        when its manifest exists (written before the event on an object-store
+        directory, uploaded after it on a persistent tier)."""
+        head = self._head()
+        if head is None:
+            return None
+        events = self._events_from(head.seq)
+        if not events:
+            return None
+        newest = max(events, key=lambda e: e.seq)
+        if self.store.size(self._key(step_dirname(newest.step), newest.save_id, MANIFEST)) is None:
+            return None
+        return newest
+
+    def top_seq(self) -> int:
+        """The largest ``seq`` here (numbering): from the index when there is one."""
+        head = self._head()
+        if head is not None:
+            objects = list(self.store.list(self._key(EVENTS_PREFIX),
+                                           start_after=self._key(f"{EVENTS_PREFIX}{head.seq:012d}")))
+            return max(head.seq, max_seq(e for e in (parse_event_key(self._relative(o["Key"])) for o in objects)
+                                         if e is not None))
+        return max_seq(self.listing()[1])
+
+    def locate_step(self, step: Optional[int]) -> Optional[Tuple[int, str]]:
+        """(step, its save's prefix) for a committed step (None: the latest), or
+        None: from the index for the latest, else from a listing."""
+        tail = self.tail()
+        if tail is not None and (step is None or step == tail.step):
+            return tail.step, self.save_url(tail.step, tail.save_id)
+        if tail is not None and step is not None and step > tail.step:
+            return None
+        paths = self.step_paths()
+        if step is None:
+            return (max(paths), paths[max(paths)]) if paths else None
+        return (step, paths[step]) if step in paths else None
 
     # ---------------------------------------------------------------- listing
 
@@ -166,6 +249,9 @@ class ObjectCheckpointDir:
         return sorted(self.committed())
 
     def latest(self) -> Optional[int]:
+        tail = self.tail()
+        if tail is not None:
+            return tail.step
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -184,11 +270,20 @@ class ObjectCheckpointDir:
         tell them superseded by the event."""
         if self.writer is not None:
             self.writer.check()         # displaced by a takeover since save(): commit nothing
-        committed, events = self.listing()
+        # Above the latest step (every commit but a rollback's) nothing is superseded:
+        # the index says so in four requests, a listing grows with the run (issue 34).
+        tail = self.tail()
+        quick = tail is not None and step > tail.step
+        committed, events = ({}, []) if quick else self.listing()
         self.store.put(self._key(step_dirname(step), save_id, MANIFEST), manifest_raw)
         if event is not None:
             self.put_event(event)
             events = events + [event]
+        published = event if event is not None else manifest_event(manifest_raw)
+        if published is not None and published.seq is not None:
+            self._write_head(published)
+        if quick:
+            return []
         superseded = sorted((s for s in committed if s >= step and committed[s] != save_id), reverse=True)
         for s in superseded:
             self._drop(s, committed[s])
@@ -280,7 +375,7 @@ class ObjectCheckpointDir:
 
     # ---------------------------------------------------------------- leftovers
 
-    def leftovers(self, expiry_s: Optional[float] = None) -> List[Leftover]:
+    def leftovers(self, expiry_s: Optional[float] = None, within: Optional[str] = None) -> List[Leftover]:
         """Save prefixes without a manifest that are provably dead: their newest
         object (the heartbeat included) and their newest open multipart upload
         are older than the lease expiry ("interrupted-save", named
@@ -290,17 +385,18 @@ class ObjectCheckpointDir:
         groups: Dict[str, List[Any]] = {}
         uploads: Dict[str, List[Any]] = {}
         committed = set()
-        objects, now = self.store.listing(self._key(""))     # now: the server's clock
-        events = self._events(objects)
+        objects, now = self.store.listing(within or self._key(""))     # now: the server's clock
+        events = self._events(objects) if within is None else []
         for obj in objects:
             prefix = self._save_prefix(obj["Key"])
             if prefix is None:
                 continue
             m = _COMMITTED.match(self._relative(obj["Key"]))
-            if m and not self._uncommitted(int(m.group(1)), m.group(2), events):
+            if m and (self._committed_alone(int(m.group(1)), m.group(2)) if within is not None
+                      else not self._uncommitted(int(m.group(1)), m.group(2), events)):
                 committed.add(prefix)
             groups.setdefault(prefix, []).append(obj)
-        for up in self.store.uploads(self._key("")):
+        for up in self.store.uploads(within or self._key("")):
             prefix = self._save_prefix(up["Key"])
             if prefix is not None:
                 uploads.setdefault(prefix, []).append(up)
@@ -312,12 +408,24 @@ class ObjectCheckpointDir:
                     [u["Initiated"] for u in uploads.get(prefix, [])]
             age = min((now - t).total_seconds() for t in times)
             # expiry 0: whatever its age (server stamps have 1 s resolution: "now" may equal them).
-            if age > expiry or expiry <= 0:
-                name = self._relative(prefix).rstrip("/")
-                m = _SAVE_KEY.match(name + "/")
-                out.append(Leftover(name, "interrupted-save", sum(o["Size"] for o in groups.get(prefix, [])),
-                                    int(m.group(1)) if m else None, self.store.url(prefix.rstrip("/")), age))
+            if not (age > expiry or expiry <= 0):
+                with self._watch_mutex:
+                    self._watch.add(prefix)     # maybe a save in progress: tidy() looks again
+                continue
+            name = self._relative(prefix).rstrip("/")
+            m = _SAVE_KEY.match(name + "/")
+            out.append(Leftover(name, "interrupted-save", sum(o["Size"] for o in groups.get(prefix, [])),
+                                int(m.group(1)) if m else None, self.store.url(prefix.rstrip("/")), age))
         return sorted(out, key=lambda lo: lo.name)
+
+    def _committed_alone(self, step: int, save_id: str) -> bool:
+        """Whether the manifest of one save is committed, without the run's
+        listing: it carries no ``seq`` (before events), or its event exists."""
+        raw = self.store.get(self._key(step_dirname(step), save_id, MANIFEST), manifests.MAX_MANIFEST_BYTES)
+        event = manifest_event(raw)
+        if event is None:
+            return raw is not None          # unreadable: not ours to delete
+        return event.seq is None or self.store.size(self._key(event_key(event))) is not None
 
     def _save_prefix(self, key: str) -> Optional[str]:
         m = _SAVE_KEY.match(self._relative(key))
@@ -327,19 +435,35 @@ class ObjectCheckpointDir:
         return []                       # a save becomes visible by one PUT (its manifest): nothing to finish
 
     def start_tidy(self) -> None:
-        self.clean_leftovers()
+        """At open: the full leftover scan (one listing of the directory, which
+        grows with the steps kept), in the background (storage/scan.py)."""
+        self._scan.start()
 
     def tidy(self) -> List[str]:
-        return self.clean_leftovers()
+        """After a commit: the save prefixes the scan found live, listed one by
+        one (not the whole prefix: issue 34)."""
+        self._scan.join()
+        with self._watch_mutex:
+            watched = sorted(self._watch)
+        removed = []
+        for prefix in watched:
+            with self._watch_mutex:
+                self._watch.discard(prefix)     # (leftovers() watches it again while it is live)
+            removed += self._remove(self.leftovers(within=prefix))
+        return removed
 
     def close(self) -> None:
-        pass
+        """Wait for the scan started at open."""
+        self._scan.join()
 
     def clean_leftovers(self, expiry_s: Optional[float] = None) -> List[str]:
         """Delete dead saves' prefixes and abort their open uploads (never a
         save whose heartbeat or upload is younger than the lease expiry)."""
+        return self._remove(self.leftovers(expiry_s))
+
+    def _remove(self, leftovers: List[Leftover]) -> List[str]:
         removed = []
-        for leftover in self.leftovers(expiry_s):
+        for leftover in leftovers:
             prefix = self._key(leftover.name) + "/"
             for up in self.store.uploads(prefix):
                 self.store.abort_upload(up["Key"], up["UploadId"])

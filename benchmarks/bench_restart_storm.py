@@ -1,0 +1,193 @@
+"""A restart storm on an object store (issue 34): R ranks restarting from an
+``s3://`` run at once, each opening a Checkpointer and loading the latest
+step. Counted per rank: every request its client sends, by kind (LIST, GET,
+HEAD, PUT, POST = DeleteObjects), and the LIST requests of the whole job.
+
+What is simulated, and how (this machine has 2 cores):
+
+* The run: ``--steps`` real saves of a small state by one Checkpointer, then
+  every step's save prefix gets ``R - 1`` more rank objects (copies of rank
+  0's file), so the prefix holds what an R-rank job's would and any listing
+  costs what it would cost there.
+* The ranks: R threads, each one a restarting rank (``Checkpointer(url)``,
+  ``load()``), all started together against one SeaweedFS. They share one
+  boto3 client (thread-safe) and each counts its own requests (the hook
+  knows the thread). Every simulated rank reads rank 0's file (the run was
+  saved by one rank): the metadata path is a rank's, the bytes are rank 0's.
+  At sizes above ``--full-ranks`` only that many ranks open a Checkpointer
+  and load; the others run the metadata path alone (the directory's
+  ``locate_step(None)`` -- a listing in trees before issue 34 -- and the
+  manifest read), saying so in the output.
+* The leftover scan opening starts runs on the coordinator only in a real
+  job (rank 0 here); its requests, on their own thread, are counted apart.
+
+    .venv/bin/python benchmarks/bench_restart_storm.py --ranks 8 64 512 4096
+    .venv/bin/python benchmarks/bench_restart_storm.py --ranks 8 64 --baseline-src /work/wt/orig/src
+
+Each size runs in a fresh process; ``--baseline-src`` runs the same with
+another tree's ``src`` first (interleaved), for the requests before issue 34.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
+
+
+def child(ranks: int, steps: int, full_ranks: int, threads: int) -> dict:
+    import torch
+    import lazyckpt
+    from lazyckpt.storage import s3
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from _s3server import SeaweedServer
+
+    root = tempfile.mkdtemp(prefix="lazyckpt-storm-")
+    try:
+        with SeaweedServer(os.path.join(root, "weed")) as server:
+            client = server.client(max_pool_connections=64)
+            bucket = server.make_bucket()
+            url = f"s3://{bucket}/run"
+            so = {"endpoint_url": server.endpoint, "access_key_id": server.access_key,
+                  "secret_access_key": server.secret_key, "region": server.region,
+                  "max_pool_connections": 64}
+            state = {"w": torch.randn(4096), "b": torch.randn(64)}
+            with lazyckpt.Checkpointer(url, keep_last=None, storage_options=so) as ckpt:
+                for s in range(1, steps + 1):
+                    ckpt.save(state, step=s).wait()
+            # Every save prefix as an R-rank job's: R rank objects.
+            objects = client.list_objects_v2(Bucket=bucket, Prefix="run/step_")["Contents"]
+            firsts = [o["Key"] for o in objects if o["Key"].endswith("/rank_00000.lzc")]
+            body = client.get_object(Bucket=bucket, Key=firsts[-1])["Body"].read()
+            copies = [k.replace("rank_00000", f"rank_{r:05d}") for k in firsts for r in range(1, ranks)]
+            t = time.perf_counter()
+            with ThreadPoolExecutor(32) as pool:
+                list(pool.map(lambda k: client.put_object(Bucket=bucket, Key=k, Body=body), copies))
+            build_s = time.perf_counter() - t
+
+            counts = {}
+            lock = threading.Lock()
+
+            def count(request=None, **_kw):
+                method = getattr(request, "method", "?")
+                u = getattr(request, "url", "")
+                kind = "LIST" if method == "GET" and "list-type=" in u else method
+                who = threading.current_thread().name
+                who = "scan" if who == "lazyckpt-leftovers" else who
+                with lock:
+                    counts.setdefault(who, {}).setdefault(kind, 0)
+                    counts[who][kind] += 1
+
+            s3._stores.clear()
+            store, _prefix = s3.store_for(url, tuple(sorted(so.items())))
+            store.client.meta.events.register("before-send.s3", count)
+            barrier = threading.Barrier(min(ranks, threads))
+
+            # Only the coordinator of a real job scans for leftovers when it opens
+            # (Checkpointer.__init__: ``if self._dist.coordinator``): here rank 0.
+            from lazyckpt.storage import s3layout
+            from lazyckpt.knobs import resolve
+            from lazyckpt.storage.stores import for_path
+            options = resolve(storage_options=so)
+            scan = getattr(s3layout.ObjectCheckpointDir, "start_tidy", None)
+            if scan is not None:
+                s3layout.ObjectCheckpointDir.start_tidy = lambda d: scan(d) \
+                    if threading.current_thread().name == "rank-0" else None
+
+            def rank(r: int) -> float:
+                threading.current_thread().name = f"rank-{r}"
+                if r < threads:
+                    barrier.wait()
+                t0 = time.perf_counter()
+                if r < full_ranks:
+                    # A restarting rank: open, load the latest step.
+                    c = lazyckpt.Checkpointer(url, storage_options=so)
+                    try:
+                        got = c.load()
+                        assert got["w"].shape == (4096,)
+                    finally:
+                        c.close()
+                else:
+                    # Its metadata path alone: find the step to load and read its manifest.
+                    layout = for_path(url).checkpoint_dir(url, options)
+                    found = layout.locate_step(None) if hasattr(layout, "locate_step") \
+                        else max(layout.step_paths().items())
+                    assert found is not None and found[0] == steps, found
+                    s3layout.read_manifest(found[1], options)
+                return time.perf_counter() - t0
+
+            t = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                per_rank_s = list(pool.map(rank, range(ranks)))
+            wall_s = time.perf_counter() - t
+            per_rank = [v for k, v in counts.items() if k.startswith("rank-")]
+            kinds = sorted({k for v in per_rank for k in v})
+            out = {"ranks": ranks, "full_ranks": min(full_ranks, ranks), "steps": steps,
+                   "objects": len(objects) + len(copies), "build_s": build_s, "wall_s": wall_s,
+                   "rank_s_median": statistics.median(per_rank_s),
+                   "per_rank_max": {k: max(v.get(k, 0) for v in per_rank) for k in kinds},
+                   "per_rank_median": {k: statistics.median(v.get(k, 0) for v in per_rank) for k in kinds},
+                   "job_lists": sum(v.get("LIST", 0) for v in per_rank),
+                   "scan_once": {k: v for k, v in counts.get("scan", {}).items()}}
+            if full_ranks < ranks:
+                loaders = [counts.get(f"rank-{r}", {}) for r in range(min(full_ranks, ranks))]
+                out["loader_max"] = {k: max(v.get(k, 0) for v in loaders) for k in kinds}
+            return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 4096])
+    ap.add_argument("--steps", type=int, default=20, help="steps in the run")
+    ap.add_argument("--full-ranks", type=int, default=64, help="ranks that also load the data")
+    ap.add_argument("--threads", type=int, default=64, help="ranks restarting at the same instant")
+    ap.add_argument("--baseline-src", help="another tree's src, measured interleaved")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        import logging
+        logging.getLogger("lazyckpt").setLevel(logging.ERROR)
+        print(json.dumps(child(args.child, args.steps, args.full_ranks, args.threads)))
+        return
+    trees = {"this": SRC}
+    if args.baseline_src:
+        trees["baseline"] = os.path.abspath(args.baseline_src)
+    rows = []
+    for i, r in enumerate(args.ranks):
+        for name in (list(trees) if i % 2 == 0 else list(reversed(trees))):
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", str(r), "--steps", str(args.steps),
+                   "--full-ranks", str(args.full_ranks), "--threads", str(args.threads)]
+            done = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=trees[name]), capture_output=True,
+                                  text=True)
+            if done.returncode != 0:
+                print(f"{name} {r} ranks failed:\n{done.stderr[-3000:]}", flush=True)
+                continue
+            fig = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append((name, fig))
+            print(f"{name} {r} ranks: {json.dumps(fig)}", flush=True)
+    print(f"\nrequests per rank (max over ranks; LIST pages of 1,000 keys), {args.steps} steps, "
+          f"SeaweedFS on this machine")
+    print(f"{'tree':<9}{'ranks':>7}{'objects':>9}{'LIST':>6}{'GET':>6}{'HEAD':>6}{'PUT':>6}{'POST':>6}"
+          f"{'job LISTs':>11}{'wall s':>9}  loaded")
+    for name, f in rows:
+        m = f["per_rank_max"]
+        print(f"{name:<9}{f['ranks']:>7}{f['objects']:>9}{m.get('LIST', 0):>6}{m.get('GET', 0):>6}"
+              f"{m.get('HEAD', 0):>6}{m.get('PUT', 0):>6}{m.get('POST', 0):>6}{f['job_lists']:>11}"
+              f"{f['wall_s']:>9.1f}  {f['full_ranks']} of {f['ranks']} ranks")
+
+
+if __name__ == "__main__":
+    main()

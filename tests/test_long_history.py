@@ -1,0 +1,192 @@
+"""Bookkeeping that does not grow with the run (issue 34): a commit above the
+latest step lists nothing, the record stays bounded, the index (the latest
+step in a few requests) falls back to the listing whenever it cannot be
+trusted -- on a local directory and on an object store. The model-based test
+(`burst`) and the crash-point test compare the index with the listing after
+every rule and every crash; these are the cases named one by one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt import history
+from lazyckpt.storage.layout import CheckpointDir
+
+STATE = {"w": torch.arange(16, dtype=torch.float32)}
+
+
+def _values(step):
+    return {"w": torch.full((16,), float(step))}
+
+
+def test_commits_above_the_latest_step_never_list_the_directory(tmp_path, monkeypatch):
+    run = str(tmp_path / "run")
+    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+        for s in range(1, 41):
+            ckpt.save(_values(s), step=s).wait()
+        ckpt.layout.close()                     # the scan opening started
+        listed = []
+        real = os.listdir
+
+        def counting(path="."):
+            if os.path.abspath(os.fspath(path)) == os.path.abspath(run):
+                listed.append(path)
+            return real(path)
+        monkeypatch.setattr(os, "listdir", counting)
+        for s in range(41, 61):
+            ckpt.save(_values(s), step=s).wait()
+        assert ckpt.latest_step() == 60
+        torch.testing.assert_close(ckpt.load(), _values(60))
+        assert listed == [], f"{len(listed)} listings of the run directory in 20 commits, a latest_step, a load"
+        # A rollback lists (once per commit): it supersedes what it finds.
+        ckpt.save(_values(99), step=30).wait()
+        assert listed, "a rollback must list the steps it supersedes"
+        monkeypatch.setattr(os, "listdir", real)
+        assert ckpt.steps() == list(range(1, 31))
+        torch.testing.assert_close(ckpt.load(), _values(99))
+
+
+def test_the_record_stays_bounded_and_numbering_survives_it(tmp_path):
+    run = str(tmp_path / "run")
+    n = history.RECENT_EVENTS + 40
+    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+        for s in range(1, n + 1):
+            ckpt.save(_values(s), step=s).wait()
+    with open(os.path.join(run, history.RECORD)) as f:
+        doc = json.load(f)
+    assert len(doc["events"]) == history.RECENT_EVENTS and doc["seq"] == n
+    # Reopened: numbering goes on from the record, the line is every step.
+    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+        ckpt.save(_values(0), step=n + 1).wait()
+        assert ckpt.steps() == list(range(1, n + 2))
+    raw = open(os.path.join(run, f"step_{n + 1:010d}", "manifest.json")).read()
+    assert json.loads(raw)["seq"] == n + 1
+    # Without the record (deleted by hand) the manifests number it.
+    os.unlink(os.path.join(run, history.RECORD))
+    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+        ckpt.save(_values(0), step=n + 2).wait()
+    assert json.loads(open(os.path.join(run, f"step_{n + 2:010d}", "manifest.json")).read())["seq"] == n + 2
+
+
+@pytest.mark.parametrize("damage", ["latest-deleted", "latest-older", "newest-pruned", "no-record"])
+def test_the_index_falls_back_to_the_listing_when_it_cannot_be_trusted(tmp_path, damage):
+    run = str(tmp_path / "run")
+    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+        for s in (1, 2, 3):
+            ckpt.save(_values(s), step=s).wait()
+    layout = CheckpointDir(run)
+    assert layout.tail() == (3, layout.step_path(3))
+    expected = 3
+    if damage == "latest-deleted":
+        os.unlink(os.path.join(run, "latest"))
+    elif damage == "latest-older":                  # a crash between the record and `latest`
+        with open(os.path.join(run, "latest"), "w") as f:
+            f.write("2\n")
+    elif damage == "newest-pruned":
+        assert layout.delete_step(3)
+        expected = 2
+    else:
+        os.unlink(os.path.join(run, history.RECORD))
+    assert layout.tail() is None
+    assert layout.latest() == expected
+    assert layout.locate_step(None) == (expected, layout.step_path(expected))
+    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+        torch.testing.assert_close(ckpt.load(), _values(expected))
+        ckpt.save(_values(7), step=expected + 1).wait()     # and the next commit restores the index
+    assert layout.tail() == (expected + 1, layout.step_path(expected + 1))
+
+
+def test_a_commit_without_a_record_removes_latest_first(tmp_path):
+    """FORMAT.md §11.3: a commit no record names (a replica restored without a
+    seq) must not leave the index naming the step before it."""
+    run = str(tmp_path / "run")
+    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+        for s in (1, 2):
+            ckpt.save(_values(s), step=s).wait()
+        tmp = str(tmp_path / "run" / ".tmp-step_0000000005-000000000000")
+        import shutil
+        shutil.copytree(ckpt.step_path(2), tmp)
+    layout = CheckpointDir(run)
+    layout.commit(tmp, 5, keep_superseded=True, event=None)
+    assert not os.path.exists(os.path.join(run, "latest"))
+    assert layout.tail() is None and layout.latest() == 5
+
+
+# ----------------------------------------------------------------- an object store
+
+
+@pytest.fixture
+def s3_run(s3_server, s3_bucket):
+    opts = {"endpoint_url": s3_server.endpoint, "access_key_id": s3_server.access_key,
+            "secret_access_key": s3_server.secret_key, "region": s3_server.region}
+    return f"s3://{s3_bucket}/run", opts, s3_server.client(), s3_bucket
+
+
+def _listings_of(client_store, calls):
+    def count(request=None, **_kw):
+        url = getattr(request, "url", "")
+        if request.method == "GET" and "list-type=" in url:
+            calls.append(url)
+    client_store.client.meta.events.register("before-send.s3", count)
+
+
+def test_object_store_commits_and_loads_of_the_latest_do_not_list_the_run(s3_run):
+    url, opts, client, bucket = s3_run
+    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts) as ckpt:
+        for s in range(1, 6):
+            ckpt.save(_values(s), step=s).wait()
+        ckpt.layout.close()
+        calls = []
+        _listings_of(ckpt.layout.store, calls)
+        ckpt.save(_values(6), step=6).wait()
+        assert ckpt.latest_step() == 6
+        torch.testing.assert_close(ckpt.load(), _values(6))
+        whole = [c for c in calls if "prefix=run%2F&" in c or c.endswith("prefix=run%2F")]
+        assert whole == [], f"listings of the whole run prefix: {whole}"
+        head = json.loads(client.get_object(Bucket=bucket, Key="run/head.json")["Body"].read())
+        assert head["step"] == 6
+        # A rollback: listed once, the steps it supersedes go.
+        ckpt.save(_values(33), step=3).wait()
+        assert ckpt.steps() == [1, 2, 3] and ckpt.latest_step() == 3
+        torch.testing.assert_close(ckpt.load(), _values(33))
+
+
+@pytest.mark.parametrize("damage", ["stale-head", "head-of-a-pruned-step", "no-head", "garbage-head"])
+def test_the_object_store_index_is_checked_at_every_use(s3_run, damage):
+    """A crash between a commit's event and its head.json leaves the head older
+    than the events: the listing from the head's seq finds them. A head whose
+    save is gone, none, or an unreadable one: the full listing."""
+    from lazyckpt.knobs import resolve
+    from lazyckpt.storage.s3layout import ObjectCheckpointDir
+    url, opts, client, bucket = s3_run
+    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts) as ckpt:
+        for s in (1, 2, 3, 4):
+            ckpt.save(_values(s), step=s).wait()
+        if damage == "stale-head":
+            first = json.loads(client.get_object(Bucket=bucket, Key="run/head.json")["Body"].read())
+        ckpt.save(_values(22), step=2).wait()           # a rollback: 3 and 4 abandoned
+    layout = ObjectCheckpointDir(url, resolve(storage_options=opts))
+    expected = 2
+    if damage == "stale-head":
+        client.put_object(Bucket=bucket, Key="run/head.json", Body=json.dumps(first).encode())
+    elif damage == "head-of-a-pruned-step":
+        assert layout.delete_step(2, even_if_read=True)
+        expected = 1
+    elif damage == "no-head":
+        client.delete_object(Bucket=bucket, Key="run/head.json")
+    else:
+        client.put_object(Bucket=bucket, Key="run/head.json", Body=b"{not json")
+    tail = layout.tail()
+    assert tail is None or tail.step == expected
+    assert layout.latest() == expected
+    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts) as ckpt:
+        torch.testing.assert_close(ckpt.load(), _values(22 if expected == 2 else 1))
+        assert ckpt.latest_step() == expected and ckpt.steps()[-1] == expected
+        ckpt.save(_values(9), step=expected + 1).wait()     # numbered above every event, the head rewritten
+        assert ckpt.latest_step() == expected + 1
+    assert layout.tail().step == expected + 1
