@@ -143,7 +143,7 @@ class CheckpointDir:
         self._watch: set = set()
         self._watch_mutex = threading.Lock()
         #: The full leftover scan started at open (:meth:`start_tidy`).
-        self._scan = BackgroundScan(self.clean_leftovers, self.path)
+        self._scan = BackgroundScan(self._scan_all, self.path)
 
     # ---------------------------------------------------------------- names
 
@@ -528,9 +528,11 @@ class CheckpointDir:
 
     # ---------------------------------------------------------------- leftovers
 
-    def leftovers(self, expiry_s: Optional[float] = None, names: Optional[List[str]] = None) -> List[Leftover]:
+    def leftovers(self, expiry_s: Optional[float] = None, names: Optional[List[str]] = None,
+                  writer: bool = True) -> List[Leftover]:
         """What interrupted saves, deletes and superseded steps left here
-        (``names``: only among those, without listing the directory)."""
+        (``names``: only among those, without listing the directory; without
+        ``writer``, the writer lease is not looked at)."""
         expiry = self.lease_expiry_s if expiry_s is None else expiry_s
         out = []
         now = time.time()
@@ -550,7 +552,7 @@ class CheckpointDir:
             elif SMALL_TEMP.match(name):
                 kind = "saving" if is_live(path, expiry, now) else "small-tmp"
             elif name == WRITER:
-                if is_live(path, expiry, now):
+                if not writer or is_live(path, expiry, now):
                     continue            # a live writer's lease: not a leftover
                 kind = "dead-writer"
             elif STEP_DIR.match(name) and os.path.isdir(path) and \
@@ -561,13 +563,13 @@ class CheckpointDir:
             out.append(Leftover(name, kind, tree_bytes(path), _step_in(name)))
         return out
 
-    def clean_leftovers(self, names: Optional[List[str]] = None) -> List[str]:
+    def clean_leftovers(self, names: Optional[List[str]] = None, writer: bool = True) -> List[str]:
         """Remove what is provably dead: expired saves, interrupted deletes (not
         being read), stale small temporaries. Never a live save, never data.
         The leftovers still live are watched (:meth:`tidy` looks at them again).
         ``names``: only among those (no listing)."""
         removed = []
-        found = self.leftovers(names=names)
+        found = self.leftovers(names=names, writer=writer)
         with self._watch_mutex:
             if names is not None:
                 self._watch.difference_update(names)
@@ -587,9 +589,16 @@ class CheckpointDir:
         return removed
 
     def start_tidy(self) -> None:
-        """At open: the full leftover scan (one listing of the directory, which
-        grows with the steps kept), in the background (storage/scan.py)."""
+        """At open: a dead writer's lease is removed now (one name, before this
+        Checkpointer's first save can take the lease: removed later, it could
+        be the new lease), then the full leftover scan (one listing of the
+        directory, which grows with the steps kept) runs in the background
+        (storage/scan.py), leaving ``.writer`` alone."""
+        self.clean_leftovers([WRITER])
         self._scan.start()
+
+    def _scan_all(self) -> List[str]:
+        return self.clean_leftovers(writer=False)
 
     def tidy(self) -> List[str]:
         """After a commit: the leftovers known to need another look (those the

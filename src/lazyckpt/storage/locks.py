@@ -448,15 +448,19 @@ class WriterLease:
                 continue
             if not lease.locked and before is not None:     # no locks here: the heartbeat alone decides
                 holder = read_writer(self.path)             # (its mtime from before our own keeper beats it)
-                if holder and not holder.get("released") and time.time() - before.st_mtime < self.expiry_s:
+                if holder and not holder.get("released"):
                     lease.release()
-                    raise self._refused(holder)
+                    if time.time() - before.st_mtime < self.expiry_s:
+                        raise self._refused(holder)
+                    # Expired, but its holder may only be stalled: a file of our own renamed
+                    # over it, so that its holder's check (the same file?) fails from now on.
+                    return self._take_over(heartbeat_s, "its heartbeat expired, on a file system without locks")
             self._write(lease.fd, self.holder)
             return lease
         raise CheckpointError(f"{self.directory}: could not take the writer lease ({self.path} keeps being "
                               f"replaced: writers taking it over from each other)", path=self.directory)
 
-    def _take_over(self, heartbeat_s: float) -> Lease:
+    def _take_over(self, heartbeat_s: float, why: str = "takeover=True") -> Lease:
         previous = read_writer(self.path)
         tmp = f"{self.path}.tmp-{new_token()}"
         lease = Lease(tmp, heartbeat_s)
@@ -464,8 +468,8 @@ class WriterLease:
             holder = dict(self.holder)
             if previous and not previous.get("released"):
                 holder["took_over_from"] = {k: previous.get(k) for k in ("pid", "host", "id")}
-                log.warning("lazyckpt: %s: taking over the writer lease from %s (takeover=True)", self.directory,
-                            describe_writer(previous))
+                log.warning("lazyckpt: %s: taking over the writer lease from %s (%s)", self.directory,
+                            describe_writer(previous), why)
             self._write(lease.fd, holder)
             os.rename(tmp, self.path)
             fsync_dir(self.directory)
