@@ -107,11 +107,15 @@ class ObjectCheckpointDir:
         except CheckpointError as exc:          # a hint: without it readers list
             log.debug("lazyckpt: %s: writing %s failed (readers list instead): %s", self.url, HEAD, exc)
 
+    def _event_objects_from(self, seq: int) -> List[Dict[str, Any]]:
+        """The event objects numbered ``seq`` or later: one listing that starts
+        at ``seq`` (event keys sort by it), costing what it returns."""
+        return list(self.store.list(self._key(EVENTS_PREFIX), start_after=self._key(f"{EVENTS_PREFIX}{seq:012d}")))
+
     def _events_from(self, seq: int) -> List[Event]:
-        """The events numbered ``seq`` or later, fenced ones dropped: one listing
-        that starts at ``seq`` (event keys sort by it) and one of the fences."""
-        objects = list(self.store.list(self._key(EVENTS_PREFIX), start_after=self._key(f"{EVENTS_PREFIX}{seq:012d}")))
-        return self._events(objects + list(self.store.list(self._key(FENCES + "/"))))
+        """The events numbered ``seq`` or later, fenced ones dropped (one more
+        listing: the fences)."""
+        return self._events(self._event_objects_from(seq) + list(self.store.list(self._key(FENCES + "/"))))
 
     def tail(self) -> Optional[Event]:
         """The newest live committed save, from the index, in four requests
@@ -137,9 +141,8 @@ class ObjectCheckpointDir:
         """The largest ``seq`` here (numbering): from the index when there is one."""
         head = self._head()
         if head is not None:
-            objects = list(self.store.list(self._key(EVENTS_PREFIX),
-                                           start_after=self._key(f"{EVENTS_PREFIX}{head.seq:012d}")))
-            return max(head.seq, max_seq(e for e in (parse_event_key(self._relative(o["Key"])) for o in objects)
+            return max(head.seq, max_seq(e for e in (parse_event_key(self._relative(o["Key"]))
+                                                     for o in self._event_objects_from(head.seq))
                                          if e is not None))
         return max_seq(self.listing()[1])
 
