@@ -84,24 +84,13 @@ import _crashreplicas as cr  # noqa: E402
 DIST_PROGRAMS = {p.name: p for p in cr.dist_programs()}
 
 
-# With a rollback, nodes commit independently: a crash after one node committed the rollback's
-# step 3 and before the other did leaves a job that resumes at step 3 with the new save on one
-# node and the abandoned run's step 3 on the other (restore picks the newest step *number* every
-# node has); a node then lost finds no common step. Found here, not fixed yet (RELIABILITY §5).
-_MIXED_ROLLBACK = pytest.mark.xfail(reason="a rollback committed on one node only: the job resumes at step 3 "
-                                           "with old and new saves mixed", strict=False)
-
-
 def _dist_cases():
     for name in DIST_PROGRAMS:
-        rollback = "rollback" in name
         for mode in cp.MODES:
             # Every point: slow (about 3 s a point here: the crash job and three restarted jobs).
-            marks = [pytest.mark.slow] + ([_MIXED_ROLLBACK] if rollback else [])
-            yield pytest.param(name, mode, 1, marks=marks, id=f"{name}-{mode}-every")
-            if not rollback:
-                # CI: every 4th point, in both modes (offsets 1 and 3: together half the points).
-                yield pytest.param(name, mode, 4, id=f"{name}-{mode}-every4")
+            yield pytest.param(name, mode, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}-every")
+            # CI: every 4th point, in both modes (offsets 1 and 3: together half the points).
+            yield pytest.param(name, mode, 4, id=f"{name}-{mode}-every4")
 
 
 @pytest.mark.timeout(900)

@@ -27,6 +27,7 @@ from lazyckpt.saving.commit import StepCommit
 from lazyckpt.saving.costs import SaveCosts
 from lazyckpt.saving.engine import FilePart, Job, SaveEngine, SaveHandle
 from lazyckpt.saving.incremental import IncrementalIndex
+from lazyckpt.saving.jobcommit import JobCommit, resolve_prepared
 from lazyckpt.saving.planner import StepPlanner
 from lazyckpt.state.plancache import PlanCache
 from lazyckpt.storage.base import WriterLease
@@ -145,10 +146,14 @@ class Checkpointer:
             self._replicas = ReplicaTier(self.directory, self.topology, replicas, world, replica_bandwidth,
                                          commit_timeout_s)
             self._replicas.abandoned = self._abandoned_locally
+            #: Every node's save commits only once every node has it prepared (saving/jobcommit.py).
+            self._job = JobCommit(world, self.topology.nodes, self.topology.node)
+        else:
+            self._job = None
         self._auto = None
         if self._dist.distributed and (self.replicated == "auto" or not self.replicated):
             self._auto = AutoReplication("auto" if self.replicated == "auto" else "hint")
-        if self._dist.distributed and self.options.queue_policy == "skip":
+        if (self._dist.distributed or self._replicas is not None) and self.options.queue_policy == "skip":
             raise ValueError("queue_policy='skip' cannot be used with several ranks: a save skipped on "
                              "one rank and not on another would never commit")
         self._calls = 0
@@ -179,6 +184,12 @@ class Checkpointer:
             # a commit in progress elsewhere finishes its own), then only what is provably
             # dead (leases expired) is removed: never another process's live save.
             self.layout.recover(wait=False)
+        if self._replicas is not None:
+            # Collective: a save a crash left prepared on some node is committed on every
+            # node if any node committed it, else discarded on every node.
+            self._job.high = resolve_prepared(self.layout, self.topology.local_rank, self._replicas.group,
+                                              self.history)
+        if self._dist.coordinator:
             self.layout.start_tidy()
         #: The latest local step re-enqueued for the persistent tier at start (its upload
         #: failed or never ran before the last run ended), or None.
@@ -211,11 +222,15 @@ class Checkpointer:
         t0 = time.perf_counter()
         call = self._calls
         self._calls += 1                 # every call, accepted or refused: the same on every rank
+        job_round = False
         try:
             self._check_open()
             self._engine.raise_errors()
             if type(step) is not int or not 0 <= step < 10 ** 10:
                 raise ValueError(f"step must be an int in [0, 1e10), got {step!r}")
+            # Whether this save may supersede a committed step on some node: then no node
+            # commits it before every node has it prepared (lazyckpt/saving/jobcommit.py).
+            job_round = self._job is not None and self._job.needs_round(step)
             self._hold_writer_lease()
             metadata = check_metadata(metadata)
             replicated = self._replicated_keys(state)
@@ -223,7 +238,7 @@ class Checkpointer:
             flat = self._plans.gather(state, self._dist.rank, self._dist.world_size, replicated)
             strategy = StepCommit(self.layout, self._dist, step, call, keep_last=self.keep_last, metadata=metadata,
                                   heartbeat_s=self.options.lease_heartbeat_s, history=self.history,
-                                  options=self.options)
+                                  options=self.options, job=self._job, job_round=job_round)
             planner = StepPlanner(self.layout, self._dist, step, call, strategy.save_id, replicated=replicated,
                                   incremental=self._incremental, auto=self._auto)
             strategy.costs = (self._costs, t0, self._costs.last)
@@ -234,6 +249,8 @@ class Checkpointer:
                                       on_committed=drain)
             self._costs.queued(step, job.handle, t0)
         except BaseException as exc:
+            if job_round:
+                self._job.refuse(call, exc)
             if self._dist.distributed:
                 refuse(self._dist, f"c{call}", exc)
                 if self.replicated == "auto":       # its check round before the capture, too

@@ -15,7 +15,10 @@ ABANDONED_PREFIX = ".abandoned-"
 #: A hidden sibling of a file or directory written by an integration (``sibling_temp``).
 SIBLING_TEMP = re.compile(r"^\.(?P<base>.+)\.tmp-(?P<token>[0-9a-f]{12}|.+-\d+-[0-9a-f]{8})$")
 #: Temporaries of ``write_file_atomic`` (``latest``, ``manifest.json``, ``history.json``).
-SMALL_TEMP = re.compile(r"^(latest|manifest\.json|history\.json|\.writer)\.tmp-[0-9A-Za-z]+$")
+SMALL_TEMP = re.compile(r"^(latest|manifest\.json|history\.json|prepared\.json|\.writer)\.tmp-[0-9A-Za-z]+$")
+#: A node's save prepared and waiting for the job's decision (``replicas=``,
+#: lazyckpt/saving/jobcommit.py): names the temporary directory it keeps.
+PREPARED = "prepared.json"
 #: The writer lease of a Checkpointer directory (``WriterLease``).
 WRITER = ".writer"
 

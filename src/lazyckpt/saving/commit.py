@@ -93,7 +93,8 @@ class StepCommit(CommitStrategy):
 
     def __init__(self, layout: Directory, dist: RankInfo, step: int, call: int, *,
                  keep_last: Optional[int], metadata: Dict[str, Any], heartbeat_s: float,
-                 history: Any = None, options: Optional[Options] = None):
+                 history: Any = None, options: Optional[Options] = None, job: Any = None,
+                 job_round: bool = False):
         self.layout = layout
         self.options = options or resolve()
         #: The Checkpointer's line of history (lazyckpt/history.py): numbers the commit.
@@ -108,10 +109,16 @@ class StepCommit(CommitStrategy):
         self.metadata = metadata            # the user's, as it goes into the manifest
         self.heartbeat_s = heartbeat_s
         self.key = f"c{call}"
+        #: With replicas= (each node its own commit group): the job, which names the save
+        #: (the same id on every node) and, with ``job_round``, holds the round between
+        #: this node's prepared save and its commit point (lazyckpt/saving/jobcommit.py).
+        self.job = job
+        self.job_round = job is not None and job_round
         # Where the store fences displaced writers by save id (an object store), a save id
         # begins with its writer's fence id: the run's id with several ranks, else the lease's.
         fence = getattr(layout.writer, "fence", None)
-        self.save_id = f"{dist.run_id}-{self.key}" if dist.distributed else \
+        self.save_id = job.save_id(call) if job is not None else \
+            f"{dist.run_id}-{self.key}" if dist.distributed else \
             f"{fence}-{uuid.uuid4().hex[:20]}" if fence else uuid.uuid4().hex
         #: Where this save is written until it is published (the store's PendingStep).
         self.pending = layout.pending(step, self.save_id,
@@ -210,6 +217,11 @@ class StepCommit(CommitStrategy):
         raw = manifest.build(self.step, done, self.save_id, {"step": self.step, **self.metadata},
                              planner.replicated, layouts=planner.layouts_index(done, self._footers()),
                              seq=self.seq, cost=self.cost)
+        if self.job_round and self.seq is not None:
+            # Phase one: durable and marked here, the line unchanged; no node commits
+            # before every node is here (a crash from now on is decided at the next open).
+            self.pending.prepare(raw, Event(self.step, self.save_id, self.seq), self.keep_last is None)
+            self.job.prepared(self.call, self.step)
         self._publish(raw)
         return planner.outcome(done)
 
@@ -239,6 +251,8 @@ class StepCommit(CommitStrategy):
         d = self.dist
         self._refuse_unreported(error)
         if not d.distributed or d.coordinator:
+            if self.job_round:
+                self.job.refuse(self.call, error)   # the other nodes commit nothing of it either
             self.pending.discard()          # not published: nothing of this step may remain
 
     def after_commit(self, job: Job) -> None:

@@ -204,7 +204,8 @@ class Leftover:
     """A name in a checkpoint directory that is not a committed step."""
     name: str
     #: "saving" (a live save), "interrupted-save" (provably dead), "deleting",
-    #: "abandoned" (superseded by a rollback), "small-tmp", "incomplete-step", "dead-writer"
+    #: "abandoned" (superseded by a rollback), "small-tmp", "incomplete-step", "dead-writer",
+    #: "prepared" (a node's save waiting for the job's decision, replicas=)
     kind: str
     bytes: int
     step: Optional[int] = None
@@ -222,7 +223,9 @@ class Leftover:
                 "abandoned": "abandoned: superseded by a save of an older step (rollback)",
                 "small-tmp": "interrupted update of a small file",
                 "dead-writer": "writer lease of a Checkpointer that died (unlocked, heartbeat expired)",
-                "incomplete-step": f"not committed: no {MANIFEST}"}[self.kind]
+                "incomplete-step": f"not committed: no {MANIFEST}",
+                "prepared": "prepared on this node for a job-wide commit (replicas=): the job decides "
+                            "when its Checkpointers next open"}[self.kind]
 
     @property
     def removable(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import re
@@ -24,10 +25,10 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
-from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
-from lazyckpt.history import Committing, LocalRecord, manifest_event
+from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, PREPARED, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
+from lazyckpt.history import Committing, Event, LocalRecord, event_problem, manifest_event
 from .scan import BackgroundScan
 from .base import Leftover, StepRecord
 from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
@@ -537,13 +538,16 @@ class CheckpointDir:
         out = []
         now = time.time()
         committing = self._interrupted()
+        prepared = self._prepared_name()
         for name in sorted(os.listdir(self.path) if names is None else names):
             path = os.path.join(self.path, name)
             if names is not None and not os.path.lexists(path):
                 continue
             if committing is not None and name == committing.tmp:
                 continue                # a committed step whose rename is pending (recover): not a leftover
-            if name.startswith(TEMP_PREFIX + "step_"):
+            if name.startswith(TEMP_PREFIX + "step_") and prepared in (name, "*"):
+                kind = "prepared"       # the job's decision commits or removes it (saving/jobcommit.py)
+            elif name.startswith(TEMP_PREFIX + "step_"):
                 kind = "saving" if is_live(path, expiry, now) else "interrupted-save"
             elif name.startswith(DELETING_PREFIX + "step_"):
                 kind = "deleting"
@@ -587,6 +591,60 @@ class CheckpointDir:
         if removed:
             log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", self.path, removed)
         return removed
+
+    # ---------------------------------------------------------------- a save waiting for the job (replicas=)
+
+    def prepare(self, tmp: str, event: Event, keep_superseded: bool) -> None:
+        """Mark the complete, fsynced temporary directory ``tmp`` (its manifest
+        written) *prepared*: from here on no cleanup removes it, only the job's
+        decision commits or discards it (lazyckpt/saving/jobcommit.py). One
+        marker, ``DIR/prepared.json``: a node commits its saves one at a time,
+        and opening reads one small file, not a listing."""
+        doc = {"prepared": [event.step, event.save_id, event.seq, os.path.basename(tmp)],
+               "keep_superseded": bool(keep_superseded)}
+        write_file_atomic(os.path.join(self.path, PREPARED), json.dumps(doc).encode())
+
+    def prepared(self) -> Optional[Tuple[Committing, bool]]:
+        """The prepared save (its event and temporary directory) and whether its
+        commit keeps the steps it supersedes; None without one. A damaged
+        marker is ``CorruptCheckpointError``: guessing could commit or drop the
+        wrong save."""
+        path = os.path.join(self.path, PREPARED)
+        raw = read_small_file(path, 1 << 16)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+            step, sid, seq, tmp = doc["prepared"]
+            keep = doc["keep_superseded"]
+            if event_problem(step, sid, seq, seq_optional=False) or not isinstance(tmp, str) or os.sep in tmp \
+                    or not tmp.startswith(TEMP_PREFIX + "step_") or type(keep) is not bool:
+                raise ValueError(doc)
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpointError(f"{path}: not a valid record of a prepared save ({exc}); the job "
+                                         f"cannot decide whether to commit it", path=path) from None
+        return Committing(Event(step, sid, seq), tmp), keep
+
+    def _prepared_name(self) -> Optional[str]:
+        """The name of the prepared temporary directory; "*" (every one) when the
+        marker is damaged: nothing is removed that the job may still need."""
+        try:
+            found = self.prepared()
+        except CorruptCheckpointError:
+            return "*"
+        return found[0].tmp if found is not None else None
+
+    def forget_prepared(self, tmp: str) -> None:
+        """The job decided on ``tmp``: its marker goes (before the directory is
+        removed, so a crash between never leaves a marker naming nothing that
+        the job may roll forward)."""
+        if self._prepared_name() == os.path.basename(tmp):
+            remove_quietly(os.path.join(self.path, PREPARED))
+
+    def discard_prepared(self, tmp: str) -> None:
+        """The job decided against ``tmp``: the marker, then the directory."""
+        self.forget_prepared(tmp)
+        remove_tree(tmp)
 
     def start_tidy(self) -> None:
         """At open: a dead writer's lease is removed now (one name, before this
@@ -679,11 +737,28 @@ class PendingStepDir:
         finally:
             os.close(fd)
 
-    def publish(self, manifest_raw: bytes, event: Optional[Any], keep_superseded: bool) -> List[int]:
+    #: Whether :meth:`prepare` ran (its manifest is written; a marker keeps it).
+    prepared = False
+
+    def _write_manifest(self, manifest_raw: bytes) -> None:
         write_file_atomic(os.path.join(self.path, MANIFEST), manifest_raw)
         fsync_dir(self.path)
+
+    def prepare(self, manifest_raw: bytes, event: Any, keep_superseded: bool) -> None:
+        """The first phase of a job-wide commit (saving/jobcommit.py): the step
+        complete and durable here, marked prepared, the line unchanged."""
+        self._write_manifest(manifest_raw)
+        self.directory.prepare(self.path, event, keep_superseded)
+        self.prepared = True
+
+    def publish(self, manifest_raw: bytes, event: Optional[Any], keep_superseded: bool) -> List[int]:
+        if not self.prepared:
+            self._write_manifest(manifest_raw)
         # The record (written under the commit lock) is the commit point; the renames follow.
-        return self.directory.commit(self.path, self.step, keep_superseded, event)
+        superseded = self.directory.commit(self.path, self.step, keep_superseded, event)
+        if self.prepared:
+            self.directory.forget_prepared(self.path)
+        return superseded
 
     def discard(self) -> None:
         committing = LocalRecord(self.directory.path).committing()
@@ -694,7 +769,9 @@ class PendingStepDir:
                         "failed after that; it is finished when the directory is next opened",
                         self.directory.path, self.step)
             return
-        if os.path.isdir(self.path):     # not committed: nothing of this step may remain
+        if self.prepared:
+            self.directory.discard_prepared(self.path)
+        elif os.path.isdir(self.path):     # not committed: nothing of this step may remain
             remove_tree(self.path)
 
 

@@ -68,6 +68,7 @@ from lazyckpt.history import Event, line, manifest_event
 from lazyckpt.knobs import Options
 from lazyckpt.loading.reader import CheckpointFile
 from lazyckpt.loading.verify import verify
+from lazyckpt.saving.jobcommit import is_job_wide
 from lazyckpt.saving.tierstate import REPLICA
 from lazyckpt.storage.fileio import fsync_dir, read_small_file
 from lazyckpt.storage.locks import StepDir
@@ -489,6 +490,7 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     mine = {"rank": topo.rank, "node": topo.node, "local": live_local,
             "held": [(n, lr, s, _held_event(root, n, lr, s)) for n, lr, s in held],
             "events": [list(e) for e in events],
+            "ids": {s: saves[s].save_id for s in live_local if s in saves and saves[s].save_id},
             "persistent": persistent_steps, "token": uuid.uuid4().hex[:8], "asked": step}
     infos: List[Any] = [None] * topo.world_size
     dist.all_gather_object(infos, mine, group=group)
@@ -507,13 +509,20 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             if e is not None:
                 node_events[n].append(Event(*e))
     node_lines = {n: set(line(evs)) for n, evs in node_events.items()}
+    #: step -> the job-wide save ids of the copies the nodes would restore it from.
+    save_ids: Dict[int, set] = collections.defaultdict(set)
     for info in infos:
         local[info["node"]].update(info["local"])
         persisted[info["node"]].update(info["persistent"])
+        for s, sid in info["ids"].items():
+            if is_job_wide(sid):
+                save_ids[s].add(sid)
         for n, lr, s, e in info["held"]:
             # A replica counts only as the live save of its step on its source node.
             if e is not None and (s, e[1]) in node_lines.get(n, set()):
                 holders[(n, lr, s)].append(info["rank"])
+                if is_job_wide(e[1]):
+                    save_ids[s].add(e[1])
     # A node-local directory is only trusted when every rank of the node reports it the same way.
     for info in infos:
         local[info["node"]] &= set(info["local"])
@@ -523,6 +532,9 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
                 and all((node, l2, s) in holders for l2 in range(topo.node_size))}
         return local[node] | full | persisted[node]
     common = set.intersection(*(available(n) for n in range(topo.nodes)))
+    # Two different saves of one step number are never one step (a rollback that one
+    # node failed after the others committed it, lazyckpt/saving/jobcommit.py).
+    common = {s for s in common if len(save_ids[s]) <= 1}
     if step is not None:
         if step not in common:
             raise CheckpointError(f"step {step} cannot be restored on every node from any tier "
