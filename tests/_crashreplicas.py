@@ -505,5 +505,32 @@ def replicas_rollback_program() -> DistProgram:
                        lambda r: _line(r, 5), lambda r: {**_line(r, 2), 3: new_state(r)})
 
 
+def _prepare_lost_node0(case: str, rank: int) -> None:
+    _prepare_line(2)(case, rank)
+    if rank == 0:
+        shutil.rmtree(node_dir(case, 0))        # node 0 lost: its replacement starts empty
+
+
+def _restore_run(case: str, rank: int, icp: Optional[Interceptor]) -> None:
+    ck = _ck(case, rank)
+    with (icp.operation() if icp is not None else contextlib.nullcontext()):
+        ck.load()       # collective: node 0's file from node 1's replica, committed in node 0 again
+        ck.wait()       # the restored step replicated anew (node 0 lost the replica it held)
+        ck.close()
+
+
+def _restored_line(rank: int) -> Dict[int, Any]:
+    # Node 0 lost step 1 with its directory; the restore brings back the newest step (2).
+    return {2: state(0, 2)} if rank == 0 else _line(rank, 2)
+
+
+def replicas_restore_program() -> DistProgram:
+    """Steps 1-2 committed and replicated, then node 0's directory lost: both
+    ranks ``load()`` (the restore: rank 0 receives its file from rank 1's
+    replica, verifies it and commits it as step 2), ``wait()`` (step 2
+    replicated anew), ``close()``. Rank 0's points are the restore's writes."""
+    return DistProgram("replicas-restore", _prepare_lost_node0, _restore_run, _restored_line, _restored_line)
+
+
 def dist_programs() -> List[DistProgram]:
-    return [replicas_save_program(), replicas_rollback_program()]
+    return [replicas_save_program(), replicas_rollback_program(), replicas_restore_program()]

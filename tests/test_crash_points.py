@@ -121,6 +121,16 @@ def test_the_replicas_program_replicates_within_its_operation(tmp_path):
         assert os.listdir(held) == ["step_0000000002"]
 
 
+def test_the_restore_program_restores_within_its_operation(tmp_path):
+    """Not vacuous: rank 0's points are the restore's (its file received, node 0's
+    record and the step renamed in) and the replica of node 1's step received anew."""
+    n, descriptions = cr.dry_run(cr.replicas_restore_program(), str(tmp_path))
+    text = "\n".join(descriptions)
+    assert ".incoming-0" in text and "node0/history.json" in text, text
+    assert "-> node0/step_0000000002" in text, text
+    assert ".replicas/node_00001/rank_00000/step_0000000002/COMPLETE" in text, text
+
+
 # ----------------------------------------------------------------------------- the harness itself
 
 def _ops(root):
