@@ -126,3 +126,22 @@ def s3_bucket(s3_server):
     if not s3_server.running:
         s3_server.start()
     return s3_server.make_bucket()
+
+
+# ----------------------------------------------------------------------------- the unit layer
+
+#: Test modules that need no other process, no server and no framework: the format,
+#: the planner's pure parts, reading hostile bytes, round trips through one process.
+#: ``pytest -m unit`` runs them as the inner loop (under a minute here; the full
+#: suite is half an hour on 2 cores). A module joins only while every test in it
+#: stays that way.
+UNIT_MODULES = {
+    "test_format", "test_imports", "test_plan_cache", "test_keys_into", "test_fuzz", "test_corruption",
+    "test_attacks", "test_file_formats", "test_roundtrip", "test_io_modes", "test_iomode",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in UNIT_MODULES:
+            item.add_marker(pytest.mark.unit)
