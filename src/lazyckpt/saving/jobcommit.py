@@ -106,7 +106,7 @@ class JobCommit:
             raise
         # Every node voted on this call: all of them are done reading earlier calls' votes.
         self._forget_before(call)
-        refused = {n: v.get("error") for n, k in enumerate(keys) for v in [votes[k]] if not v.get("ok")}
+        refused = {n: votes[k].get("error") for n, k in enumerate(keys) if not votes[k].get("ok")}
         if refused:
             raise CheckpointError(f"step {step}: not committed on any node: " + "; ".join(
                 f"node {n} failed: {e}" for n, e in sorted(refused.items())), step=step)
