@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
 
 
-def child(ranks: int, steps: int, full_ranks: int, threads: int) -> dict:
+def child(ranks: int, steps: int, full_ranks: int, threads: int, data_mb: int = 0) -> dict:
     import torch
     import lazyckpt
     from lazyckpt.storage import s3
@@ -94,19 +94,29 @@ def child(ranks: int, steps: int, full_ranks: int, threads: int) -> dict:
             store.client.meta.events.register("before-send.s3", count)
             barrier = threading.Barrier(min(ranks, threads))
 
-            # Only the coordinator of a real job scans for leftovers when it opens
-            # (Checkpointer.__init__: ``if self._dist.coordinator``): here rank 0.
             from lazyckpt.storage import s3layout
             from lazyckpt.knobs import resolve
             from lazyckpt.storage.stores import for_path
             options = resolve(storage_options=so)
-            scan = getattr(s3layout.ObjectCheckpointDir, "start_tidy", None)
-            if scan is not None:
-                s3layout.ObjectCheckpointDir.start_tidy = lambda d: scan(d) \
-                    if threading.current_thread().name == "rank-0" else None
+
+            # The job's place of each simulated rank: rank r of R, one rendezvous store shared by
+            # all (an in-process HashStore standing in for torchrun's TCPStore), as rank_info()
+            # gives a real rank under torch.distributed.
+            from lazyckpt import checkpointer as checkpointer_module
+            from lazyckpt.distributed import RankInfo
+            import torch.distributed as dist
+            rendezvous = dist.PrefixStore("lazyckpt/storm/0/", dist.HashStore())
+            place = threading.local()
+            checkpointer_module.rank_info = lambda *_a, **_k: place.info
+            try:
+                from lazyckpt.loading.joblatest import JobLatest
+            except ImportError:                 # a tree before it: every rank looks for itself
+                JobLatest = None
 
             def rank(r: int) -> float:
                 threading.current_thread().name = f"rank-{r}"
+                place.info = RankInfo(rank=r, world_size=ranks, store=rendezvous, run_id="storm",
+                                      timeout_s=600.0)
                 if r < threads:
                     barrier.wait()
                 t0 = time.perf_counter()
@@ -119,10 +129,15 @@ def child(ranks: int, steps: int, full_ranks: int, threads: int) -> dict:
                     finally:
                         c.close()
                 else:
-                    # Its metadata path alone: find the step to load and read its manifest.
+                    # Its metadata path alone: open's part (the job's one lookup, where the tree
+                    # has it), find the step to load, read its manifest.
                     layout = for_path(url).checkpoint_dir(url, options)
-                    found = layout.locate_step(None) if hasattr(layout, "locate_step") \
-                        else max(layout.step_paths().items())
+                    found = False
+                    if JobLatest is not None:
+                        found = JobLatest(layout, place.info, shared=True).locate(None)
+                    if found is False:
+                        found = layout.locate_step(None) if hasattr(layout, "locate_step") \
+                            else max(layout.step_paths().items())
                     assert found is not None and found[0] == steps, found
                     s3layout.read_manifest(found[1], options)
                 return time.perf_counter() - t0
@@ -143,9 +158,58 @@ def child(ranks: int, steps: int, full_ranks: int, threads: int) -> dict:
             if full_ranks < ranks:
                 loaders = [counts.get(f"rank-{r}", {}) for r in range(min(full_ranks, ranks))]
                 out["loader_max"] = {k: max(v.get(k, 0) for v in loaders) for k in kinds}
+            if data_mb:
+                place.info = RankInfo()
+                out["data"] = data_reads(lazyckpt, client, bucket, so, data_mb, min(full_ranks, ranks), place)
             return out
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def data_reads(lazyckpt, client, bucket: str, so: dict, data_mb: int, readers: int, place) -> dict:
+    """``readers`` ranks restoring a ``data_mb`` file at once (each its own
+    ``Checkpointer.load()``: ranged GETs, tensors out) against the best raw
+    boto3 read of the same object by as many threads (one GET each; or 8 MiB
+    ranged GETs on 4 threads each), 3 interleaved repetitions, medians."""
+    import torch
+    from lazyckpt.distributed import RankInfo
+    url = f"s3://{bucket}/data"
+    with lazyckpt.Checkpointer(url, storage_options=so) as c:
+        c.save({"w": torch.randn(data_mb * 2 ** 20 // 4)}, step=1).wait()
+    key = next(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="data/step_")["Contents"]
+               if o["Key"].endswith("/rank_00000.lzc"))
+    size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+
+    def lazy(_r: int) -> None:
+        place.info = RankInfo()
+        with lazyckpt.Checkpointer(url, storage_options=so) as c:
+            assert c.load()["w"].numel() == data_mb * 2 ** 20 // 4
+
+    def raw_whole(_r: int) -> None:
+        assert len(client.get_object(Bucket=bucket, Key=key)["Body"].read()) == size
+
+    part = 8 * 2 ** 20
+
+    def raw_ranged(_r: int) -> None:
+        def one(off: int) -> int:
+            rng = f"bytes={off}-{min(size, off + part) - 1}"
+            return len(client.get_object(Bucket=bucket, Key=key, Range=rng)["Body"].read())
+        with ThreadPoolExecutor(4) as pool:
+            assert sum(pool.map(one, range(0, size, part))) == size
+
+    times = {"lazyckpt": [], "raw boto3, one GET": [], "raw boto3, 8 MiB ranges x 4": []}
+    fns = dict(zip(times, (lazy, raw_whole, raw_ranged)))
+    for rep in range(3):
+        for name in (list(times) if rep % 2 == 0 else list(reversed(times))):
+            t = time.perf_counter()
+            with ThreadPoolExecutor(readers) as pool:
+                list(pool.map(fns[name], range(readers)))
+            times[name].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best_raw = min(v for k, v in med.items() if k != "lazyckpt")
+    return {"readers": readers, "file_mb": size / 2 ** 20, "seconds": med,
+            "gb_s": {k: readers * size / v / 1e9 for k, v in med.items()},
+            "of_best_raw": best_raw / med["lazyckpt"]}
 
 
 def main() -> None:
@@ -155,12 +219,14 @@ def main() -> None:
     ap.add_argument("--full-ranks", type=int, default=64, help="ranks that also load the data")
     ap.add_argument("--threads", type=int, default=64, help="ranks restarting at the same instant")
     ap.add_argument("--baseline-src", help="another tree's src, measured interleaved")
+    ap.add_argument("--data-mb", type=int, default=0,
+                    help="then time --full-ranks ranks restoring a file of this size against raw boto3")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         import logging
         logging.getLogger("lazyckpt").setLevel(logging.ERROR)
-        print(json.dumps(child(args.child, args.steps, args.full_ranks, args.threads)))
+        print(json.dumps(child(args.child, args.steps, args.full_ranks, args.threads, args.data_mb)))
         return
     trees = {"this": SRC}
     if args.baseline_src:
@@ -169,7 +235,8 @@ def main() -> None:
     for i, r in enumerate(args.ranks):
         for name in (list(trees) if i % 2 == 0 else list(reversed(trees))):
             cmd = [sys.executable, os.path.abspath(__file__), "--child", str(r), "--steps", str(args.steps),
-                   "--full-ranks", str(args.full_ranks), "--threads", str(args.threads)]
+                   "--full-ranks", str(args.full_ranks), "--threads", str(args.threads),
+                   "--data-mb", str(args.data_mb if name == "this" else 0)]
             done = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=trees[name]), capture_output=True,
                                   text=True)
             if done.returncode != 0:
@@ -187,6 +254,12 @@ def main() -> None:
         print(f"{name:<9}{f['ranks']:>7}{f['objects']:>9}{m.get('LIST', 0):>6}{m.get('GET', 0):>6}"
               f"{m.get('HEAD', 0):>6}{m.get('PUT', 0):>6}{m.get('POST', 0):>6}{f['job_lists']:>11}"
               f"{f['wall_s']:>9.1f}  {f['full_ranks']} of {f['ranks']} ranks")
+    for name, f in rows:
+        if "data" in f:
+            d = f["data"]
+            print(f"\n{name}, {f['ranks']} ranks: {d['readers']} ranks restoring {d['file_mb']:.0f} MiB each at once: "
+                  + ", ".join(f"{k} {d['seconds'][k]:.2f} s ({d['gb_s'][k]:.2f} GB/s)" for k in d["seconds"])
+                  + f"; lazyckpt = {d['of_best_raw']:.2f} of the best raw method")
 
 
 if __name__ == "__main__":

@@ -190,3 +190,75 @@ def test_the_object_store_index_is_checked_at_every_use(s3_run, damage):
         ckpt.save(_values(9), step=expected + 1).wait()     # numbered above every event, the head rewritten
         assert ckpt.latest_step() == expected + 1
     assert layout.tail().step == expected + 1
+
+
+# ----------------------------------------------------------------- a restarting job
+
+
+def _count_requests(url, opts):
+    """Every request of this process's client for ``url``, by kind, the leftover
+    scan's thread apart (it runs on the coordinator only, in the background)."""
+    import threading
+    from lazyckpt.knobs import resolve
+    from lazyckpt.storage import s3
+    counts = {}
+
+    def count(request=None, **_kw):
+        kind = "LIST" if request.method == "GET" and "list-type=" in request.url else request.method
+        who = "scan" if threading.current_thread().name == "lazyckpt-leftovers" else "rank"
+        counts.setdefault(who, {}).setdefault(kind, 0)
+        counts[who][kind] += 1
+    store, _ = s3.store_for(url, resolve(storage_options=opts).storage_options)
+    store.client.meta.events.register("before-send.s3", count)
+    return counts
+
+
+def _job_saves(rank, world, url, opts, steps):
+    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts, commit_timeout_s=60) as ckpt:
+        for s in steps:
+            ckpt.save({"w": torch.full((16,), float(100 * s + rank))}, step=s).wait()
+
+
+def _job_restarts(rank, world, url, opts, between):
+    import torch.distributed as dist
+    counts = _count_requests(url, opts)
+    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts, commit_timeout_s=60) as ckpt:
+        opened = {k: dict(v) for k, v in counts.items()}
+        if rank == 0 and between == "another-writer-commits":
+            with lazyckpt.Checkpointer(url, storage_options=opts, process_group=False) as other:
+                other.save({"w": torch.full((16,), 500.0)}, step=5).wait()
+        elif rank == 0 and between == "the-latest-step-is-pruned":
+            from lazyckpt.knobs import resolve
+            from lazyckpt.storage.s3layout import ObjectCheckpointDir
+            assert ObjectCheckpointDir(url, resolve(storage_options=opts)).delete_step(4, even_if_read=True)
+        dist.barrier()
+        got = float(ckpt.load()["w"][0])
+        return got, ckpt.loaded_from["step"], opened.get("rank", {}), counts.get("rank", {})
+
+
+@pytest.mark.parametrize("between", ["nothing", "another-writer-commits", "the-latest-step-is-pruned"])
+def test_a_restarting_job_looks_up_the_latest_step_once(s3_run, between):
+    """Issue 34: a job restarting from an object store finds the latest step
+    once, on the coordinator as it opens; the other ranks send no LIST request
+    and check the lookup with one GET of head.json. A commit or a prune between
+    open and load (another process) makes them look again, never load a step
+    that is no longer the latest."""
+    from _dist import run_ranks
+    url, opts, _client, _bucket = s3_run
+    run_ranks(3, _job_saves, url, opts, [1, 2, 3, 4], timeout=180)
+    results = run_ranks(3, _job_restarts, url, opts, between, timeout=180)
+    step, value = {"nothing": (4, 400.0), "another-writer-commits": (5, 500.0),
+                   "the-latest-step-is-pruned": (3, 300.0)}[between]
+    for rank, (got, loaded, opened, total) in enumerate(results):
+        assert loaded == step, (rank, between, loaded)
+        # Step 5 was saved by one rank: every rank reads its file.
+        assert got == (value if between == "another-writer-commits" else value + rank), (rank, got)
+        if rank == 0:
+            assert opened.get("LIST", 0) == 2, opened        # the index: the events after head.json, the fences
+        else:
+            assert opened.get("LIST", 0) == 0 and opened.get("GET", 0) == 0, opened
+    if between == "nothing":
+        # One lookup for the job; every other rank: head.json checked (1 GET), its manifest
+        # (1 GET), its reader lease, its file (a HEAD, 4 GETs). No LIST.
+        assert [r[3].get("LIST", 0) for r in results] == [2, 0, 0], results
+        assert [r[3].get("GET", 0) for r in results[1:]] == [6, 6], results

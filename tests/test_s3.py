@@ -100,6 +100,31 @@ def test_storage_options_override_the_environment(s3_server, s3_bucket, monkeypa
     assert torch.equal(out["x"], state["x"])
 
 
+def test_ranged_reads_go_from_the_socket_into_the_buffer_and_keep_their_connection(s3_server, s3_bucket, caplog):
+    """Ranged GETs land in the caller's buffer without urllib3's bytes copy, and
+    the connection goes back to the pool (closing the body would otherwise close
+    it: a new connection per GET). The end of the object: a short read."""
+    import logging
+    import random
+    from lazyckpt.storage import s3
+    store, key = s3.store_for(f"s3://{s3_bucket}/ranged.bin", tuple(sorted(_options(s3_server).items())))
+    data = random.Random(5).randbytes(3 * MiB + 123)
+    store.put(key, data)
+    body = store.client.get_object(Bucket=s3_bucket, Key=key, Range="bytes=0-9")["Body"]
+    assert s3._socket_reader(body._raw_stream) is not None      # the direct path applies here
+    body.close()
+    store.read_into(key, memoryview(bytearray(10)), 0)          # one connection in the pool
+    caplog.set_level(logging.DEBUG, logger="urllib3.connectionpool")
+    rng = random.Random(7)
+    for _ in range(20):
+        offset, n = rng.randrange(len(data)), rng.randrange(1, MiB)
+        buf = bytearray(n)
+        got = store.read_into(key, memoryview(buf), offset)
+        assert got == min(n, len(data) - offset) and bytes(buf[:got]) == data[offset:offset + got]
+    opened = [r for r in caplog.records if "Starting new" in r.getMessage()]
+    assert opened == [], [r.getMessage() for r in opened]
+
+
 def test_load_of_a_missing_object_is_not_found(s3env, s3_bucket):
     with pytest.raises(CheckpointNotFoundError):
         lazyckpt.load(f"s3://{s3_bucket}/nothing-here")

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from lazyckpt.formats.manifest import check_metadata
+from lazyckpt.loading.joblatest import JobLatest
 from lazyckpt.loading.loader import KeySpec, MapLocation, load_step
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.loading.verify import verify
@@ -184,6 +185,9 @@ class Checkpointer:
             # a commit in progress elsewhere finishes its own), then only what is provably
             # dead (leases expired) is removed: never another process's live save.
             self.layout.recover(wait=False)
+        #: The latest step as the coordinator found it at open, for every rank (an object
+        #: store under torch.distributed: one lookup for the job, loading/joblatest.py).
+        self._latest_at_open = JobLatest(self.layout, self._dist, shared=self.on_object_store)
         if self._replicas is not None:
             # Collective: a save a crash left prepared on some node is committed on every
             # node if any node committed it, else discarded on every node.
@@ -222,6 +226,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         call = self._calls
         self._calls += 1                 # every call, accepted or refused: the same on every rank
+        self._latest_at_open.forget()    # this job commits from now on
         job_round = False
         try:
             self._check_open()
@@ -407,6 +412,16 @@ class Checkpointer:
         says which step and tier were read."""
         self._check_open()
         kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
+        try:
+            return self._load(step, kwargs)
+        except CheckpointNotFoundError:
+            if not self._latest_at_open.used:
+                raise
+            # The step found at open went without a commit since (pruned by another process).
+            self._latest_at_open.forget()
+            return self._load(step, kwargs)
+
+    def _load(self, step: Optional[int], kwargs: Dict[str, Any]) -> Any:
         where = None
         if self._replicas is not None:
             # Collective: a node that lost its directory gets its files back from partners.
@@ -510,7 +525,9 @@ class Checkpointer:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""
         if self.persistent is None:
             # One tier: its steps are one line by construction (committing S removes every step >= S).
-            found = self.layout.locate_step(step)       # the index: no listing (issue 34)
+            found = self._latest_at_open.locate(step)
+            if found is False:
+                found = self.layout.locate_step(step)   # the index: no listing (issue 34)
             tier = "local" if not self.on_object_store else "object store"
             return [] if found is None else [(found[0], tier, found[1])]
         # Two tiers: a copy counts only if it is the live save of its step (the same save_id), so

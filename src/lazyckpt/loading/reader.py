@@ -104,7 +104,7 @@ class CheckpointFile:
             for run in runs:
                 start = self.entries[run[0]].offset
                 end = self.entries[run[-1]].offset + self.entries[run[-1]].length
-                buf = anonymous_buffer(fmt.align_up(end - start))
+                buf = anonymous_buffer(fmt.align_up(end - start), huge_pages=not self.store.is_remote)
                 view = memoryview(buf)
                 for i in run:
                     e = self.entries[i]
@@ -222,7 +222,7 @@ class CheckpointFile:
                          e.name)
         fd = self._open_input()
         try:
-            buf = anonymous_buffer(fmt.align_up(hi - lo))
+            buf = anonymous_buffer(fmt.align_up(hi - lo), huge_pages=not self.store.is_remote)
             view = memoryview(buf)
             jobs = [pool.submit(self._read_block, fd, view, lo, a, b, [span])
                     for a, b in fmt.block_spans(lo, hi - lo, block)]

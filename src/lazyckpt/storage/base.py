@@ -313,9 +313,15 @@ class Directory(Protocol):
     def clean_leftovers(self) -> List[str]:
         """Remove what is provably dead (expired saves, interrupted deletes); never data."""
 
-    def locate_step(self, step: Optional[int]) -> Optional[Tuple[int, str]]:
+    def locate_step(self, step: Optional[int], mark: Optional[bytes] = None) -> Optional[Tuple[int, str]]:
         """(step, where it is) for a committed step (None: the latest), or None;
-        from the store's index where it can answer, without listing (issue 34)."""
+        from the store's index where it can answer, without listing (issue 34).
+        ``mark``: :meth:`index_mark` as just read (not read again)."""
+
+    def index_mark(self) -> bytes:
+        """What every commit changes, read in one request (b"": nothing worth
+        sharing, the lookup costs a few ``stat`` calls): a lookup made while it
+        had these bytes still holds while it has them (loading/joblatest.py)."""
 
     def start_tidy(self) -> None:
         """At open: start the cleanup of leftovers (in the background where a

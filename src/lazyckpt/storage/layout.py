@@ -236,7 +236,11 @@ class CheckpointDir:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def locate_step(self, step: Optional[int]) -> Optional[Tuple[int, str]]:
+    def index_mark(self) -> bytes:
+        """Nothing: a lookup here is a few ``stat`` calls, not worth sharing."""
+        return b""
+
+    def locate_step(self, step: Optional[int], mark: Optional[bytes] = None) -> Optional[Tuple[int, str]]:
         """(step, where it is) for a committed step (None: the latest), or None
         if it is not committed: the view of :meth:`step_paths` for one step,
         in a few ``stat`` calls, listing only when the index cannot be trusted."""

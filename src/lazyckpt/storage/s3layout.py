@@ -43,6 +43,9 @@ log = logging.getLogger("lazyckpt")
 #: the events after it (one listing that starts there) and its manifest.
 HEAD = "head.json"
 
+#: "Read head.json now" (a head already read is its bytes, or b"" when absent).
+_READ = object()
+
 _COMMITTED = re.compile(r"^step_(\d{10})/([^/]+)/" + re.escape(MANIFEST) + "$")
 _SAVE_KEY = re.compile(r"^step_(\d{10})/([^/]+)/")
 
@@ -89,9 +92,15 @@ class ObjectCheckpointDir:
 
     # ---------------------------------------------------------------- the index
 
-    def _head(self) -> Optional[Event]:
-        raw = self.store.get(self._key(HEAD), 4096)
-        if raw is None:
+    def index_mark(self) -> bytes:
+        """``head.json`` as stored (one GET; b"" when there is none): what a lookup
+        of the latest step starts from. Every commit rewrites it, so an
+        unchanged mark means no commit since that lookup (loading/joblatest.py)."""
+        return self.store.get(self._key(HEAD), 4096) or b""
+
+    def _head(self, raw: Any = _READ) -> Optional[Event]:
+        raw = self.index_mark() if raw is _READ else raw
+        if not raw:
             return None
         try:
             doc = json.loads(raw.decode("utf-8"))
@@ -117,7 +126,7 @@ class ObjectCheckpointDir:
         listing: the fences)."""
         return self._events(self._event_objects_from(seq) + list(self.store.list(self._key(FENCES + "/"))))
 
-    def tail(self) -> Optional[Event]:
+    def tail(self, mark: Optional[bytes] = None) -> Optional[Event]:
         """The newest live committed save, from the index, in four requests
         whatever the number of steps kept (GET ``head.json``, a listing of the
         events from its ``seq`` on, one of the fences, a HEAD of the manifest);
@@ -125,8 +134,9 @@ class ObjectCheckpointDir:
         here yet or deleted): then the caller lists. The newest event is on
         the line (nothing after it supersedes it), and it is committed here
         when its manifest exists (written before the event on an object-store
-        directory, uploaded after it on a persistent tier)."""
-        head = self._head()
+        directory, uploaded after it on a persistent tier). ``mark``: the head
+        as already read (:meth:`index_mark`)."""
+        head = self._head(_READ if mark is None else mark)
         if head is None:
             return None
         events = self._events_from(head.seq)
@@ -146,10 +156,10 @@ class ObjectCheckpointDir:
                                          if e is not None))
         return max_seq(self.listing()[1])
 
-    def locate_step(self, step: Optional[int]) -> Optional[Tuple[int, str]]:
+    def locate_step(self, step: Optional[int], mark: Optional[bytes] = None) -> Optional[Tuple[int, str]]:
         """(step, its save's prefix) for a committed step (None: the latest), or
         None: from the index for the latest, else from a listing."""
-        tail = self.tail()
+        tail = self.tail(mark)
         if tail is not None and (step is None or step == tail.step):
             return tail.step, self.save_url(tail.step, tail.save_id)
         if tail is not None and step is not None and step > tail.step:
