@@ -723,6 +723,27 @@ def index_problems(directory: str, when: str) -> List[str]:
     return problems
 
 
+def tiers_index_problems(ckpt: Any, when: str) -> List[str]:
+    """With ``persist_to``: the copies the two tiers' indexes name as the newest
+    save's (``Checkpointer._newest_copies``: ``History.newest_save``) against
+    the line over both tiers built from every manifest and a listing of the
+    store: where the indexes answer, they name the line's newest save's
+    copies, local first (issue 34)."""
+    for _attempt in range(5):
+        line = ckpt._line_candidates(None)
+        fast = ckpt._newest_copies()
+        if not fast:
+            return []
+        newest = [c for c in line if c[0] == line[0][0]] if line else []
+        # A copy in a temporary directory (renames pending) is the same copy as under its name.
+        same = [(s, t, ckpt.step_path(s) if t == "local" else p) for s, t, p in fast] == newest
+        if same:
+            return []
+        if ckpt._line_candidates(None) == line:
+            return [f"{when}: the two tiers' indexes name {fast} as the newest save's copies, the line {newest}"]
+    return []
+
+
 def remote_index_problems(url: str, storage_options: Any, when: str) -> List[str]:
     """The object-store index (``ObjectCheckpointDir.tail``: ``head.json``
     checked against the events after it) against the listing's line: where it
@@ -774,6 +795,8 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
     except Exception as exc:
         return problems + [f"Checkpointer(dir) after the crash: {type(exc).__name__}: {exc}"]
     problems += index_problems(directory, "after the open's recovery")
+    if program.persist:
+        problems += tiers_index_problems(ckpt, "after the open")
     world = None
     try:
         try:
@@ -839,6 +862,7 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
         problems += index_problems(directory, "after the restart's save")
         if program.persist:
             problems += remote_index_problems(ctx.persist_to, ctx.storage_options, "after the restart's save")
+            problems += tiers_index_problems(ckpt, "after the restart's save")
     finally:
         try:
             ckpt.close()

@@ -57,7 +57,7 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, Checkpoint
 from lazyckpt.saving.costs import problems as cost_problems
 from lazyckpt.knobs import INCREMENTAL_MODES, resolve
 
-from _crashpoints import index_problems, remote_index_problems
+from _crashpoints import index_problems, remote_index_problems, tiers_index_problems
 
 # ----------------------------------------------------------------- configurations
 
@@ -1188,6 +1188,8 @@ class Run:
                 kw = checkpointer_kwargs(self.cfg, self.persist_url, **self.knobs)
                 for problem in remote_index_problems(kw["persist_to"], kw.get("storage_options"),
                                                      f"after {self.log[-1] if self.log else 'the start'}"):
+                    self.fail(problem)
+                for problem in tiers_index_problems(self.ckpt, f"after {self.log[-1] if self.log else 'the start'}"):
                     self.fail(problem)
         if (self.rank == 0 or self.cfg.replicas) and self.ckpt.steps():
             report = lzverify.verify(self.local)

@@ -262,3 +262,64 @@ def test_a_restarting_job_looks_up_the_latest_step_once(s3_run, between):
         # (1 GET), its reader lease, its file (a HEAD, 4 GETs). No LIST.
         assert [r[3].get("LIST", 0) for r in results] == [2, 0, 0], results
         assert [r[3].get("GET", 0) for r in results[1:]] == [6, 6], results
+
+
+# ----------------------------------------------------------------- two tiers (persist_to)
+
+
+def _whole_run_listings(calls, prefix):
+    return [c for c in calls if f"prefix={prefix}%2F&" in c or c.endswith(f"prefix={prefix}%2F")]
+
+
+@pytest.mark.parametrize("case", ["both-tiers", "local-lost", "store-behind"])
+def test_persist_to_finds_the_newest_save_from_the_two_indexes(s3_run, tmp_path, monkeypatch, case):
+    """Issue 34 with persist_to: opening and loading the latest step read the
+    newest manifest and the store's index, not every local manifest nor a
+    listing of the store -- while the two indexes agree on where the newest
+    save is (both tiers, or the store alone after the node lost its disk). A
+    store behind the local tier (an upload not done) takes the whole line."""
+    import shutil
+    import threading
+    url, opts, client, bucket = s3_run
+    local = str(tmp_path / "local")
+    with lazyckpt.Checkpointer(local, keep_last=None, persist_to=url, storage_options=opts) as ckpt:
+        for s in range(1, 31):
+            ckpt.save(_values(s), step=s)
+        ckpt.wait()
+        ckpt.save(_values(120), step=12).wait()         # a rollback: 13..30 abandoned on both tiers
+        ckpt.wait()
+    expected = 12
+    if case == "local-lost":
+        shutil.rmtree(local)
+    elif case == "store-behind":
+        with lazyckpt.Checkpointer(local, keep_last=None) as ckpt:    # saved without persist_to
+            ckpt.save(_values(13), step=13).wait()
+        expected = 13
+    read = []
+    original = CheckpointDir.step_paths
+    monkeypatch.setattr(CheckpointDir, "step_paths", lambda self: read.append(1) or original(self))
+    calls = []
+    from lazyckpt.knobs import resolve
+    from lazyckpt.storage import s3
+    store, _ = s3.store_for(url, resolve(storage_options=opts).storage_options)
+
+    def count(request=None, **_kw):
+        if request.method == "GET" and "list-type=" in request.url and \
+                threading.current_thread().name != "lazyckpt-leftovers":
+            calls.append(request.url)
+    store.client.meta.events.register("before-send.s3", count)
+    with lazyckpt.Checkpointer(local, keep_last=None, persist_to=url, storage_options=opts) as ckpt:
+        out = ckpt.load()
+        torch.testing.assert_close(out, _values(120 if expected == 12 else 13))
+        assert ckpt.loaded_from["step"] == expected
+        assert ckpt.loaded_from["tier"] == ("persistent" if case == "local-lost" else "local")
+        whole = _whole_run_listings(calls, "run")
+        if case == "store-behind":
+            assert whole, "the whole line was expected here"
+        else:
+            assert whole == [], whole
+            if case == "both-tiers":
+                assert read == [], "the local directory was listed"
+        ckpt.save(_values(expected + 1), step=expected + 1)
+        ckpt.wait()
+        assert ckpt.persistent.dir.latest() == expected + 1

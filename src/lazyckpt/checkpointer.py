@@ -203,6 +203,7 @@ class Checkpointer:
         if self.persistent is not None:
             # The outbox's durable copy is the local record (docs/RELIABILITY.md).
             self.persistent.local_events = self.history.local_events
+            self.persistent.local_events_above = self.history.local_events_above
             self.persistent.abandoned = self._abandoned_locally
             if self._replicas is None:
                 self._resume_drain()
@@ -306,7 +307,13 @@ class Checkpointer:
         seq order), then retries the upload of the latest live local step when
         the persistent tier lacks that save (its upload failed, or the process
         died first). Every rank enqueues it (call -1: any new save supersedes it).
-        One listing of the store for both."""
+        One listing of the store for both; none when the two tiers' indexes say
+        the newest save is on the store (issue 34)."""
+        newest = self.history.newest_save()
+        if newest is not None and newest[0] in (None, newest[1]):     # (None: no local step to send)
+            if self._dist.coordinator:
+                self.persistent.open_outbox()       # (from the index and the record, when they tell)
+            return
         try:
             live, local, remote, listing = self._line_and_listing()
         except CheckpointError as exc:
@@ -530,6 +537,32 @@ class Checkpointer:
                 found = self.layout.locate_step(step)   # the index: no listing (issue 34)
             tier = "local" if not self.on_object_store else "object store"
             return [] if found is None else [(found[0], tier, found[1])]
+        if step is None:
+            newest = self._newest_copies()
+            if newest:
+                # Both copies of the newest save first; the whole line only if neither loads.
+                return _then(newest, lambda: [c for c in self._line_candidates(None) if c not in newest])
+        return self._line_candidates(step)
+
+    def _newest_copies(self) -> List[Any]:
+        """(step, tier, path) of the newest live save's copies, local first, from
+        the two tiers' indexes (a few requests whatever the run's length, issue
+        34); [] when they cannot tell."""
+        found = self.history.newest_save()
+        if found is None:
+            return []
+        local, remote, newest = found
+        out = []
+        here = self.layout.locate_step(newest.step)     # (its temporary directory: renames pending)
+        if local == newest and here is not None:
+            out.append((newest.step, "local", here[1]))
+        elif here is not None:
+            return []               # that step here, another save of it: the line tells
+        if remote == newest:
+            out.append((newest.step, "persistent", self.persistent.dir.save_path(newest.step, newest.save_id)))
+        return out
+
+    def _line_candidates(self, step: Optional[int]) -> List[Any]:
         # Two tiers: a copy counts only if it is the live save of its step (the same save_id), so
         # neither an abandoned step nor another run's save of the same step number is ever loaded.
         live, local, remote = self._line()
@@ -562,8 +595,8 @@ class Checkpointer:
     def _step_to_load(self, step: Optional[int]) -> int:
         self._check_open()
         if step is None:
-            candidates = self._candidates(None)
-            step = candidates[0][0] if candidates else None
+            first = next(iter(self._candidates(None)), None)
+            step = first[0] if first is not None else None
             if step is None:
                 raise CheckpointNotFoundError(f"{self.directory}: no committed checkpoint",
                                               path=self.directory)
@@ -620,6 +653,12 @@ def _refuse_options_that_do_not_apply(*, object_store: bool, persist_to: Optiona
         if value is not None and value != defaults.get(name) and not applies:
             shown = "{...}" if name == "storage_options" else repr(value)     # it may hold credentials
             raise ValueError(f"{name}={shown} does not apply here: {why}")
+
+
+def _then(first: List[Any], rest: Any) -> Any:
+    """``first``, then what ``rest()`` returns (computed only if asked for)."""
+    yield from first
+    yield from rest()
 
 
 def _release_when_idle(engine: SaveEngine, writer: WriterLease) -> None:

@@ -38,7 +38,7 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
-from lazyckpt.errors import CorruptCheckpointError
+from lazyckpt.errors import CheckpointError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, MAX_SEQ, MAX_STEP, SAVE_ID
 from lazyckpt.storage.fileio import read_small_file, write_file_atomic
 
@@ -296,6 +296,49 @@ class History:
         """A save numbered elsewhere (a replica restored here) keeps the numbering above it."""
         if seq is not None and self._top is not None:
             self._top = max(self._top, seq)
+
+    # ------------------------------------------------------------ the indexes of both tiers
+
+    def local_tail(self) -> Any:
+        """The local tier's newest commit as an Event, from its index (a few
+        ``stat`` calls and its manifest); None when the tier holds no step;
+        False when its index cannot tell (then only every manifest can)."""
+        tail = self.layout.tail()
+        if tail is None:
+            return None if not self.layout.step_paths() else False
+        e = manifest_event(read_small_file(os.path.join(tail[1], MANIFEST), 1 << 30))
+        return e if e is not None and e.step == tail[0] and e.seq is not None else False
+
+    def newest_save(self) -> Optional[Tuple[Optional[Event], Event, Event]]:
+        """(the local tail or None, the persistent tail, the newest live save) from
+        the two tiers' indexes alone, without reading every manifest or listing
+        the store (issue 34); None when either cannot tell -- the caller builds
+        the whole line. Why the newest commit by ``seq`` is the newest live save:
+        a commit of S supersedes every save >= S, so after the last one nothing
+        is above it; each tier's tail is its own newest commit."""
+        local = self.local_tail()
+        if local is False:
+            return None
+        try:
+            remote = self.remote.tail()
+        except CheckpointError:
+            return None
+        if remote is None or remote.seq is None:
+            return None             # no index there (an empty store, one from before it): list it
+        if local is not None and local.seq == remote.seq and local != remote:
+            return None             # two saves numbered alike: not one line, let the line decide
+        newest = local if local is not None and local.seq > remote.seq else remote
+        return local, remote, newest
+
+    def local_events_above(self, seq: int) -> Optional[List[Event]]:
+        """The local events numbered above ``seq``, from the record alone (it
+        keeps the newest ones), or None when it may not hold them all."""
+        events = self.record.read()[1] if self.record is not None else []
+        if not events:
+            return None if self.layout.step_paths() else []     # (no record, no step: nothing here)
+        if min(e.seq for e in events) > seq + 1:
+            return None
+        return [e for e in events if e.seq > seq]
 
     # ------------------------------------------------------------ the local tier
 

@@ -156,6 +156,13 @@ class ObjectCheckpointDir:
                                          if e is not None))
         return max_seq(self.listing()[1])
 
+    def published_seq(self) -> Optional[int]:
+        """The largest ``seq`` of a live event here, from the index (the head and
+        the events after it, fenced ones dropped), or None without one."""
+        head = self._head()
+        events = self._events_from(head.seq) if head is not None else []
+        return max_seq(events) if events else None
+
     def locate_step(self, step: Optional[int], mark: Optional[bytes] = None) -> Optional[Tuple[int, str]]:
         """(step, its save's prefix) for a committed step (None: the latest), or
         None: from the index for the latest, else from a listing."""

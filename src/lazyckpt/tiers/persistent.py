@@ -118,11 +118,13 @@ class PersistentTier(NewestWinsDrain):
         self.local_events: Callable[[], List[Event]] = lambda: []
         #: Whether a save was superseded locally (a rollback committed since): its upload is dropped.
         self.abandoned: Callable[[int, str], bool] = lambda step, save_id: False
+        #: The local events above a seq from the local record alone, or None when it
+        #: may not hold them all (the Checkpointer's History.local_events_above).
+        self.local_events_above: Callable[[int], Optional[List[Event]]] = lambda seq: None
         if dist.coordinator:
-            try:
-                self.dir.clean_leftovers()
-            except CheckpointReadError as exc:
-                log.warning("lazyckpt: %s: its leftovers are cleaned later (%s)", self.url, exc)
+            # One listing of the store, which grows with the steps it keeps: on a thread,
+            # never in the way of opening and loading (issue 34); close() joins it.
+            self.dir.start_tidy()
 
     def enqueue(self, handle: Any, step: int, call: int, save_id: str, local_path: str,
                 seq: Optional[int] = None) -> None:
@@ -155,6 +157,15 @@ class PersistentTier(NewestWinsDrain):
         caller has just listed it; else one listing, raising if the store cannot
         be listed). On an empty store only the live line's events go up: the
         abandoned ones would supersede nothing there."""
+        if listing is None and not self._outbox:
+            # The store's index and the local record, when they tell: no listing (issue 34).
+            top = self.dir.published_seq()
+            missing = self.local_events_above(top) if top else None
+            if missing is not None:
+                with self._cond:
+                    self._published = top
+                    self._add(missing)
+                return
         steps, events = listing if listing is not None else self.dir.listing()
         top = max_seq(events)
         local = self.local_events()
@@ -297,3 +308,4 @@ class PersistentTier(NewestWinsDrain):
             self.wait(raise_errors=not cancel)
         finally:
             self._pool.shutdown(wait=True)
+            self.dir.close()
