@@ -16,6 +16,7 @@ opened, timed, and saves ``--commits`` more steps of a 4 KB state
 
     .venv/bin/python benchmarks/bench_long_run.py                 # local, 10..100,000
     .venv/bin/python benchmarks/bench_long_run.py --s3            # SeaweedFS too (10..10,000)
+    .venv/bin/python benchmarks/bench_long_run.py --persist       # local + persist_to SeaweedFS
     .venv/bin/python benchmarks/bench_long_run.py --sizes 10 1000 --baseline-src /work/wt/orig/src
 
 Each size runs in a fresh process (``--baseline-src``: the same with another
@@ -176,12 +177,14 @@ class RequestCounter:
         return out
 
 
-def measure(url: str, steps: int, commits: int, counter=None, storage_options=None) -> dict:
+def measure(url: str, steps: int, commits: int, counter=None, storage_options=None, persist_to=None) -> dict:
     import torch
     import lazyckpt
 
     state = {"w": torch.randn(1024)}
     kw = {"storage_options": storage_options} if storage_options else {}
+    if persist_to:
+        kw["persist_to"] = persist_to
     requests = {}
     t0 = time.perf_counter()
     ckpt = lazyckpt.Checkpointer(url, keep_last=None, **kw)
@@ -191,6 +194,8 @@ def measure(url: str, steps: int, commits: int, counter=None, storage_options=No
     if counter is not None:
         if hasattr(ckpt.layout, "close"):
             ckpt.layout.close()         # the leftover scan opening starts: counted apart ("scan ...")
+        if ckpt.persistent is not None and hasattr(ckpt.persistent.dir, "close"):
+            ckpt.persistent.dir.close()     # (the persistent tier's, where it runs on a thread)
         requests["open_load"] = counter.take()
     commit = []
     step = steps
@@ -212,9 +217,24 @@ def measure(url: str, steps: int, commits: int, counter=None, storage_options=No
     if counter is not None:
         counter.take()
     assert latest == step and len(listed) == steps + commits, (latest, step, len(listed))
+    if persist_to:
+        ckpt.wait()
+        if counter is not None:
+            counter.take()
+        t0 = time.perf_counter()        # a replaced node: the local tier gone, open and load from the store
+        shutil.rmtree(url)
+        with lazyckpt.Checkpointer(url, keep_last=None, **kw) as fresh:
+            assert fresh.load()["w"].shape == (1024,) and fresh.loaded_from["tier"] == "persistent"
+            out_replaced = 1e3 * (time.perf_counter() - t0)
+            if counter is not None:
+                if hasattr(fresh.persistent.dir, "close"):
+                    fresh.persistent.dir.close()
+                requests["replaced_open_load"] = counter.take()
     ckpt.close()
     out = {"commit_ms": _median_ms(commit), "commit_p90_ms": 1e3 * sorted(commit)[int(0.9 * len(commit))],
            "steps_ms": 1e3 * steps_s, "latest_ms": 1e3 * latest_s, "open_load_ms": 1e3 * open_load}
+    if persist_to:
+        out["replaced_open_load_ms"] = out_replaced
     if requests:
         out["requests"] = requests
     return out
@@ -227,7 +247,7 @@ def child(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         build_local(path, args.child)
         built_s = time.perf_counter() - t
-        if not args.s3:
+        if not args.s3 and not args.persist:
             os.system("sync")
             out = measure(path, args.child, args.commits)
             out["records"] = record_bytes(path)
@@ -242,7 +262,10 @@ def child(args: argparse.Namespace) -> None:
                 so = {"endpoint_url": server.endpoint, "access_key_id": server.access_key,
                       "secret_access_key": server.secret_key, "region": server.region}
                 counter = RequestCounter()
-                out = measure(f"s3://{bucket}/run", args.child, args.commits, counter, so)
+                if args.persist:    # the same run on both tiers: local and persisted
+                    out = measure(path, args.child, args.commits, counter, so, persist_to=f"s3://{bucket}/run")
+                else:
+                    out = measure(f"s3://{bucket}/run", args.child, args.commits, counter, so)
         out["build_s"] = built_s
         print(json.dumps(out))
     finally:
@@ -255,6 +278,8 @@ def main() -> None:
     ap.add_argument("--commits", type=int, default=30, help="timed commits per size")
     ap.add_argument("--runs", type=int, default=1, help="fresh processes per size (medians across)")
     ap.add_argument("--s3", action="store_true", help="on SeaweedFS instead of a local directory")
+    ap.add_argument("--persist", action="store_true",
+                    help="a local directory with persist_to= on SeaweedFS (both tiers hold the run)")
     ap.add_argument("--baseline-src", help="another tree's src, measured interleaved")
     ap.add_argument("--dir", default=None, help="where the synthetic directories go (default: $TMPDIR)")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -272,6 +297,8 @@ def main() -> None:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", str(n), "--commits", str(args.commits)]
                 if args.s3:
                     cmd.append("--s3")
+                if args.persist:
+                    cmd.append("--persist")
                 if args.dir:
                     cmd += ["--dir", args.dir]
                 done = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=trees[name]), check=True,
@@ -284,8 +311,10 @@ def main() -> None:
                     print(f"    record files (bytes): {fig['records']}", flush=True)
                 if "requests" in fig:
                     print(f"    requests: {fig['requests']}", flush=True)
-    metrics = ["commit_ms", "commit_p90_ms", "steps_ms", "latest_ms", "open_load_ms"]
-    where = "SeaweedFS (s3://)" if args.s3 else "local directory"
+    metrics = ["commit_ms", "commit_p90_ms", "steps_ms", "latest_ms", "open_load_ms"] + \
+        (["replaced_open_load_ms"] if args.persist else [])
+    where = "SeaweedFS (s3://)" if args.s3 else \
+        "local directory + persist_to SeaweedFS" if args.persist else "local directory"
     for name, by_size in results.items():
         print(f"\n{name} ({trees[name]}), {where}, keep_last=None, 4 KB state; medians over {args.runs} run(s)")
         print(f"{'steps kept':>10}" + "".join(f"{m:>15}" for m in metrics) + f"{'commit/10':>11}")

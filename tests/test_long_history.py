@@ -323,3 +323,26 @@ def test_persist_to_finds_the_newest_save_from_the_two_indexes(s3_run, tmp_path,
         ckpt.save(_values(expected + 1), step=expected + 1)
         ckpt.wait()
         assert ckpt.persistent.dir.latest() == expected + 1
+
+
+def test_study_of_a_range_of_steps_does_not_list_the_run(tmp_path, monkeypatch):
+    """Issue 34: ``trajectory(steps=...)`` and ``diff("RUN@A", "RUN@B")`` on a
+    local run look up the steps they name (a few stat calls each), not the
+    whole run; a step that is not there is still a clear not-found."""
+    run = str(tmp_path / "run")
+    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+        for s in range(1, 41):
+            ckpt.save(_values(s), step=s).wait()
+
+    def no_listing(self):
+        raise AssertionError("the whole run was listed")
+    monkeypatch.setattr(CheckpointDir, "step_paths", no_listing)
+    table = lazyckpt.trajectory(run, fn="max", steps=[7, 31]).table()
+    assert table == {"w": {7: 7.0, 31: 31.0}}
+    report = lazyckpt.diff(f"{run}@7", f"{run}@31")
+    assert [row.key for row in report.rows] == ["w"]
+    monkeypatch.undo()
+    with pytest.raises(lazyckpt.CheckpointNotFoundError):
+        lazyckpt.trajectory(run, steps=[7, 99])
+    with pytest.raises(lazyckpt.CheckpointNotFoundError):
+        lazyckpt.diff(f"{run}@7", f"{run}@99")

@@ -278,7 +278,11 @@ def _step_location(run: str, step: int, options: Options) -> str:
     if not store.is_remote and not os.path.isdir(run):     # nothing to stat on a remote store
         raise CheckpointNotFoundError(f"{run}: no such Checkpointer directory", path=run)
     store.check(run, options)
-    paths = store.checkpoint_dir(run, options).step_paths()
+    layout = store.checkpoint_dir(run, options)
+    found = layout.locate_step(step)        # a few stat calls on a local directory, not a listing (issue 34)
+    if found is not None:
+        return found[1]
+    paths = layout.step_paths()             # (for the message)
     if step not in paths:
         shown = ", ".join(map(str, sorted(paths)[-10:])) or "none"
         raise CheckpointNotFoundError(f"{run}: no committed step {step} (committed: {shown})", path=run, step=step)

@@ -115,13 +115,16 @@ class _StatAcc:
         raise ValueError(stat)
 
 
-def run_steps(run: str, persist_to: Optional[str] = None,
-              options: Optional[Options] = None) -> List[Tuple[int, str, str]]:
+def run_steps(run: str, persist_to: Optional[str] = None, options: Optional[Options] = None,
+              wanted: Optional[List[int]] = None) -> List[Tuple[int, str, str]]:
     """Every kept committed step of a run, oldest first, as (step, tier,
     location): the local directory's steps and, with ``persist_to`` (the
     persistent tier's ``s3://`` URL), that tier's, on the one line of history
     (a save abandoned by a rollback is not one). A step on both tiers is read
-    from the local one. ``run`` may itself be an ``s3://`` prefix."""
+    from the local one. ``run`` may itself be an ``s3://`` prefix. ``wanted``:
+    only those steps, each looked up by itself in a local directory (a few
+    ``stat`` calls: a range costs what it holds, not what the run does,
+    issue 34); elsewhere one listing still finds them."""
     options = options or resolve_options()
     store = for_path(run)
     run = store.normalize(run)
@@ -135,6 +138,10 @@ def run_steps(run: str, persist_to: Optional[str] = None,
     layout = store.checkpoint_dir(run, options)
     if persist_to is None:
         tier = "object store" if store.is_remote else "local"
+        if wanted is not None and not store.is_remote:
+            found = [layout.locate_step(s) for s in wanted]
+            if all(found):
+                return [(s, tier, path) for s, path in sorted(found)]
         return [(s, tier, path) for s, path in sorted(layout.step_paths().items())]
     tier_store = for_path(persist_to)
     tier_store.check(persist_to, options)
@@ -193,9 +200,9 @@ class Trajectory:
         self.progress = progress
         self.counter = ReadCounter()
         patterns = key_patterns(keys)
-        located = run_steps(run, persist_to, options)
-        if steps is not None:
-            wanted = sorted(set(int(s) for s in steps))
+        wanted = sorted(set(int(s) for s in steps)) if steps is not None else None
+        located = run_steps(run, persist_to, options, wanted)
+        if wanted is not None:
             have = {s for s, _, _ in located}
             missing = [s for s in wanted if s not in have]
             if missing:
