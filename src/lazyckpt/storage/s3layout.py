@@ -292,7 +292,8 @@ class ObjectCheckpointDir:
             self.writer.check()         # displaced by a takeover since save(): commit nothing
         # Above the latest step (every commit but a rollback's) nothing is superseded:
         # the index says so in four requests, a listing grows with the run (issue 34).
-        quick = self._supersedes_nothing(step, save_id, event is None)
+        quick = self._supersedes_nothing(step, event if event is not None else manifest_event(manifest_raw),
+                                         published=event is None)
         committed, events = ({}, []) if quick else self.listing()
         self.store.put(self._key(step_dirname(step), save_id, MANIFEST), manifest_raw)
         if event is not None:
@@ -320,19 +321,21 @@ class ObjectCheckpointDir:
                 log.debug("lazyckpt: %s: pruning history events failed (retried later): %s", self.url, exc)
         return superseded
 
-    def _supersedes_nothing(self, step: int, save_id: str, event_published: bool) -> bool:
-        """Whether a commit of ``step`` is above every step here, from the index.
-        A directory's commit: above the tail. A persistent tier's upload, whose
-        own event went up at the local commit (so the tail, that event's save
-        not here yet, cannot answer): above the head and every other event
-        after it -- whatever is live here is one of those or older."""
-        if not event_published:
+    def _supersedes_nothing(self, step: int, mine: Optional[Event], published: bool) -> bool:
+        """Whether a commit of ``step`` (its event ``mine``) supersedes nothing
+        here, from the index. A directory's commit: above the tail. A persistent
+        tier's upload, whose own event went up at the local commit (so the
+        tail, that event's save not here yet, cannot answer): above the head
+        and every event between the head and its own -- whatever is live here
+        and older than it is one of those or older; later events are not its
+        to supersede."""
+        if not published:
             tail = self.tail()
             return tail is not None and step > tail.step
         head = self._head()
-        if head is None or head.step >= step:
+        if head is None or mine is None or mine.seq is None or head.step >= step or head.seq >= mine.seq:
             return False
-        return all(e.step < step for e in self._events_from(head.seq) if (e.step, e.save_id) != (step, save_id))
+        return all(e.step < step for e in self._events_from(head.seq) if e.seq < mine.seq)
 
     def acquire_writer(self, heartbeat_s: float, expiry_s: float, takeover: bool = False,
                        fence: Optional[str] = None) -> ObjectWriterLease:
