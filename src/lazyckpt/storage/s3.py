@@ -247,25 +247,23 @@ class ObjectStore:
             raise self.error(exc, key, f"reading bytes at {offset}") from exc
         try:
             raw = getattr(body, "_raw_stream", None)
+            # From the socket straight into the aligned buffer; else urllib3's readinto
+            # (a bytes object, then a copy); else the whole body, then a copy.
             socket_reader = _socket_reader(raw)
-            done = 0
-            if socket_reader is not None:
-                while done < len(view):        # from the socket straight into the aligned buffer
-                    n = socket_reader.readinto(view[done:])
-                    if not n:
-                        break
-                    done += n
-                _consumed(raw, done)
-            elif raw is not None and hasattr(raw, "readinto"):
-                while done < len(view):        # urllib3 reads into a bytes object, then copies
-                    n = raw.readinto(view[done:])
-                    if not n:
-                        break
-                    done += n
-            else:
+            reader = socket_reader if socket_reader is not None else \
+                raw if raw is not None and hasattr(raw, "readinto") else None
+            if reader is None:
                 data = body.read()
-                done = len(data)
-                view[:done] = data
+                view[:len(data)] = data
+                return len(data)
+            done = 0
+            while done < len(view):
+                n = reader.readinto(view[done:])
+                if not n:
+                    break
+                done += n
+            if socket_reader is not None:
+                _consumed(raw, done)
             return done
         except Exception as exc:
             raise self.error(exc, key, f"reading bytes at {offset}") from exc
