@@ -232,3 +232,53 @@ def test_metadata_naming_lazystorageinfo_at_interop_still_loads(tmp_path):
     meta.write_bytes(raw.replace(old_path, b"clazyckpt.interop.dcp\nLazyStorageInfo\n"))
     assert ("lazyckpt.interop.dcp", "LazyStorageInfo") in _pickled_globals(meta.read_bytes())
     _load_and_compare(tmp_path, model)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_dcp_checkpoint_on_s3_is_whole_on_the_store_and_loads_from_any_working_directory(
+        tmp_path, monkeypatch, s3_server, s3_bucket, use_async):
+    """Issue 35 (7): the data files and DCP's .metadata both go to the bucket (the
+    metadata last: it is what makes the checkpoint exist), nothing is written under
+    the working directory, and another working directory loads it bit-exact."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    options = {"endpoint_url": s3_server.endpoint, "access_key_id": s3_server.access_key,
+               "secret_access_key": s3_server.secret_key, "region": s3_server.region}
+    url = f"s3://{s3_bucket}/run/step1"
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    model, opt = _plain_model()
+    _train(model, opt, 3)
+    msd, osd = get_state_dict(model, opt)
+    writer = LazyStorageWriter(url, storage_options=options)
+    state = {"model": msd, "optim": osd, "extra": {"epoch": 3}}
+    if use_async:
+        writer.attach(opt)
+        dcp.async_save(state, storage_writer=writer, no_dist=True).upload_completion.result()
+        writer.close()
+    else:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    reference = _train(model, opt, 2, seed=100)
+    assert os.listdir(first) == []                                # nothing written locally
+    keys = sorted(o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"])
+    assert keys == ["run/step1/.metadata", "run/step1/__0.lzc"]
+
+    monkeypatch.chdir(second)
+    model2, opt2 = _plain_model()
+    msd2, osd2 = get_state_dict(model2, opt2)
+    state2 = {"model": msd2, "optim": osd2, "extra": {"epoch": 0}}
+    dcp.load(state2, storage_reader=LazyStorageReader(url, storage_options=options), no_dist=True)
+    set_state_dict(model2, opt2, model_state_dict=state2["model"], optim_state_dict=state2["optim"])
+    assert state2["extra"]["epoch"] == 3
+    assert _train(model2, opt2, 2, seed=100) == reference
+
+
+def test_a_dcp_checkpoint_on_s3_without_metadata_is_not_a_checkpoint(tmp_path, s3_server, s3_bucket):
+    """A save that died before finish() left data objects only: loading names the
+    missing commit instead of reading half a checkpoint."""
+    options = {"endpoint_url": s3_server.endpoint, "access_key_id": s3_server.access_key,
+               "secret_access_key": s3_server.secret_key, "region": s3_server.region}
+    s3_server.client().put_object(Bucket=s3_bucket, Key="run/step2/__0.lzc", Body=b"half")
+    with pytest.raises(lazyckpt.CheckpointNotFoundError, match="no committed DCP checkpoint"):
+        LazyStorageReader(f"s3://{s3_bucket}/run/step2", storage_options=options).read_metadata()

@@ -56,7 +56,7 @@ from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import CopyPart, FilePart, NoCommit, SaveEngine, run_now
 from lazyckpt.saving.hostcache import StagingArenas
 from lazyckpt.state.providers import flatten
-from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
+from lazyckpt.storage.stores import for_path
 
 # The reader lives in the core (lazyckpt.interop.dcp: `lazyckpt convert` reads these directories);
 # both are importable here. LazyStorageInfo stays importable here: .metadata files pickle
@@ -243,7 +243,10 @@ class LazyStorageWriter(StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self._current_path(), exist_ok=True)
+        # The store is resolved here, before a byte moves: a malformed URL fails
+        # every rank's plan rather than one rank's write. Directories are made by
+        # the writes (a local path); an object store has none to make.
+        for_path(self._current_path())
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=f"__{self.rank}")
         return plan
@@ -277,7 +280,9 @@ class LazyStorageWriter(StorageWriter):
                                        storage_data=LazyStorageInfo(name, key)))
         engine = self._get_engine()
         try:
-            strategy = FileCommit(os.path.join(self._current_path(), name), self.options.lease_heartbeat_s)
+            path = self._current_path()
+            strategy = FileCommit(for_path(path).join(path, name), self.options.lease_heartbeat_s,
+                                  options=self.options)
             run_now(strategy, [FilePart(flatten(state), {})], engine.resources, self.options, name=strategy.path)
         finally:
             self._release_staging(planner, pointers)
@@ -315,9 +320,11 @@ class LazyStorageWriter(StorageWriter):
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         name = METADATA if self.use_collectives or self.rank is None else f"__{self.rank}{METADATA}"
-        # Commit last, atomically: DCP treats a directory with .metadata as complete.
-        write_file_atomic(os.path.join(self._current_path(), name), pickle.dumps(metadata))
-        fsync_dir(self._current_path())
+        # Commit last, in one piece, on the checkpoint's own store (an s3:// checkpoint
+        # is whole on the bucket): DCP treats a directory with .metadata as complete.
+        path = self._current_path()
+        store = for_path(path)
+        store.write_whole(store.join(path, name), pickle.dumps(metadata), self.options)
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self._current_path(), save_id=self.save_id)

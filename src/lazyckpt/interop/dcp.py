@@ -29,6 +29,8 @@ from torch.futures import Future
 
 from lazyckpt import api
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError
+from lazyckpt.knobs import resolve
+from lazyckpt.storage.stores import for_path
 
 METADATA = ".metadata"
 SUFFIX = ".lzc"
@@ -95,6 +97,7 @@ class LazyStorageReader(StorageReader):
         super().__init__()
         self.path = os.fspath(path)
         self.knobs = knobs
+        self.options = resolve(None, **knobs)
         self.storage_data: Dict[MetadataIndex, LazyStorageInfo] = {}
         self.load_id = uuid.uuid4().hex
 
@@ -105,16 +108,20 @@ class LazyStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        name = METADATA if rank is None else f"__{rank}{METADATA}"
-        path = os.path.join(self.path, name)
-        if rank is not None and not os.path.exists(path):
-            path = os.path.join(self.path, METADATA)
-        try:
-            with open(path, "rb") as f:
-                metadata = MetadataUnpickler(f, path).load()
-        except FileNotFoundError:
+        store = for_path(self.path)
+        names = [METADATA] if rank is None else [f"__{rank}{METADATA}", METADATA]
+        for name in names:          # a no-collectives save wrote one metadata per rank
+            path = store.join(self.path, name)
+            try:
+                raw = store.read_whole(path, self.options, self.options.max_footer_bytes)
+                break
+            except CheckpointNotFoundError:
+                continue
+        else:
             raise CheckpointNotFoundError(f"{self.path}: no committed DCP checkpoint (no {METADATA})",
-                                          path=self.path) from None
+                                          path=self.path)
+        try:
+            metadata = MetadataUnpickler(io.BytesIO(raw), path).load()
         except CheckpointError:
             raise
         except Exception as exc:
@@ -147,7 +154,7 @@ class LazyStorageReader(StorageReader):
             by_file.setdefault(info.relative_path, []).append((item, info.key))
         for name, items in by_file.items():
             # Reads only the entries this rank's plan needs, checksums verified.
-            state = api.load(os.path.join(self.path, name), keys=sorted({k for _, k in items}),
+            state = api.load(for_path(self.path).join(self.path, name), keys=sorted({k for _, k in items}),
                              **self.knobs)
             for item, key in items:
                 value = state[key]

@@ -459,6 +459,18 @@ class Store(abc.ABC):
         ``beside``: where a temporary name is needed, make it a sibling of this
         path (a directory a framework assembles and then moves into place)."""
 
+    @abc.abstractmethod
+    def write_whole(self, path: str, data: bytes, options: "Options") -> None:
+        """A small file at ``path`` in one piece (parents created): readers see
+        the old content or the new, never a mix, and it is durable on return.
+        What commits a framework's checkpoint that is not a Checkpointer step
+        (DCP's ``.metadata``)."""
+
+    @abc.abstractmethod
+    def read_whole(self, path: str, options: "Options", limit: int) -> bytes:
+        """The bytes of the small file at ``path``; ``CheckpointNotFoundError``
+        if there is none, ``CorruptCheckpointError`` if it is over ``limit`` bytes."""
+
     # The read side: the one resolver (what a path means), a step's manifest, a held step.
 
     @abc.abstractmethod

@@ -13,7 +13,7 @@ from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
 from .base import HeldStep, Located, Store
-from .fileio import InputFile, NotARegularFile, OutputFile, open_regular, read_small_file
+from .fileio import InputFile, NotARegularFile, OutputFile, open_regular, read_small_file, write_file_atomic
 from .iomode import use_o_direct
 from .layout import CheckpointDir, PendingSiblingFile
 from .locks import StepDir, deleted_while_reading
@@ -64,6 +64,21 @@ class LocalStore(Store):
     def pending_file(self, final: str, options: Options, make_parents: bool = False,
                      beside: Optional[str] = None) -> PendingSiblingFile:
         return PendingSiblingFile(final, make_parents, beside)
+
+    def write_whole(self, path: str, data: bytes, options: Options) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_file_atomic(path, data)
+
+    def read_whole(self, path: str, options: Options, limit: int) -> bytes:
+        try:
+            data = read_small_file(path, limit)
+        except NotARegularFile:
+            raise CorruptCheckpointError(f"{path}: not a regular file", path=path) from None
+        if data is None:
+            raise CheckpointNotFoundError(f"{path}: no such file", path=path)
+        if len(data) > limit:
+            raise CorruptCheckpointError(f"{path}: larger than {limit} bytes", path=path)
+        return data
 
     # ---------------------------------------------------------------- the read side
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, ContextManager, Dict, Optional
 
-from lazyckpt.errors import CheckpointNotFoundError
+from lazyckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
 from .base import HeldStep, Located, Store
@@ -59,6 +59,21 @@ class S3Store(Store):
     def pending_file(self, final: str, options: Options, make_parents: bool = False,
                      beside: Optional[str] = None) -> PendingObject:
         return PendingObject(self.normalize(final))
+
+    def write_whole(self, path: str, data: bytes, options: Options) -> None:
+        """One PUT: an object store shows the whole object or the previous one."""
+        store, key = store_for(self.normalize(path), options.storage_options)
+        store.put(key, data)
+
+    def read_whole(self, path: str, options: Options, limit: int) -> bytes:
+        url = self.normalize(path)
+        store, key = store_for(url, options.storage_options)
+        data = store.get(key, limit=limit)
+        if data is None:
+            raise CheckpointNotFoundError(f"{url}: no such object", path=url)
+        if len(data) > limit:
+            raise CorruptCheckpointError(f"{url}: larger than {limit} bytes", path=url)
+        return data
 
     # ---------------------------------------------------------------- the read side
 
