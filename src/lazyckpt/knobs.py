@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 import re
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 from lazyckpt.storage.s3 import normalize_options
 
 MiB = 1 << 20
@@ -147,6 +147,9 @@ class Options:
         return max(4096, min(self.chunk_bytes, half))
 
 
+_FIELDS = {f.name for f in dataclasses.fields(Options)}
+
+
 def _env_value(name: str, default: Any) -> Any:
     raw = os.environ.get("LAZYCKPT_" + name.upper())
     if raw is None:
@@ -175,6 +178,27 @@ def resolve(options: Optional[Options] = None, **overrides: Any) -> Options:
     if unknown:
         raise TypeError(f"unknown options: {sorted(unknown)}")
     return Options(**values)
+
+
+#: Checkpointer arguments that are not Options: an integration that receives one
+#: says why it cannot act on it instead of "unknown options" (issue 35, 6).
+CHECKPOINTER_ARGUMENTS = ("persist_to", "keep_last", "replicas", "replicated", "writer_lease")
+
+
+def resolve_for(integration: str, refused: Dict[str, str], **knobs: Any) -> Options:
+    """Options for an integration, refusing, with the reason, every knob it
+    would accept and then ignore. ``refused`` maps a knob (an Options field or a
+    Checkpointer argument) to why this integration cannot act on it. A refused
+    Options field given its default value ("off", 0) asks for nothing, and passes."""
+    defaults = Options()
+    for name, why in refused.items():
+        if name not in knobs or knobs[name] is None:
+            continue
+        if hasattr(defaults, name) and getattr(resolve(None, **{name: knobs[name]}), name) == \
+                getattr(defaults, name):
+            continue
+        raise ValueError(f"{integration}: {name}={knobs[name]!r} is not supported: {why}")
+    return resolve(None, **{k: v for k, v in knobs.items() if not (k in refused and k not in _FIELDS)})
 
 
 def parse_size(text: str) -> int:

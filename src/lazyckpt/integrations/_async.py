@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from lazyckpt.errors import CheckpointNotFoundError
 from lazyckpt.formats.datafile import MAGIC
-from lazyckpt.knobs import Options, resolve
+from lazyckpt.knobs import Options, resolve, resolve_for
 from lazyckpt.loading.loader import _find_pickle, load_file
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import FileCommit
@@ -32,7 +32,33 @@ from lazyckpt.storage.layout import clean_sibling_temps
 
 log = logging.getLogger("lazyckpt")
 
-__all__ = ["AsyncFileWriter", "is_lazyckpt_file"]
+__all__ = ["AsyncFileWriter", "file_writer_options", "is_lazyckpt_file"]
+
+_KEEPS_FILES = ("the framework decides where each checkpoint file goes and how many to keep "
+                "(Lightning's ModelCheckpoint dirpath/save_top_k, the Trainer's output_dir/save_total_limit)")
+#: What an integration that writes whole files cannot act on, and why (issue 35, 6):
+#: accepted and ignored, these would promise what is not done.
+WHOLE_FILE_REFUSED = {
+    "incremental": "each checkpoint file must stand alone: the framework deletes older files itself "
+                   "(save_top_k, save_total_limit), so a file cannot refer to bytes of an earlier one",
+    "full_every": "it only applies to incremental saves, which whole framework files cannot be",
+    "storage_options": "this integration writes to a local directory (object storage is not supported here)",
+    "persist_bandwidth": "it caps the drain of a persistent tier (persist_to=), which this integration does "
+                         "not have",
+    "advise_mtbf": "the framework schedules the checkpoints; `lazyckpt advise` gives the interval from "
+                   "the manifests",
+    "persist_to": "it is a Checkpointer argument, and " + _KEEPS_FILES,
+    "keep_last": "it is a Checkpointer argument, and " + _KEEPS_FILES,
+    "replicas": "it is a Checkpointer argument (replicas are steps of a Checkpointer directory)",
+    "replicated": "it is a Checkpointer argument (which keys every rank holds in a Checkpointer step)",
+    "writer_lease": "it is a Checkpointer argument (one writer per Checkpointer directory)",
+}
+
+
+def file_writer_options(integration: str, knobs: Dict[str, Any]) -> Options:
+    """The Options of an integration's :class:`AsyncFileWriter`, refusing (with the
+    reason) every knob that such a writer would ignore."""
+    return resolve_for(integration, WHOLE_FILE_REFUSED, **knobs)
 
 
 def is_lazyckpt_file(path: str) -> bool:

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from lazyckpt.interop.dcp import METADATA, SUFFIX, LazyStorageInfo, LazyStorageReader
-from lazyckpt.knobs import resolve
+from lazyckpt.knobs import resolve_for
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import CopyPart, FilePart, NoCommit, SaveEngine, run_now
@@ -63,6 +63,24 @@ from lazyckpt.storage.stores import for_path
 # it under this module's path (those written before issue 23, and new ones: its __module__
 # names this module, see lazyckpt.interop.dcp, so that older lazyckpt versions read them).
 __all__ = ["LazyStorageWriter", "LazyStorageReader", "LazyStorageInfo"]
+
+_DELETES_ITS_OWN = ("DCP (and torchtitan's keep_latest_k) delete old checkpoint directories themselves, "
+                    "so a checkpoint cannot refer to bytes of an earlier one")
+#: What a DCP writer cannot act on, and why (issue 35, 6): accepted and ignored,
+#: these would promise what is not done.
+DCP_REFUSED = {
+    "incremental": "each DCP checkpoint_id must stand alone: " + _DELETES_ITS_OWN,
+    "full_every": "it only applies to incremental saves: " + _DELETES_ITS_OWN,
+    "persist_bandwidth": "it caps the drain of a persistent tier (persist_to=), which a DCP writer "
+                         "does not have; write to the s3:// URL directly",
+    "advise_mtbf": "the training loop schedules DCP saves; `lazyckpt advise` gives the interval",
+    "persist_to": "it is a Checkpointer argument; a DCP writer writes where checkpoint_id says "
+                  "(an s3:// URL included)",
+    "keep_last": "it is a Checkpointer argument; DCP's callers keep or delete checkpoint directories",
+    "replicas": "it is a Checkpointer argument (replicas are steps of a Checkpointer directory)",
+    "replicated": "it is a Checkpointer argument; DCP's planner already deduplicates replicated items",
+    "writer_lease": "it is a Checkpointer argument (one writer per Checkpointer directory)",
+}
 
 #: stage() waits at most this long for a staging buffer (an earlier save's write to end).
 _STAGING_WAIT_S = 600.0
@@ -98,7 +116,7 @@ class LazyStorageWriter(StorageWriter):
         super().__init__()
         self.path = os.fspath(path)
         self.knobs = knobs
-        self.options = resolve(None, **knobs)
+        self.options = resolve_for(type(self).__name__, DCP_REFUSED, **knobs)
         self.rank: Optional[int] = None
         self.use_collectives = True
         self.is_coordinator = False

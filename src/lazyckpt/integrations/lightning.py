@@ -100,7 +100,6 @@ import threading
 import weakref
 from typing import Any, Dict, Optional
 
-from lazyckpt.knobs import resolve
 
 log = logging.getLogger("lazyckpt")
 
@@ -108,7 +107,7 @@ __all__ = ["AsyncFileWriter", "LazyCheckpointIO", "PLLazyCheckpointIO", "is_lazy
 
 from lazyckpt.saving.engine import SaveHandle
 from . import _lightning_order
-from ._async import AsyncFileWriter, is_lazyckpt_file
+from ._async import AsyncFileWriter, file_writer_options, is_lazyckpt_file
 
 
 # --------------------------------------------------------------------------- CheckpointIO
@@ -145,7 +144,8 @@ class _LazyCheckpointIOImpl:
         self.allow_pickle = allow_pickle
         self.guard_buffers = guard_buffers
         self.knobs = dict(knobs)
-        resolve(None, **self.knobs)          # reject unknown knobs now, not at the first save
+        # Unknown knobs, and those a file writer would ignore, are refused now, not at the first save.
+        self.options = file_writer_options(type(self).__name__, self.knobs)
         self._writer: Optional[AsyncFileWriter] = None
         self._init_runtime()
 
@@ -177,7 +177,7 @@ class _LazyCheckpointIOImpl:
     @property
     def writer(self) -> AsyncFileWriter:
         if self._writer is None:
-            self._writer = AsyncFileWriter(guard_buffers=self.guard_buffers, **self.knobs)
+            self._writer = AsyncFileWriter(guard_buffers=self.guard_buffers, options=self.options)
         return self._writer
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any,

@@ -1,0 +1,63 @@
+"""Issue 35 (6): an integration refuses, with the reason, every option it would
+accept and then ignore, and passes the ones it uses on to its writer."""
+
+from __future__ import annotations
+
+import pytest
+
+from lazyckpt.integrations._async import WHOLE_FILE_REFUSED
+from lazyckpt.integrations.dcp import DCP_REFUSED, LazyStorageWriter
+
+IGNORED_BY_FILE_WRITERS = [("incremental", True), ("incremental", "version-counters"), ("full_every", 4),
+                           ("storage_options", {"endpoint_url": "http://127.0.0.1:1"}),
+                           ("persist_bandwidth", 1e6), ("advise_mtbf", "8h"), ("persist_to", "s3://b/run"),
+                           ("keep_last", 3), ("replicas", 1), ("replicated", ["model"])]
+
+
+def _lightning_plugins():
+    plugins = []
+    try:
+        from lazyckpt.integrations.lightning import LazyCheckpointIO
+        plugins.append(LazyCheckpointIO)
+    except ImportError:
+        pass
+    try:
+        from lazyckpt.integrations.lightning import PLLazyCheckpointIO
+        plugins.append(PLLazyCheckpointIO)
+    except ImportError:
+        pass
+    if not plugins:
+        pytest.skip("neither lightning nor pytorch_lightning is installed (extras 'lightning')")
+    return plugins
+
+
+@pytest.mark.parametrize("name,value", IGNORED_BY_FILE_WRITERS, ids=lambda v: str(v)[:20])
+def test_lightning_refuses_what_it_would_ignore_and_says_why(name, value):
+    for plugin in _lightning_plugins():
+        with pytest.raises(ValueError) as caught:
+            plugin(**{name: value})
+        message = str(caught.value)
+        assert message.startswith(f"{plugin.__name__}: {name}=") and WHOLE_FILE_REFUSED[name] in message
+
+
+@pytest.mark.parametrize("name,value", [(n, v) for n, v in IGNORED_BY_FILE_WRITERS if n != "storage_options"],
+                         ids=lambda v: str(v)[:20])
+def test_dcp_refuses_what_it_would_ignore_and_says_why(tmp_path, name, value):
+    with pytest.raises(ValueError) as caught:
+        LazyStorageWriter(tmp_path, **{name: value})
+    assert str(caught.value).startswith(f"LazyStorageWriter: {name}=") and DCP_REFUSED[name] in str(caught.value)
+
+
+def test_what_asks_for_nothing_passes_and_what_is_used_reaches_the_writer(tmp_path):
+    for plugin in _lightning_plugins():
+        io = plugin(incremental=False, full_every=0, persist_bandwidth=0, keep_last=None,
+                    writer_threads=2, chunk_bytes=1 << 20)
+        assert (io.writer.options.writer_threads, io.writer.options.chunk_bytes) == (2, 1 << 20)
+        io.writer.close()
+        with pytest.raises(TypeError, match="unknown options"):
+            plugin(writer_thread=2)                              # a typo is still a typo
+    writer = LazyStorageWriter(tmp_path, incremental="off", writer_threads=3,
+                               storage_options={"endpoint_url": "http://127.0.0.1:1"})
+    assert writer.options.writer_threads == 3 and dict(writer.options.storage_options)
+    with pytest.raises(TypeError, match="unknown options"):
+        LazyStorageWriter(tmp_path, writer_thread=2)
