@@ -126,6 +126,124 @@ def test_rotation_runs_before_on_save_and_keeps_the_limit(tmp_path, kind):
     assert _checkpoint_dirs(tmp_path) == ["checkpoint-7", "checkpoint-8"]
 
 
+class _StopsInOnSave(transformers.TrainerCallback):
+    """Sets control flags in on_save at the steps ``at``, as early-stopping or budget callbacks do."""
+
+    def __init__(self, at, **flags):
+        self.at, self.flags = at, flags or {"should_training_stop": True}
+        self.on_save_steps = []
+        self.evaluated, self.logged_steps = [], []
+
+    def on_save(self, args, state, control, **kw):
+        self.on_save_steps.append(state.global_step)
+        if state.global_step in self.at:
+            for name, value in self.flags.items():
+                setattr(control, name, value)
+        return control
+
+    def on_evaluate(self, args, state, control, **kw):
+        self.evaluated.append(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self.logged_steps.append(state.global_step)
+
+
+def _bigger_model():
+    # Its commit takes several steps on CPU: on_save of a checkpoint not yet committed
+    # would run steps late (2 to 3 steps with the small model).
+    return _model(hidden=256, layers=4)
+
+
+@pytest.mark.parametrize("kind", ["plain", "lazy"])
+def test_should_training_stop_set_in_on_save_stops_at_that_step(tmp_path, kind):
+    stopper = _StopsInOnSave(at=(2,))
+    trainer = _trainer(kind, tmp_path, model=_bigger_model(), callbacks=[stopper], max_steps=12)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert _checkpoint_dirs(tmp_path) == ["checkpoint-1", "checkpoint-2"]
+    assert stopper.on_save_steps == [1, 2]                               # once per checkpoint
+
+
+def _flags_in_on_save_run(kind, out):
+    # 24 samples, batch 4: an epoch is 6 steps. on_save(2) is mid-epoch, on_save(6) ends epoch 1.
+    flags = dict(should_save=True, should_evaluate=True, should_log=True)
+    seer = _StopsInOnSave(at=(2, 6), **flags)
+    trainer = _trainer(kind, out, model=_bigger_model(), callbacks=[seer], max_steps=8, save_steps=2,
+                       logging_steps=100, per_device_eval_batch_size=4, eval_dataset=_Data(4, seed=1))
+    trainer.train_dataset = _Data(24)
+    trainer.train()
+    return {"on_save": seer.on_save_steps, "evaluated": seer.evaluated, "logged": seer.logged_steps,
+            "dirs": _checkpoint_dirs(out)}
+
+
+def test_flags_set_in_on_save_act_as_in_the_plain_trainer(tmp_path):
+    """should_save/should_evaluate/should_log set in on_save: the plain Trainer's
+    next on_step_begin clears them mid-epoch, its epoch-end check acts on them."""
+    plain = _flags_in_on_save_run("plain", tmp_path / "plain")
+    # Epoch end at step 6: saved again, evaluated (and logged) once; step 2's flags cleared.
+    assert plain["on_save"] == [2, 4, 6, 6, 8] and plain["evaluated"] == [6]
+    assert _flags_in_on_save_run("lazy", tmp_path / "lazy") == plain
+
+
+class _SeesRotation(transformers.TrainerCallback):
+    """The checkpoint directories on disk in each on_save."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def on_save(self, args, state, control, **kw):
+        self.seen[state.global_step] = _checkpoint_dirs(args.output_dir)
+
+
+def _rotated_up_to(step, limit=2):
+    return [f"checkpoint-{s}" for s in range(max(1, step - limit + 1), step + 1)]
+
+
+@pytest.fixture
+def slow_commit(monkeypatch):
+    """A commit slower than a training step (a slow file system): checkpoints queue
+    up, and several commit between two callback events (all the last ones at the end)."""
+    commit = lzhf._commit_directory
+
+    def slow(*args):
+        time.sleep(0.3)
+        commit(*args)
+    monkeypatch.setattr(lzhf, "_commit_directory", slow)
+
+
+@pytest.mark.parametrize("kind", ["plain", "lazy"])
+def test_on_save_sees_the_checkpoints_up_to_its_own_after_rotation(tmp_path, kind, slow_commit):
+    """The plain Trainer's order per checkpoint: push, rotate, on_save; on_save(N)
+    sees the checkpoints up to N after rotation, as the plain Trainer shows them."""
+    seer = _SeesRotation()
+    trainer = _trainer(kind, tmp_path, callbacks=[seer], save_total_limit=2, max_steps=12)
+    trainer.train()
+    assert seer.seen == {step: _rotated_up_to(step) for step in range(1, 13)}
+    assert _checkpoint_dirs(tmp_path) == _rotated_up_to(12)
+
+
+class _ReportsLikeWandb(_SeesRotation):
+    """Stands in for transformers' reporting callbacks (W&B, MLflow, ...): their on_save
+    reads checkpoint-<step>/ and sets no control flag, so lazyckpt defers it."""
+
+    def on_save(self, args, state, control, **kw):
+        super().on_save(args, state, control, **kw)
+
+    on_save.__module__ = "transformers.integrations.integration_utils"
+
+
+def test_deferred_on_save_runs_after_its_own_rotation(tmp_path, slow_commit):
+    """Deferred on_save(N) may run once N+1 is committed too (it is not hidden), but
+    rotation has run per checkpoint, in order: the ones up to N are the plain Trainer's."""
+    seer = _ReportsLikeWandb()
+    trainer = _trainer("lazy", tmp_path, callbacks=[seer], save_total_limit=2, max_steps=12)
+    trainer.train()
+    up_to_own = {step: [d for d in dirs if int(d.split("-")[1]) <= step] for step, dirs in seer.seen.items()}
+    assert up_to_own == {step: _rotated_up_to(step) for step in range(1, 13)}
+    assert any(len(dirs) > len(up_to_own[step]) for step, dirs in seer.seen.items())    # deferred indeed
+    assert _checkpoint_dirs(tmp_path) == _rotated_up_to(12)
+
+
 def test_on_save_of_committed_checkpoints_runs_when_train_raises(tmp_path):
     class Fails(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):

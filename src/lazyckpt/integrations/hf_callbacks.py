@@ -6,19 +6,29 @@ around that (issue 24):
 
 * **Callbacks after the commit.** ``Trainer`` calls ``callback_handler.on_save``
   right after ``_save_checkpoint``. :class:`CommittedSaveEvents` holds that
-  call back until ``checkpoint-<step>/`` is committed and durable, then runs it
-  on the training thread at the next safe point: before the next callback
-  event (``on_step_begin``, ``on_pre_optimizer_step``, ..., ``on_train_end``)
-  or at the end of training, whichever comes first. The callbacks get the
+  call back until ``checkpoint-<step>/`` is committed and durable. When a
+  callback overrides ``on_save`` (other than transformers' own reporting
+  callbacks, whose ``on_save`` sets no flag), it may set control flags
+  (``should_training_stop``, ``should_save``, ...) that the training loop
+  checks right after, so the call waits there for the commit and runs then,
+  where the plain ``Trainer`` runs it: the flags act at the same step (a
+  failed save is raised there). Otherwise nothing waits: the call runs on the
+  training thread at the next safe point, before the next callback event
+  (``on_step_begin``, ``on_pre_optimizer_step``, ..., ``on_train_end``) or at
+  the end of training, whichever comes first. The callbacks get the
   ``TrainerState`` as it was at the save (``state.global_step`` names the
   directory, as W&B, MLflow, ClearML, Flyte and DVCLive read it); the
   ``TrainerControl`` they change is the live one. A save that failed fires no
   ``on_save``: its error is raised at the next checkpoint or when ``train()``
-  ends.
+  ends, if not already.
 * **Rotation** (``save_total_limit``) runs there too, on the training thread,
-  just before the newest committed checkpoint's ``on_save``, as the plain
-  ``Trainer`` does: only committed checkpoints are counted or deleted, and a
-  checkpoint is never deleted before its own ``on_save`` has run.
+  per committed checkpoint in order, as the plain ``Trainer`` does: push,
+  rotate, ``on_save``. Only committed checkpoints are counted or deleted, and
+  the rotation of checkpoint N leaves out this trainer's later ones, so
+  ``on_save(N)`` finds the checkpoints up to N that the plain ``Trainer``
+  keeps (when it waited, exactly those; when deferred, later committed ones
+  may be there too), and a checkpoint is never deleted before its own
+  ``on_save`` has run.
 * **In-place changes outside ``optimizer.step``** (:func:`guard_in_place_changes`):
   ``optimizer.train()`` / ``optimizer.eval()`` (schedule-free optimizers swap
   every parameter in place; ``Trainer`` calls them in ``training_step`` and in
@@ -55,8 +65,9 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 import weakref
-from typing import Any, Deque, Dict, List, Optional
+from typing import AbstractSet, Any, Deque, List, Optional
 
 from lazyckpt.errors import CheckpointNotFoundError
 
@@ -143,15 +154,15 @@ class CommittedSaveEvents:
             if not committed:
                 return
             trainer = self._trainer()
-            for event in committed:         # the plain Trainer's order: push, rotate, on_save
+            for i, event in enumerate(committed):    # the plain Trainer's order: push, rotate, on_save
                 if event.push:
                     trainer._push_from_checkpoint(event.output_dir)
-            for event in committed[:-1]:
+                # Rotate as the plain Trainer did when this one was the newest: the ones saved
+                # after it (committed or not) are neither counted nor deleted.
+                later = {os.path.abspath(e.output_dir) for e in committed[i + 1:] + list(self._queue)}
+                rotate(trainer, event.run_dir, event.limit, event.best,
+                       hidden=later - {os.path.abspath(event.output_dir)})
                 self._fire(event)
-            last_per_run: Dict[str, _SaveEvent] = {e.run_dir: e for e in committed}
-            for event in last_per_run.values():
-                rotate(trainer, event.run_dir, event.limit, event.best)
-            self._fire(committed[-1])
         finally:
             self._flushing = False
 
@@ -167,6 +178,9 @@ class CommittedSaveEvents:
         self._queue.clear()
         self._just_queued = None
 
+    def _callbacks(self) -> List[Any]:
+        return self._trainer().callback_handler.callbacks
+
     def _fire(self, event: _SaveEvent) -> None:
         if not event.on_save:
             return
@@ -181,8 +195,13 @@ class CommittedSaveEvents:
             return self._on_save(args, state, control)
         control.should_save = False                 # as CallbackHandler.on_save, at once
         event.on_save, event.args = True, args
-        self.flush()                                # already committed: run it now
-        return control
+        trainer = self._trainer()
+        if any(_may_set_control_flags(cb) for cb in self._callbacks()):
+            # Its control flags (should_training_stop, ...) must reach the loop's checks of
+            # this step, as the plain Trainer's: wait for the commit, then run it here.
+            trainer.lazyckpt_wait()
+        self.flush()                                # committed: run it now
+        return trainer.control
 
     def _call_event_at_safe_point(self, event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self._queue and not self._flushing:
@@ -190,16 +209,44 @@ class CommittedSaveEvents:
         return self._call_event(event, args, state, control, **kwargs)
 
 
-def rotate(trainer: Any, run_dir: str, limit: Optional[int], best: Optional[str]) -> None:
-    """The plain Trainer's ``save_total_limit`` rotation of ``run_dir``."""
+def _may_set_control_flags(callback: Any) -> bool:
+    """Whether ``callback.on_save`` may set control flags: it overrides ``on_save`` and
+    is not one of transformers' reporting callbacks (W&B, MLflow, ClearML, ...), whose
+    ``on_save`` reads ``checkpoint-<step>/`` and returns no flag."""
+    from transformers import TrainerCallback
+    on_save = getattr(type(callback), "on_save", TrainerCallback.on_save)
+    if on_save is TrainerCallback.on_save:
+        return False
+    return getattr(on_save, "__module__", "").split(".")[0] != "transformers"
+
+
+def rotate(trainer: Any, run_dir: str, limit: Optional[int], best: Optional[str],
+           hidden: AbstractSet[str] = frozenset()) -> None:
+    """The plain Trainer's ``save_total_limit`` rotation of ``run_dir``, without the
+    checkpoints in ``hidden`` (absolute paths): neither counted nor deleted."""
     if not trainer.args.should_save:
         return
     try:
-        from transformers.trainer_utils import rotate_checkpoints
+        from transformers.trainer_utils import rotate_checkpoints, sort_checkpoints
     except ImportError:                             # transformers 4.x: a Trainer method
         trainer._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
         return
-    rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
+    if not hidden:
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best,
+                           use_mtime=True)
+        return
+    # rotate_checkpoints' rule, on the checkpoints it would have seen then.
+    if limit is None or limit <= 0:
+        return
+    checkpoints = [c for c in sort_checkpoints(run_dir, use_mtime=True) if os.path.abspath(c) not in hidden]
+    protected = {os.path.abspath(c) for c in checkpoints[-1:] + ([best] if best else [])}
+    remaining = len(checkpoints)
+    for checkpoint in checkpoints:
+        if remaining <= max(limit, len(protected)):
+            break
+        if os.path.abspath(checkpoint) not in protected:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            remaining -= 1
 
 
 # --------------------------------------------------------------------------- resume and JIT

@@ -61,8 +61,10 @@ uses); so do the Trainer's other in-place paths (``optimizer.train()`` /
 code of yours that swaps weights before the next optimizer step (EMA, SWA)
 must call ``trainer.lazyckpt_wait_for_snapshot()``. ``on_save`` callbacks,
 rotation and ``push_to_hub`` run once the checkpoint is committed and
-durable, on the training thread at the next callback event (see
-:mod:`.hf_callbacks`). A background failure is raised
+durable, on the training thread at the next callback event; when a callback
+of yours overrides ``on_save`` (it may set control flags), the step that
+saved waits for the commit and runs them where the plain ``Trainer`` does
+(see :mod:`.hf_callbacks`). A background failure is raised
 at the next checkpoint or at the end of ``train()``; when ``train()`` returns
 every checkpoint is committed and durable.
 
