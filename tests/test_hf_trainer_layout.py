@@ -348,3 +348,30 @@ def test_lazyckpt_format_stays_available_and_a_bad_format_is_refused(runs, tmp_p
         lzhf.LazyCheckpointTrainer(model=_llama(), args=transformers.TrainingArguments(
             output_dir=str(tmp_path / "bad"), report_to=[], use_cpu=True), lazyckpt_checkpoint_format="safetensors")
 
+
+
+def test_load_model_state_and_load_checkpoint_state_read_the_hf_layout(runs, tmp_path):
+    """The default layout is the plain Trainer's files: the public readers read them
+    (model.safetensors, or its shards), as they read the lazyckpt layout."""
+    _, rec, out = runs["lazyckpt"]
+    ckpt = out / "checkpoint-4"
+    assert_same_model_and_optim((lzhf.load_model_state(str(ckpt)), {}), (rec.at[4][0], {}))
+    state = lzhf.load_checkpoint_state(str(ckpt))
+    assert sorted(state) == ["model", "optimizer", "rng", "scheduler", "trainer_state"]   # no scaler on CPU
+    assert_same_model_and_optim((state["model"], state["optimizer"]["state"]), rec.at[4])
+    assert state["scheduler"] == torch.load(ckpt / "scheduler.pt", weights_only=True)
+    assert list(state["rng"]) == [0] and set(state["rng"][0]) >= {"python", "numpy", "cpu"}
+    assert json.loads(state["trainer_state"])["global_step"] == 4
+    # keys= reads only those; a key the checkpoint lacks is refused, as for lazyckpt.lzc.
+    assert list(lzhf.load_checkpoint_state(str(ckpt), keys=["scheduler"])) == ["scheduler"]
+    rng = lzhf.load_checkpoint_state(str(ckpt), keys=[("rng", 0)])["rng"][0]
+    assert torch.equal(rng["cpu"], state["rng"][0]["cpu"])
+    with pytest.raises(KeyError, match="scaler"):
+        lzhf.load_checkpoint_state(str(ckpt), keys=["scaler"])
+    # Sharded, as save_pretrained(max_shard_size=) and lazyckpt_max_shard_size write it.
+    sharded = tmp_path / "checkpoint-4"
+    shutil.copytree(ckpt, sharded)
+    os.remove(sharded / "model.safetensors")
+    transformers.AutoModelForCausalLM.from_pretrained(str(ckpt)).save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert_same_model_and_optim((lzhf.load_model_state(str(sharded)), {}), (rec.at[4][0], {}))

@@ -42,18 +42,19 @@ import copy
 import json
 import logging
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from lazyckpt.errors import CheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, MissingKeyError
 from lazyckpt.storage.fileio import fsync_dir
 
 log = logging.getLogger("lazyckpt")
 
-__all__ = ["CHECKPOINT_FORMATS", "rng_state", "queue_hf_checkpoint", "HF_CHECKPOINT_FILES"]
+__all__ = ["CHECKPOINT_FORMATS", "rng_state", "queue_hf_checkpoint", "read_hf_checkpoint", "HF_CHECKPOINT_FILES"]
 
 #: ``lazyckpt_checkpoint_format`` values: HF's own layout (default) or one lazyckpt file.
 CHECKPOINT_FORMATS = ("hf", "lazyckpt")
@@ -337,3 +338,102 @@ def queue_hf_checkpoint(trainer: Any, writer: Any, staging: str, output_dir: str
         handles.append(_queue_file(writer, state, os.path.join(staging, name), file_format, output_dir,
                                    commit_all if last else None))
     return handles[-1]
+
+
+# --------------------------------------------------------------------------- reading it back
+
+_RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+
+
+def read_hf_checkpoint(checkpoint_dir: str, keys: Optional[list] = None, map_location: Any = "cpu",
+                       allow_pickle: bool = False) -> Dict[str, Any]:
+    """``load_checkpoint_state`` of a directory in this layout: the entries a
+    ``lazyckpt.lzc`` holds (``"model"``: the weights as ``save_pretrained``
+    wrote them, ``"optimizer"``, ``"scheduler"``, ``"scaler"``, ``"rng"``:
+    ``{process index: states}``, ``"trainer_state"``: the JSON text), read from
+    the plain Trainer's files; only the files of ``keys`` (a name, or a tuple
+    path into one) are read."""
+    readers = _hf_entries(checkpoint_dir, map_location, allow_pickle)
+    if not readers:
+        raise CheckpointNotFoundError(f"{checkpoint_dir}: neither a lazyckpt.lzc nor the Hugging Face "
+                                      f"Trainer's checkpoint files", path=checkpoint_dir)
+    out: Dict[str, Any] = {}
+    loaded: Dict[str, Any] = {}
+    for key in (list(readers) if keys is None else keys):
+        path = (key,) if isinstance(key, str) else tuple(key)
+        if path[0] not in readers:
+            raise MissingKeyError(f"{checkpoint_dir}: no {path[0]!r} in this checkpoint (it holds "
+                                  f"{sorted(readers)})", missing=[path[0]])
+        if path[0] not in loaded:
+            loaded[path[0]] = readers[path[0]]()
+        value, into = loaded[path[0]], out
+        for i, part in enumerate(path[1:], 1):
+            if not isinstance(value, dict) or part not in value:
+                raise MissingKeyError(f"{checkpoint_dir}: no {'/'.join(map(str, path[:i + 1]))!r} in this "
+                                      f"checkpoint", missing=["/".join(map(str, path[:i + 1]))])
+            value, into = value[part], into.setdefault(path[i - 1], {})
+        into[path[-1]] = value
+    return out
+
+
+def _hf_entries(checkpoint_dir: str, map_location: Any, allow_pickle: bool) -> Dict[str, Callable[[], Any]]:
+    """What the directory holds: entry name -> how to read it."""
+    try:
+        names = set(os.listdir(checkpoint_dir))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{checkpoint_dir}: no such checkpoint directory",
+                                      path=checkpoint_dir) from None
+
+    def load(name: str) -> Callable[[], Any]:
+        # As Trainer's own loaders: weights_only, numpy allowed for the RNG states.
+        def read() -> Any:
+            from transformers.trainer_pt_utils import safe_globals
+            with safe_globals():
+                return torch.load(os.path.join(checkpoint_dir, name), map_location=map_location,
+                                  weights_only=not allow_pickle)
+        return read
+
+    entries: Dict[str, Callable[[], Any]] = {}
+    weights = _weight_files(checkpoint_dir, names)
+    if weights:
+        entries["model"] = lambda: _read_weights(weights, map_location)
+    for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
+        if name in names:
+            entries[key] = load(name)
+    rng_files = {int(m.group(1) or 0): n for n in names if (m := _RNG_FILE.match(n))}
+    if rng_files:
+        entries["rng"] = lambda: {index: load(name)() for index, name in sorted(rng_files.items())}
+    if "trainer_state.json" in names:
+        def trainer_state() -> str:
+            with open(os.path.join(checkpoint_dir, "trainer_state.json"), encoding="utf-8") as f:
+                return f.read()
+        entries["trainer_state"] = trainer_state
+    return entries
+
+
+def _weight_files(checkpoint_dir: str, names: set) -> List[str]:
+    """The weight files, as ``from_pretrained`` looks for them: safetensors first,
+    one file or the shards its index names; then ``pytorch_model.bin`` likewise."""
+    for single, index in ((SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if single in names:
+            return [os.path.join(checkpoint_dir, single)]
+        if index in names:
+            with open(os.path.join(checkpoint_dir, index), encoding="utf-8") as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return [os.path.join(checkpoint_dir, shard) for shard in shards]
+    return []
+
+
+def _read_weights(files: List[str], map_location: Any) -> Dict[str, torch.Tensor]:
+    state: Dict[str, torch.Tensor] = {}
+    for path in files:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            if not isinstance(map_location, (str, torch.device)):
+                raise ValueError(f"map_location={map_location!r}: safetensors files take a device "
+                                 f"(\"cpu\", \"cuda:0\", a torch.device)")
+            state.update(load_file(path, device=str(map_location)))
+        else:
+            state.update(torch.load(path, map_location=map_location, weights_only=True))
+    return state

@@ -40,8 +40,9 @@ which file is written where): the plain ``Trainer``, ``from_pretrained`` and
 the Hub read it, and the mixin reads it back with ``Trainer``'s own loaders.
 With ``lazyckpt_checkpoint_format="lazyckpt"`` it holds ``lazyckpt.lzc``
 (model state dict, optimizer, scheduler, grad scaler, the RNG states of every
-process, the trainer state), ``trainer_state.json`` and ``config.json``; read
-its weights with :func:`load_model_state`. Either way the directory is
+process, the trainer state), ``trainer_state.json`` and ``config.json``.
+:func:`load_model_state` and :func:`load_checkpoint_state` read either
+layout. Either way the directory is
 assembled under a hidden temporary name and renamed into place only once
 every file is durable, so ``get_last_checkpoint``,
 ``resume_from_checkpoint=True`` and ``save_total_limit`` rotation only ever
@@ -105,7 +106,7 @@ from lazyckpt.knobs import resolve
 from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
 from lazyckpt.storage.layout import clean_sibling_temps, sibling_temp
 from ._async import AsyncFileWriter
-from .hf_layout import queue_hf_checkpoint, rng_state
+from .hf_layout import queue_hf_checkpoint, read_hf_checkpoint, rng_state
 from . import hf_callbacks
 from .hf_layout import check_format
 
@@ -123,14 +124,18 @@ FORMAT_TAG = "lazyckpt-hf-trainer/1"
 def load_checkpoint_state(checkpoint_dir: str, keys: Optional[list] = None, map_location: Any = "cpu",
                           allow_pickle: bool = False, **knobs: Any) -> Dict[str, Any]:
     """The state saved in ``checkpoint_dir`` (or only its ``keys``: ``"model"``,
-    ``"optimizer"``, ``"scheduler"``, ``"scaler"``, ``"rng"``, ``"trainer_state"``)."""
-
-    return api.load(os.path.join(checkpoint_dir, CHECKPOINT_FILE), map_location=map_location,
-                         keys=keys, allow_pickle=allow_pickle, **knobs)
+    ``"optimizer"``, ``"scheduler"``, ``"scaler"``, ``"rng"``, ``"trainer_state"``),
+    whichever layout it holds: ``lazyckpt.lzc``, or the plain Trainer's files
+    (the default layout, :func:`.hf_layout.read_hf_checkpoint`)."""
+    path = os.path.join(checkpoint_dir, CHECKPOINT_FILE)
+    if os.path.isfile(path):
+        return api.load(path, map_location=map_location, keys=keys, allow_pickle=allow_pickle, **knobs)
+    return read_hf_checkpoint(checkpoint_dir, keys=keys, map_location=map_location, allow_pickle=allow_pickle)
 
 
 def load_model_state(checkpoint_dir: str, map_location: Any = "cpu") -> Dict[str, torch.Tensor]:
-    """The model's state dict saved in ``checkpoint_dir`` (reads only those bytes)."""
+    """The model's state dict saved in ``checkpoint_dir``, in either layout (reads only
+    those bytes; the HF layout holds it as ``save_pretrained`` wrote it: tied weights once)."""
     return load_checkpoint_state(checkpoint_dir, keys=["model"], map_location=map_location)["model"]
 
 
