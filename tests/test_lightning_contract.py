@@ -395,3 +395,70 @@ def test_enospc_on_a_new_checkpoint_keeps_the_previous_one(kind, small_tmpfs, tm
     last = os.path.join(dirpath, "last.ckpt")
     assert os.path.exists(last), listing(dirpath)
     assert load(last)["global_step"] > 0                   # the previous checkpoint, through the link
+
+
+# ----------------------------------------------------------------------------- issue 35 (1, 2): last.ckpt
+
+CHILD_AT_BATCH = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {here!r})
+    import torch, lightning.pytorch as L
+    from test_lightning_contract import Tiny, loader, make_plugin, ModelCheckpoint
+    kind, dirpath, save_last, kill_batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    class Killer(L.Callback):
+        def on_train_batch_start(self, trainer, *_):
+            if trainer.global_step == kill_batch:
+                os.kill(os.getpid(), signal.SIGKILL)
+    plugin = make_plugin(kind)
+    trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[plugin] if plugin else None,
+                        callbacks=[Killer(), ModelCheckpoint(dirpath=dirpath, save_top_k=1, every_n_train_steps=1,
+                                                             save_last="link" if save_last == "link" else True)])
+    torch.manual_seed(0)
+    trainer.fit(Tiny(width=512), loader())
+    print("finished")
+""")
+
+
+def _committed_steps(dirpath):
+    """global_step of every committed checkpoint file (a visible .ckpt) but last.ckpt."""
+    out = {}
+    for name in listing(dirpath):
+        if name.endswith(".ckpt") and not name.startswith("last"):
+            out[name] = load(os.path.join(dirpath, name))["global_step"]
+    return out
+
+
+@pytest.mark.parametrize("save_last", ["link", "copy"])
+@pytest.mark.parametrize("kill_batch", [2, 3, pytest.param(5, marks=pytest.mark.slow),
+                                        pytest.param(9, marks=pytest.mark.slow)])
+def test_a_kill_at_any_batch_leaves_last_naming_the_newest_committed_checkpoint(save_last, kill_batch, tmp_path):
+    """Issue 35 (1): a 512-wide model written by one slow writer thread (its
+    commit takes longer than a step), killed at the start of a batch: once any
+    checkpoint is committed, last.ckpt exists and names the newest of them (on
+    main: no last.ckpt and the resume trained from scratch), and
+    ``fit(ckpt_path="last")`` resumes from it. (2): the resumed run leaves
+    neither the killed save's hidden temporary nor an untracked top-k file."""
+    dirpath = tmp_path / "ck"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD_AT_BATCH.format(here=HERE))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")]))
+    proc = subprocess.run([sys.executable, str(script), "lazy-torch", str(dirpath),
+                           "link" if save_last == "link" else "true", str(kill_batch)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    committed = _committed_steps(dirpath)
+    assert committed, os.listdir(dirpath)                     # the first commit happened before the kill
+    last = os.path.join(dirpath, "last.ckpt")
+    assert os.path.exists(last), os.listdir(dirpath)
+    assert load(last)["global_step"] == max(committed.values()), (committed, os.listdir(dirpath))
+    if save_last == "copy":
+        assert not os.path.islink(last)                       # save_last=True: a file of its own, as by default
+
+    resumed_from = load(last)["global_step"]
+    trainer, _, _, _ = fit("lazy-torch", dirpath, epochs=3, ckpt_path="last", save_top_k=1,
+                           every_n_train_steps=1, save_last="link" if save_last == "link" else True,
+                           model=Tiny(width=512))
+    assert trainer.global_step == 24 and resumed_from > 0
+    names = sorted(os.listdir(dirpath))
+    assert names == ["epoch=2-step=24.ckpt", "last.ckpt"], names   # nothing of the killed run is left

@@ -214,3 +214,38 @@ def test_local_store_locates_and_holds_steps(tmp_path):
         assert held.read_manifest()["step"] == 2 == store.read_manifest(step_path, options)["step"]
         assert held.directory == os.path.realpath(str(tmp_path))
         assert directory.retire_old(1) == ([1], [])                  # not the one being read
+
+
+def test_a_temporary_of_a_killed_process_is_cleaned_at_once_and_a_live_one_is_kept(tmp_path):
+    """Issue 35 (2): a sibling temporary names its holder (random-pid-host); cleanup
+    removes it at once when that process of this host is gone and holds no lock,
+    and keeps the temporaries of live holders, of other hosts, and of old names
+    until their lease expires."""
+    import signal
+    import subprocess
+    import sys
+    from lazyckpt.storage import layout, locks
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    child = ("import os, signal, sys\n"
+             "from lazyckpt.storage.layout import sibling_temp\n"
+             "from lazyckpt.storage.locks import Lease\n"
+             "tmp = sibling_temp(sys.argv[1]); lease = Lease(tmp, 1.0)\n"
+             "print(tmp, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", child, str(tmp_path / "a.ckpt")], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=src), timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    dead = proc.stdout.strip()
+    mine = layout.sibling_temp(str(tmp_path / "b.ckpt"))
+    held = locks.Lease(mine, 1.0)
+    dead_pid = dead.rsplit("-", 2)[1]                           # the same dead pid, on another host
+    other_host = str(tmp_path / f".c.ckpt.tmp-{locks.new_token()}-{dead_pid}-{'0' * 8}")
+    old_style = str(tmp_path / f".d.ckpt.tmp-{locks.new_token()}")
+    for path in (other_host, old_style):
+        open(path, "wb").close()
+    try:
+        assert os.path.exists(dead)
+        removed = layout.clean_sibling_temps(str(tmp_path), expiry_s=3600)
+        assert removed == [os.path.basename(dead)]
+        assert all(os.path.exists(p) for p in (mine, other_host, old_style))
+    finally:
+        held.release()

@@ -309,6 +309,12 @@ def _wrap_model_checkpoint(mc_cls: type, plugin_of: Any) -> None:
         if plugin is None:
             return original_save(self, trainer, filepath)
         _attach(self, plugin)
+        if trainer.is_global_zero and self._last_global_step_saved == trainer.global_step \
+                and self._last_checkpoint_saved and self._last_checkpoint_saved != filepath \
+                and self.save_last is True:
+            # last.ckpt of the step whose top-k file was just queued (save_last=True):
+            # it stands in for last.ckpt from that file's commit until its own (issue 35, 1).
+            plugin.stand_in(self._last_checkpoint_saved, filepath)
         # Lightning 2.x's ModelCheckpoint._save_checkpoint, the loggers deferred.
         trainer.save_checkpoint(filepath, self.save_weights_only)
         self._last_global_step_saved = trainer.global_step

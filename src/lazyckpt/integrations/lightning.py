@@ -161,12 +161,20 @@ class _LazyCheckpointIOImpl:
         self._views: Any = weakref.WeakSet()             # ModelCheckpoints showing a committed view
         self._last_save: Optional[SaveHandle] = None
         self.saves = 0                                   # saves queued (proves the plugin is in use)
+        # Links and removals also run on the writer's thread, the moment the save they wait
+        # for is durable (issue 35, 1): last.ckpt then names the newest committed file at once,
+        # not at the next safe point, which a kill may never reach. _action_lock makes each
+        # action run once, whichever thread gets to it first.
+        self._action_lock = threading.Lock()
+        self._at_commit: "list[tuple[SaveHandle, _Action]]" = []
+        self._commit_errors: "list[BaseException]" = []
 
     # Runtime state (threads, locks, pending actions) does not travel to ddp_spawn children.
     def __getstate__(self) -> Dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_actions", "_removals", "_links", "_running_actions", "_trainer_call",
-                              "_last_trainer", "_views", "_last_save")}
+                              "_last_trainer", "_views", "_last_save", "_action_lock", "_at_commit",
+                              "_commit_errors")}
         state["_writer"] = None
         return state
 
@@ -190,7 +198,7 @@ class _LazyCheckpointIOImpl:
         self.run_due_actions()
         self._cancel_pending_removal(local)
         kwargs = {"file_format": self.file_format} if self.file_format == "torch" else {}
-        handle = self.writer.save(checkpoint, local, **kwargs)
+        handle = self.writer.save(checkpoint, local, on_commit=self._committed, **kwargs)
         self._last_save = handle
         self.saves += 1
         mode = self._save_mode()
@@ -244,6 +252,7 @@ class _LazyCheckpointIOImpl:
         trainer = getattr(self._trainer_call, "trainer", None) or _active_trainer(self)
         action = self._defer(lambda: _remove_path(local), kind="remove", path=local)
         self._removals[local] = action
+        self._also_at_commit(action)
         if trainer is None or not _trainer_running(trainer):
             self.run_due_actions(block=True)
 
@@ -254,7 +263,52 @@ class _LazyCheckpointIOImpl:
         self._cancel_pending_removal(linkpath)
         action = self._defer(lambda: _replace_with_link(target, linkpath), kind="link", path=linkpath)
         self._links[linkpath] = action
+        self._also_at_commit(action)
         self.run_due_actions()
+
+    def stand_in(self, source: str, path: str) -> None:
+        """``save_last=True``: the save of ``path`` (last.ckpt) is queued right after
+        the save of ``source`` (the top-k file of the same step). The moment
+        ``source`` is durable, ``path`` becomes a hard link to it (atomic replace),
+        until ``path``'s own save replaces it: a kill in between leaves last.ckpt
+        naming the newest committed checkpoint rather than the one before."""
+        source, path = os.path.abspath(source), os.path.abspath(path)
+        action = _Action(lambda: _replace_with_link(source, path, hard=True), "stand-in", path, None)
+        pending = [h for h in self.writer.pending(source) if h.path == source]
+        if pending:
+            action.after = pending[-1]
+            self._also_at_commit(action)
+        elif os.path.isfile(source):
+            action.fn()
+
+    def _also_at_commit(self, action: "_Action") -> None:
+        if action.after is not None and not action.after.done():
+            with self._action_lock:
+                self._at_commit.append((action.after, action))
+
+    def _committed(self, handle: SaveHandle) -> None:
+        """On the writer's thread, ``handle``'s file just durable: its links first,
+        then its removals (last.ckpt moves before the file it named goes)."""
+        with self._action_lock:
+            due = [a for h, a in self._at_commit if h is handle]
+            self._at_commit = [(h, a) for h, a in self._at_commit if h is not handle and not h.done()]
+        due.sort(key=lambda a: a.kind not in ("link", "stand-in"))
+        for action in due:
+            if not self._claim(action):
+                continue
+            try:
+                action.fn()
+            except BaseException as exc:        # raised on the training thread at its next safe point
+                with self._action_lock:
+                    self._commit_errors.append(exc)
+
+    def _claim(self, action: "_Action") -> bool:
+        """Whether this thread runs ``action`` (once, and not once cancelled)."""
+        with self._action_lock:
+            if action.cancelled or action.ran:
+                return False
+            action.ran = True
+            return True
 
     def after_pending_saves(self, fn: Any) -> None:
         """Run ``fn()`` on this thread at the first safe point after every save
@@ -281,6 +335,10 @@ class _LazyCheckpointIOImpl:
 
     def run_due_actions(self, block: bool = False) -> None:
         """Run, in order, the deferred actions whose saves are durable (all, if ``block``)."""
+        with self._action_lock:
+            errors, self._commit_errors = self._commit_errors, []
+        if errors:
+            raise errors[0]
         if self._running_actions or not (self._actions or self._views):
             return
         self._running_actions = True
@@ -299,12 +357,14 @@ class _LazyCheckpointIOImpl:
                 due.sort(key=lambda a: a.kind != "link")
                 for i, action in enumerate(due):
                     self._forget(action)
-                    if action.cancelled:
+                    if action.cancelled or action.ran:
                         continue
                     if action.after is not None and (action.after.error is not None or action.after.cancelled):
                         log.warning("lazyckpt: %s failed: not running the %s of %s that waited for it (the "
                                     "previous checkpoint is kept)", action.after.name, action.kind,
                                     action.path or "the loggers")
+                        continue
+                    if not self._claim(action):
                         continue
                     try:
                         action.fn()
@@ -366,7 +426,8 @@ class _LazyCheckpointIOImpl:
         # A new file at a path whose removal is pending replaces it atomically.
         action = self._removals.pop(path, None)
         if action is not None:
-            action.cancelled = True
+            with self._action_lock:
+                action.cancelled = True
 
     def _allow_pickle(self, weights_only: Optional[bool]) -> bool:
         if weights_only is not None:
@@ -385,10 +446,10 @@ class _LazyCheckpointIOImpl:
 class _Action:
     """A side effect that needs the saves queued before it to be durable."""
 
-    __slots__ = ("fn", "kind", "path", "after", "cancelled")
+    __slots__ = ("fn", "kind", "path", "after", "cancelled", "ran")
 
     def __init__(self, fn: Any, kind: str, path: str, after: Optional[SaveHandle]):
-        self.fn, self.kind, self.path, self.after, self.cancelled = fn, kind, path, after, False
+        self.fn, self.kind, self.path, self.after, self.cancelled, self.ran = fn, kind, path, after, False, False
 
 
 def _remove_path(local: str) -> None:
@@ -399,10 +460,11 @@ def _remove_path(local: str) -> None:
         shutil.rmtree(local)
 
 
-def _replace_with_link(target: str, linkpath: str) -> None:
-    """Atomically make ``linkpath`` a relative symlink to ``target`` (a copy where
-    symlinks are refused), then fsync the directory: a kill leaves the old link
-    or the new one, never none."""
+def _replace_with_link(target: str, linkpath: str, hard: bool = False) -> None:
+    """Atomically make ``linkpath`` a relative symlink to ``target`` (``hard``: a
+    hard link, a file of its own that outlives ``target``'s removal; a copy where
+    links are refused), then fsync the directory: a kill leaves the old link or
+    the new one, never none."""
     import shutil
     import uuid
     directory = os.path.dirname(linkpath)
@@ -410,7 +472,10 @@ def _replace_with_link(target: str, linkpath: str) -> None:
         shutil.rmtree(linkpath)
     tmp = os.path.join(directory, f".{os.path.basename(linkpath)}.{uuid.uuid4().hex[:8]}.link")
     try:
-        os.symlink(os.path.relpath(target, directory), tmp)
+        if hard:
+            os.link(target, tmp)
+        else:
+            os.symlink(os.path.relpath(target, directory), tmp)
     except OSError:
         shutil.copy(target, tmp)
     os.replace(tmp, linkpath)

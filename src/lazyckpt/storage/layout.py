@@ -33,7 +33,7 @@ from .scan import BackgroundScan
 from .base import Leftover, StepRecord
 from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
 from . import locks
-from .locks import DEFAULT_EXPIRY_S, Lease, WriterLease, is_live, lock_for_delete, new_token
+from .locks import DEFAULT_EXPIRY_S, Lease, WriterLease, holder_died_here, holder_token, is_live, lock_for_delete, new_token
 
 log = logging.getLogger("lazyckpt")
 
@@ -41,7 +41,7 @@ log = logging.getLogger("lazyckpt")
 def sibling_temp(path: str) -> str:
     """A hidden sibling of ``path`` for a save in progress (renamed over ``path`` once durable)."""
     directory, base = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{base}.tmp-{new_token()}")
+    return os.path.join(directory, f".{base}.tmp-{holder_token()}")
 
 
 # --------------------------------------------------------------------------- leftovers
@@ -815,10 +815,13 @@ def clean_sibling_temps(directory: str, expiry_s: float = DEFAULT_EXPIRY_S) -> L
         return removed
     now = time.time()
     for name in names:
-        if not SIBLING_TEMP.match(name):
+        m = SIBLING_TEMP.match(name)
+        if not m:
             continue
         path = os.path.join(directory, name)
-        if is_live(path, expiry_s, now):
+        # A killed process's save is over at once (issue 35, 2): the resumed run must
+        # not carry its temporary for a lease expiry; any other waits for the expiry.
+        if is_live(path, expiry_s, now) and not holder_died_here(m.group("token"), path):
             continue
         try:
             remove_tree(path)

@@ -26,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import logging
 import os
+import re
 import socket
 import stat
 import threading
@@ -38,7 +40,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import MANIFEST, WRITER
-from .fileio import NotARegularFile, fsync_dir, read_small_file, remove_quietly
+from .fileio import NotARegularFile, fsync_dir, pid_alive, read_small_file, remove_quietly
 
 log = logging.getLogger("lazyckpt")
 
@@ -48,6 +50,46 @@ DEFAULT_EXPIRY_S = 60.0
 
 def new_token() -> str:
     return uuid.uuid4().hex[:12]
+
+
+def _host_tag() -> str:
+    """This host in this boot, in 8 hex digits (a pid means nothing on another host or
+    after a reboot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return hashlib.sha1(f"{socket.gethostname()}/{boot}".encode()).hexdigest()[:8]
+
+
+HOST_TAG = _host_tag()
+_HOLDER_TOKEN = re.compile(r"^[0-9a-f]{12}-(?P<pid>\d+)-(?P<host>[0-9a-f]{8})$")
+
+
+def holder_token() -> str:
+    """A temporary's token that names its holder: random, pid, host tag. Cleanup may
+    then remove it at once when that process is gone (``holder_died_here``)."""
+    return f"{new_token()}-{os.getpid()}-{HOST_TAG}"
+
+
+def holder_died_here(token: str, path: str) -> bool:
+    """Whether the temporary at ``path`` named by ``token`` (``holder_token``) belongs
+    to a process of this host and boot that no longer exists, and nothing holds a lock
+    in it: its save is provably over, whatever its heartbeat says. A pid reused by
+    another process only delays cleanup to the lease's expiry; a lock held (another
+    pid namespace sharing the host name) keeps it."""
+    m = _HOLDER_TOKEN.match(token)
+    if m is None or m.group("host") != HOST_TAG or int(m.group("pid")) == os.getpid() \
+            or pid_alive(int(m.group("pid"))):
+        return False
+    paths = [path]
+    if os.path.isdir(path) and not os.path.islink(path):
+        try:
+            paths = [os.path.join(path, n) for n in os.listdir(path)]
+        except OSError:
+            return False
+    return all(locked_by_someone(p) is False for p in paths if os.path.isfile(p))
 
 
 # --------------------------------------------------------------------------- leases
