@@ -61,3 +61,16 @@ def test_what_asks_for_nothing_passes_and_what_is_used_reaches_the_writer(tmp_pa
     assert writer.options.writer_threads == 3 and dict(writer.options.storage_options)
     with pytest.raises(TypeError, match="unknown options"):
         LazyStorageWriter(tmp_path, writer_thread=2)
+
+
+@pytest.mark.parametrize("name,value", IGNORED_BY_FILE_WRITERS, ids=lambda v: str(v)[:20])
+def test_the_hf_trainer_refuses_what_it_would_ignore_and_says_why(tmp_path, name, value):
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (extra 'hf')")
+    from lazyckpt.integrations import huggingface as lzhf
+    config = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=32, vocab_size=64, max_position_embeddings=16)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    with pytest.raises(ValueError) as caught:
+        lzhf.LazyCheckpointTrainer(model=transformers.LlamaForCausalLM(config), args=args,
+                                   lazyckpt_options={name: value})
+    assert str(caught.value).startswith(f"lazyckpt_options: {name}=") and WHOLE_FILE_REFUSED[name] in str(caught.value)

@@ -338,8 +338,13 @@ def _resumable(kind, dirpath, tmp_path):
     if kind == "default" and not os.path.exists(last):
         pytest.xfail("Lightning's own order: the old top-k file is removed before last.ckpt is re-linked; "
                      "a kill in between leaves it dangling with the default CheckpointIO")
+    if not os.path.lexists(last) and not listing(dirpath):
+        return                              # killed before the first commit: nothing to resume from
     assert os.path.exists(last), listing(dirpath)            # not a dangling link
     saved = load(last)
+    if kind != "default":                   # issue 35 (1): and it names the newest committed checkpoint
+        # (or a newer one: it names the new file's durable bytes just before their rename publishes them)
+        assert saved["global_step"] >= max(_committed_steps(dirpath).values(), default=0), listing(dirpath)
     assert saved["global_step"] > 0
     epochs = saved["epoch"] + 2                              # the rest of its epoch and one more
     trainer, _, _, _ = fit(kind, dirpath, epochs=epochs, ckpt_path="last", monitor="score", save_top_k=1,
@@ -451,7 +456,8 @@ def test_a_kill_at_any_batch_leaves_last_naming_the_newest_committed_checkpoint(
     assert committed, os.listdir(dirpath)                     # the first commit happened before the kill
     last = os.path.join(dirpath, "last.ckpt")
     assert os.path.exists(last), os.listdir(dirpath)
-    assert load(last)["global_step"] == max(committed.values()), (committed, os.listdir(dirpath))
+    # The newest committed one (or newer: last.ckpt names a file's durable bytes just before its rename).
+    assert load(last)["global_step"] >= max(committed.values()), (committed, os.listdir(dirpath))
     if save_last == "copy":
         assert not os.path.islink(last)                       # save_last=True: a file of its own, as by default
 
@@ -461,4 +467,5 @@ def test_a_kill_at_any_batch_leaves_last_naming_the_newest_committed_checkpoint(
                            model=Tiny(width=512))
     assert trainer.global_step == 24 and resumed_from > 0
     names = sorted(os.listdir(dirpath))
-    assert names == ["epoch=2-step=24.ckpt", "last.ckpt"], names   # nothing of the killed run is left
+    assert not [n for n in names if n.startswith(".")], names      # no temporary of the killed run is left
+    assert {"epoch=2-step=24.ckpt", "last.ckpt"} <= set(names), names

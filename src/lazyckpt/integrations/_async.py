@@ -91,29 +91,33 @@ class AsyncFileWriter:
 
     def save(self, state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
              on_commit: Optional[Callable[[SaveHandle], None]] = None,
-             final_path: Optional[str] = None, file_format: str = "lazyckpt") -> SaveHandle:
+             final_path: Optional[str] = None, file_format: str = "lazyckpt",
+             before_publish: Optional[Callable[[str], None]] = None) -> SaveHandle:
         """Queue ``state`` (as it is now) for ``path``; return at once.
         ``final_path`` names where the checkpoint ends up if ``on_commit`` moves
-        it (for ``pending()`` and ``wait()`` by path). ``file_format``: "lazyckpt",
+        it (for ``pending()`` and ``wait()`` by path). ``before_publish(temporary)``
+        runs once the file is durable under its temporary name, just before it is
+        renamed into place. ``file_format``: "lazyckpt",
         "torch" (what ``torch.load`` reads) or "safetensors" (lazyckpt/file_formats.py)."""
         self._engine.raise_errors()
         path = os.path.abspath(os.fspath(path))
         if check_file_format(file_format) != "lazyckpt":
             layout = plan_layout(state, file_format, metadata)
             part = layout.part(record_events(s.data for s in layout.sources))
-            return self._submit(path, part, on_commit, final_path)
+            return self._submit(path, part, on_commit, final_path, before_publish)
         flat = flatten(state)
         self._warn_pickles(flat.tree, path)
         part = FilePart(flat, {"user": dict(metadata or {})}, record_events(s.data for s in flat.sources))
-        return self._submit(path, part, on_commit, final_path)
+        return self._submit(path, part, on_commit, final_path, before_publish)
 
     def _submit(self, path: str, part: FilePart, on_commit: Optional[Callable[[SaveHandle], None]],
-                final_path: Optional[str]) -> SaveHandle:
+                final_path: Optional[str], before_publish: Optional[Callable[[str], None]] = None) -> SaveHandle:
         directory = os.path.dirname(path)
         if directory not in self._cleaned and os.path.isdir(directory):
             self._cleaned.add(directory)
             clean_sibling_temps(directory, self.options.lease_expiry_s)
-        strategy = FileCommit(path, self.options.lease_heartbeat_s, on_commit=on_commit)
+        strategy = FileCommit(path, self.options.lease_heartbeat_s, on_commit=on_commit,
+                              before_publish=before_publish)
         job = self._engine.submit(strategy, [part], name=path)
         job.handle.path = os.path.abspath(final_path) if final_path else path
         job.handle.file = path              # type: ignore[attr-defined]

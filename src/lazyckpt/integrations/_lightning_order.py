@@ -309,19 +309,32 @@ def _wrap_model_checkpoint(mc_cls: type, plugin_of: Any) -> None:
         if plugin is None:
             return original_save(self, trainer, filepath)
         _attach(self, plugin)
-        if trainer.is_global_zero and self._last_global_step_saved == trainer.global_step \
-                and self._last_checkpoint_saved and self._last_checkpoint_saved != filepath \
-                and self.save_last is True:
-            # last.ckpt of the step whose top-k file was just queued (save_last=True):
-            # it stands in for last.ckpt from that file's commit until its own (issue 35, 1).
-            plugin.stand_in(self._last_checkpoint_saved, filepath)
         # Lightning 2.x's ModelCheckpoint._save_checkpoint, the loggers deferred.
         trainer.save_checkpoint(filepath, self.save_weights_only)
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero and self.save_last and not self.__dict__.get("_lazyckpt_saving_last"):
+            # A top-k file: last.ckpt names it from its commit on (issue 35, 1), before
+            # Lightning asks (after save_checkpoint returns: a kill in between, with the
+            # file committed, would resume from the step before).
+            last = self.last_model_path or self.format_checkpoint_name(self._monitor_candidates(trainer),
+                                                                       self.CHECKPOINT_NAME_LAST)
+            plugin.stand_in(filepath, last, new_name=not self.last_model_path)
         if trainer.is_global_zero and trainer.loggers:
             plugin.after_pending_saves(functools.partial(_notify_loggers, self, trainer, _snapshot(self)))
 
+    original_save_last = mc_cls._save_last_checkpoint      # already wrapped by _inside
+
+    @functools.wraps(original_save_last)
+    def _save_last_checkpoint(self: Any, *args: Any, **kwargs: Any) -> None:
+        d = self.__dict__
+        d["_lazyckpt_saving_last"] = d.get("_lazyckpt_saving_last", 0) + 1
+        try:
+            return original_save_last(self, *args, **kwargs)
+        finally:
+            d["_lazyckpt_saving_last"] -= 1
+
+    mc_cls._save_last_checkpoint = _save_last_checkpoint
     mc_cls.file_exists = file_exists
     mc_cls._link_checkpoint = staticmethod(_link_checkpoint)
     mc_cls._save_checkpoint = _save_checkpoint

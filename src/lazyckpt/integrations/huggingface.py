@@ -102,10 +102,9 @@ import torch
 
 from lazyckpt import api
 from lazyckpt.errors import MissingKeyError
-from lazyckpt.knobs import resolve
 from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
 from lazyckpt.storage.layout import clean_sibling_temps, sibling_temp
-from ._async import AsyncFileWriter
+from ._async import AsyncFileWriter, file_writer_options
 from .hf_layout import queue_hf_checkpoint, read_hf_checkpoint, rng_state
 from . import hf_callbacks
 from .hf_layout import check_format
@@ -164,7 +163,8 @@ class LazyCheckpointMixin:
         self.lazyckpt_checkpoint_format = lazyckpt_checkpoint_format
         self.lazyckpt_max_shard_size = lazyckpt_max_shard_size
         self.lazyckpt_options = dict(lazyckpt_options or {})
-        resolve(None, **self.lazyckpt_options)        # unknown or invalid knobs fail here
+        # Unknown or invalid knobs, and those a file writer would ignore (issue 35, 6), fail here.
+        self._lazyckpt_resolved = file_writer_options("lazyckpt_options", self.lazyckpt_options)
         self.lazyckpt_allow_pickle = lazyckpt_allow_pickle
         self.lazyckpt_guard_buffers = lazyckpt_guard_buffers
         self._lazyckpt_writer: Optional[AsyncFileWriter] = None
@@ -184,8 +184,10 @@ class LazyCheckpointMixin:
     @property
     def lazyckpt_writer(self) -> AsyncFileWriter:
         if getattr(self, "_lazyckpt_writer", None) is None:
+            options = getattr(self, "_lazyckpt_resolved", None) or \
+                file_writer_options("lazyckpt_options", getattr(self, "lazyckpt_options", {}))
             self._lazyckpt_writer = AsyncFileWriter(guard_buffers=getattr(self, "lazyckpt_guard_buffers", True),
-                                                    **getattr(self, "lazyckpt_options", {}))
+                                                    options=options)
         return self._lazyckpt_writer
 
     def lazyckpt_wait(self) -> None:

@@ -94,6 +94,7 @@ barrier) is shared with :mod:`lazyckpt.integrations.huggingface`.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -161,20 +162,22 @@ class _LazyCheckpointIOImpl:
         self._views: Any = weakref.WeakSet()             # ModelCheckpoints showing a committed view
         self._last_save: Optional[SaveHandle] = None
         self.saves = 0                                   # saves queued (proves the plugin is in use)
-        # Links and removals also run on the writer's thread, the moment the save they wait
-        # for is durable (issue 35, 1): last.ckpt then names the newest committed file at once,
+        # Links also run on the writer's thread, the moment the save they wait for is
+        # durable (issue 35, 1): last.ckpt then names the newest committed file at once,
         # not at the next safe point, which a kill may never reach. _action_lock makes each
         # action run once, whichever thread gets to it first.
         self._action_lock = threading.Lock()
         self._at_commit: "list[tuple[SaveHandle, _Action]]" = []
         self._commit_errors: "list[BaseException]" = []
+        self._stand_ins: set = set()                     # last paths made by stand_in, not yet Lightning's
+        self._publishing: Dict[str, Optional[str]] = {}  # a save not yet published -> its stand-in last path
 
     # Runtime state (threads, locks, pending actions) does not travel to ddp_spawn children.
     def __getstate__(self) -> Dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_actions", "_removals", "_links", "_running_actions", "_trainer_call",
                               "_last_trainer", "_views", "_last_save", "_action_lock", "_at_commit",
-                              "_commit_errors")}
+                              "_commit_errors", "_stand_ins", "_publishing")}
         state["_writer"] = None
         return state
 
@@ -196,9 +199,13 @@ class _LazyCheckpointIOImpl:
                             f"{type(self).__name__}")
         local = _local_path(path)
         self.run_due_actions()
+        self._stand_ins.discard(local)
         self._cancel_pending_removal(local)
         kwargs = {"file_format": self.file_format} if self.file_format == "torch" else {}
-        handle = self.writer.save(checkpoint, local, on_commit=self._committed, **kwargs)
+        with self._action_lock:
+            self._publishing[local] = None
+        handle = self.writer.save(checkpoint, local, on_commit=self._committed,
+                                  before_publish=functools.partial(self._before_publish, local), **kwargs)
         self._last_save = handle
         self.saves += 1
         mode = self._save_mode()
@@ -252,7 +259,9 @@ class _LazyCheckpointIOImpl:
         trainer = getattr(self._trainer_call, "trainer", None) or _active_trainer(self)
         action = self._defer(lambda: _remove_path(local), kind="remove", path=local)
         self._removals[local] = action
-        self._also_at_commit(action)
+        # Not also at the commit (as links are): a callback that reads best_model_path in
+        # its hook must find the file, as with the default plugin; only the training
+        # thread moves that view and removes what it named.
         if trainer is None or not _trainer_running(trainer):
             self.run_due_actions(block=True)
 
@@ -260,26 +269,41 @@ class _LazyCheckpointIOImpl:
         """``ModelCheckpoint(save_last="link")``: point ``linkpath`` at ``target``
         once ``target`` is durable, replacing the old link atomically."""
         target, linkpath = os.path.abspath(target), os.path.abspath(linkpath)
+        self._stand_ins.discard(linkpath)
         self._cancel_pending_removal(linkpath)
         action = self._defer(lambda: _replace_with_link(target, linkpath), kind="link", path=linkpath)
         self._links[linkpath] = action
         self._also_at_commit(action)
         self.run_due_actions()
 
-    def stand_in(self, source: str, path: str) -> None:
-        """``save_last=True``: the save of ``path`` (last.ckpt) is queued right after
-        the save of ``source`` (the top-k file of the same step). The moment
-        ``source`` is durable, ``path`` becomes a hard link to it (atomic replace),
-        until ``path``'s own save replaces it: a kill in between leaves last.ckpt
-        naming the newest committed checkpoint rather than the one before."""
+    def stand_in(self, source: str, path: str, new_name: bool = False) -> None:
+        """``save_last``: ``path`` (last.ckpt) names ``source`` (a top-k file just
+        queued) from the instant ``source`` becomes visible: a hard link to its
+        durable temporary is put in place atomically just before the rename that
+        publishes it (a file of its own; with ``"link"`` Lightning's own link then
+        replaces it with a symlink, with ``True`` last.ckpt's own save). Lightning
+        asks for that link or save only after ``save_checkpoint`` returns; a kill
+        in between, the file committed, would leave last.ckpt a step behind
+        (issue 35, 1). ``new_name``: the callback has no last file yet; ``path`` is
+        the name it will choose, and is left alone if something already has it."""
         source, path = os.path.abspath(source), os.path.abspath(path)
-        action = _Action(lambda: _replace_with_link(source, path, hard=True), "stand-in", path, None)
-        pending = [h for h in self.writer.pending(source) if h.path == source]
-        if pending:
-            action.after = pending[-1]
-            self._also_at_commit(action)
-        elif os.path.isfile(source):
-            action.fn()
+        if new_name and (os.path.lexists(path) or self.path_taken(path, lambda: False)):
+            return
+        with self._action_lock:
+            if source in self._publishing:          # not published yet: at its publication
+                self._publishing[source] = path
+                if new_name:
+                    self._stand_ins.add(path)       # still free for the callback's own choice of name
+                return
+        if os.path.isfile(source):                  # already visible (a fast commit): at once
+            _replace_with_link(source, path, hard=True)
+
+    def _before_publish(self, final: str, temporary: str) -> None:
+        """On the writer's thread: ``final``'s bytes are durable at ``temporary``."""
+        with self._action_lock:
+            last = self._publishing.pop(final, None)
+        if last:
+            _replace_with_link(temporary, last, hard=True)
 
     def _also_at_commit(self, action: "_Action") -> None:
         if action.after is not None and not action.after.done():
@@ -287,12 +311,11 @@ class _LazyCheckpointIOImpl:
                 self._at_commit.append((action.after, action))
 
     def _committed(self, handle: SaveHandle) -> None:
-        """On the writer's thread, ``handle``'s file just durable: its links first,
-        then its removals (last.ckpt moves before the file it named goes)."""
+        """On the writer's thread, ``handle``'s file just durable: the links waiting for it."""
         with self._action_lock:
             due = [a for h, a in self._at_commit if h is handle]
             self._at_commit = [(h, a) for h, a in self._at_commit if h is not handle and not h.done()]
-        due.sort(key=lambda a: a.kind not in ("link", "stand-in"))
+        due.sort(key=lambda a: a.kind != "link")
         for action in due:
             if not self._claim(action):
                 continue
@@ -320,6 +343,8 @@ class _LazyCheckpointIOImpl:
         """Whether a new checkpoint may not use ``path``: a save or link to it is
         pending, or it exists and is not about to be removed."""
         path = os.path.abspath(path)
+        if path in self._stand_ins:
+            return False                # a stand-in for the name Lightning is about to choose
         if path in self._links:
             return True
         if self._writer is not None and self._writer.pending(path):

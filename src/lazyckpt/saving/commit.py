@@ -47,8 +47,11 @@ class FileCommit(CommitStrategy):
 
     def __init__(self, path: str, heartbeat_s: float, on_commit: Optional[Callable[[Any], None]] = None,
                  message: str = "checkpoint save failed", options: Optional[Options] = None,
-                 make_parents: bool = True):
+                 make_parents: bool = True, before_publish: Optional[Callable[[str], None]] = None):
         self.store = for_path(path)
+        #: Called with the durable temporary's path just before it is published (Lightning:
+        #: last.ckpt names the new file from the instant it becomes visible).
+        self.before_publish = before_publish
         self.path = self.store.normalize(path)
         self.heartbeat_s = heartbeat_s
         self.on_commit = on_commit
@@ -69,6 +72,8 @@ class FileCommit(CommitStrategy):
         return self._pending.path
 
     def commit(self, job: Job) -> None:
+        if self.before_publish is not None:
+            self.before_publish(self._pending.path)
         self._pending.publish()
         self._pending = None
         if self.on_commit is not None:
