@@ -7,6 +7,7 @@ links and notifies: the cases that failed before the commit ordering."""
 from __future__ import annotations
 
 import os
+import threading
 import signal
 import subprocess
 import sys
@@ -254,6 +255,22 @@ def test_fitted_trainer_pickles_and_a_save_outside_a_run_leaves_no_thread(tmp_pa
     assert clone.checkpoint_callback.best_model_path == trainer.checkpoint_callback.best_model_path
     trainer.save_checkpoint(str(tmp_path / "after.ckpt"))
     assert load(str(tmp_path / "after.ckpt"))["global_step"] == 8
+
+
+def test_a_load_outside_a_run_leaves_no_thread(tmp_path):
+    """Lightning's test_model_torch_save_ddp_cpu with file_format="lazyckpt": after
+    ddp_spawn the launcher loads the workers' weights through the plugin in the
+    main process, outside any run, and nothing calls teardown() afterwards: the
+    reader threads the load started must not outlive it."""
+    writer = lzl.LazyCheckpointIO(file_format="lazyckpt")
+    writer.save_checkpoint({"w": torch.arange(4.0).repeat(1 << 20)}, str(tmp_path / "w.ckpt"))
+    writer.teardown()
+    before = set(threading.enumerate())
+    reader = lzl.LazyCheckpointIO(file_format="lazyckpt")          # kept, as Lightning's strategy keeps it
+    loaded = reader.load_checkpoint(str(tmp_path / "w.ckpt"))
+    assert torch.equal(loaded["w"], torch.arange(4.0).repeat(1 << 20))
+    started = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("lazyckpt-")]
+    assert not started, started
 
 
 # ----------------------------------------------------------------------------- in-place changes after a save

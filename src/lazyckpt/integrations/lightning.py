@@ -242,8 +242,16 @@ class _LazyCheckpointIOImpl:
             if map_location is not None:
                 kwargs["map_location"] = map_location
             return torch_io.load_checkpoint(local, **kwargs)
-        return self.writer.load(local, map_location=map_location if map_location is not None else "cpu",
-                                allow_pickle=self._allow_pickle(weights_only))
+        created = self._writer is None
+        try:
+            return self.writer.load(local, map_location=map_location if map_location is not None else "cpu",
+                                    allow_pickle=self._allow_pickle(weights_only))
+        finally:
+            trainer = _active_trainer(self)
+            if created and (trainer is None or not _trainer_running(trainer)):
+                # A load outside a run (ddp_spawn's launcher reading the workers' weights):
+                # nothing calls teardown() later, so its reader threads must not outlive it.
+                self.teardown()
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path`` once every save queued before this call is durable.
