@@ -174,15 +174,10 @@ def resolve(options: Optional[Options] = None, **overrides: Any) -> Options:
             else:
                 value = _env_value(field.name, field.default)
         values[field.name] = value
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(Options)}
+    unknown = set(overrides) - _FIELDS
     if unknown:
         raise TypeError(f"unknown options: {sorted(unknown)}")
     return Options(**values)
-
-
-#: Checkpointer arguments that are not Options: an integration that receives one
-#: says why it cannot act on it instead of "unknown options" (issue 35, 6).
-CHECKPOINTER_ARGUMENTS = ("persist_to", "keep_last", "replicas", "replicated", "writer_lease")
 
 
 def resolve_for(integration: str, refused: Dict[str, str], **knobs: Any) -> Options:

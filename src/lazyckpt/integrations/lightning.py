@@ -323,7 +323,6 @@ class _LazyCheckpointIOImpl:
         with self._action_lock:
             due = [a for h, a in self._at_commit if h is handle]
             self._at_commit = [(h, a) for h, a in self._at_commit if h is not handle and not h.done()]
-        due.sort(key=lambda a: a.kind != "link")
         for action in due:
             if not self._claim(action):
                 continue
