@@ -417,7 +417,10 @@ def _jit_trial(tmp_path, trial, delay_s):
     try:
         deadline = time.monotonic() + 240
         # Wait for a committed regular checkpoint and a few steps past it.
-        while not (progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= 5):
+        def steps_done():           # one read: the child rewrites the file (empty for an instant)
+            text = progress.read_text().strip() if progress.exists() else ""
+            return int(text) if text else 0
+        while steps_done() < 5:
             assert child.poll() is None, child.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.01)
