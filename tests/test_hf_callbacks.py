@@ -420,7 +420,9 @@ def _jit_trial(tmp_path, trial, delay_s):
         def steps_done():           # one read: the child rewrites the file (empty for an instant)
             text = progress.read_text().strip() if progress.exists() else ""
             return int(text) if text else 0
-        while steps_done() < 5:
+        # steps_done() alone is not enough: the save of step 3 commits in the background and
+        # may still be in flight at step 5 on a slow machine (CI saw exactly that).
+        while steps_done() < 5 or last_complete_checkpoint(str(out)) is None:
             assert child.poll() is None, child.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.01)
