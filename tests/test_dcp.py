@@ -109,7 +109,7 @@ def _fsdp(world):
 _full = full_state
 
 
-def _fsdp_save(rank, world, directory, use_async):
+def _fsdp_save(rank, world, directory, use_async, file_format="lazyckpt"):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model, opt = _fsdp(world)
     for i in range(2):
@@ -118,7 +118,7 @@ def _fsdp_save(rank, world, directory, use_async):
         opt.step()
         opt.zero_grad()
     msd, osd = get_state_dict(model, opt)
-    writer = LazyStorageWriter(directory)
+    writer = LazyStorageWriter(directory, file_format=file_format)
     if use_async:
         response = dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer)
         response.upload_completion.result()
@@ -128,12 +128,15 @@ def _fsdp_save(rank, world, directory, use_async):
     return _full(msd)
 
 
-def _fsdp_load(rank, world, directory):
+def _fsdp_load(rank, world, directory, reader="lazy"):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model, opt = _fsdp(world)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, storage_reader=LazyStorageReader(directory))
+    if reader == "lazy":
+        dcp.load(state, storage_reader=LazyStorageReader(directory))
+    else:                                   # DCP's own FileSystemReader
+        dcp.load(state, checkpoint_id=directory)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return _full(get_state_dict(model, opt)[0])
 
@@ -145,6 +148,89 @@ def test_fsdp2_two_ranks_and_reshard_on_load(tmp_path, use_async):
     for world in ((2, 3) if not use_async else (1,)):
         for got in run_ranks(world, _fsdp_load, str(tmp_path)):
             assert all(torch.equal(ref[k], got[k]) for k in ref), f"2 -> {world} ranks"
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_fsdp2_in_dcp_file_format_reshards_through_dcp_own_reader_and_lazyckpt(tmp_path, use_async):
+    """``file_format="dcp"`` (torchtitan's checkpoints, issue 35): DCP's own
+    ``__<rank>_0.distcp`` files, loaded by plain ``dcp.load(checkpoint_id=)`` on
+    another world size, and by LazyStorageReader."""
+    ref = run_ranks(2, _fsdp_save, str(tmp_path), use_async, "dcp")[0]
+    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for world, reader in (((3, "dcp"), (1, "lazy")) if not use_async else ((1, "dcp"),)):
+        for got in run_ranks(world, _fsdp_load, str(tmp_path), reader):
+            assert all(torch.equal(ref[k], got[k]) for k in ref), f"2 -> {world} ranks, {reader} reader"
+
+
+_LOAD_WITHOUT_LAZYCKPT = r"""
+import sys
+sys.modules["lazyckpt"] = None          # any import of lazyckpt (an unpickled class of it) fails
+import torch, torch.distributed.checkpoint as dcp
+state = torch.load(sys.argv[2], weights_only=True)
+target = {{k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}}
+target["epoch"] = 0
+dcp.load(target, checkpoint_id=sys.argv[1], no_dist=True)
+assert target["epoch"] == 3, target["epoch"]
+assert all(torch.equal(target[k], state[k]) for k in state if isinstance(state[k], torch.Tensor))
+print("loaded without lazyckpt")
+"""
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_dcp_file_format_loads_with_dcp_alone_and_every_record_is_checked(tmp_path, use_async):
+    """What ``file_format="dcp"`` writes needs nothing of lazyckpt to load (a process
+    where ``import lazyckpt`` fails reads it with ``dcp.load``); lazyckpt's reader
+    checks each record's CRC-32, which ``torch.load`` does not: a flipped byte is a
+    CorruptCheckpointError there, where DCP's own reader loads it silently."""
+    import subprocess
+    import sys
+    torch.manual_seed(0)
+    state = {"w": torch.randn(300, 64), "b": torch.randn(7).to(torch.bfloat16), "view": torch.randn(9, 4)[:, 1],
+             "empty": torch.empty(0), "epoch": 3}
+    ckpt = tmp_path / "ckpt"
+    writer = LazyStorageWriter(ckpt, file_format="dcp")
+    if use_async:
+        dcp.async_save(state, storage_writer=writer, no_dist=True).upload_completion.result()
+    else:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    writer.close()
+    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp"]
+    expected = tmp_path / "expected.pt"
+    torch.save({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, expected)
+    done = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_LAZYCKPT.format(), str(ckpt), str(expected)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "loaded without lazyckpt" in done.stdout, done.stderr[-3000:]
+
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in state.items()}
+    dcp.load(target, storage_reader=LazyStorageReader(ckpt), no_dist=True)
+    assert target["epoch"] == 3 and all(torch.equal(target[k], state[k]) for k in ("w", "b", "view", "empty"))
+
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "w")
+    data = bytearray((ckpt / "__0_0.distcp").read_bytes())
+    data[info.offset + info.length // 2] ^= 0xFF                 # inside w's bytes
+    (ckpt / "__0_0.distcp").write_bytes(bytes(data))
+    silently = {"w": torch.zeros(300, 64)}
+    dcp.load(silently, checkpoint_id=str(ckpt), no_dist=True)     # DCP's reader: no check
+    assert not torch.equal(silently["w"], state["w"])
+    from torch.distributed.checkpoint.api import CheckpointException      # (a BaseException)
+    with pytest.raises((CheckpointException, lazyckpt.CorruptCheckpointError)) as raised:   # DCP wraps it
+        dcp.load({"w": torch.zeros(300, 64)}, storage_reader=LazyStorageReader(ckpt), no_dist=True)
+    causes = [exc for exc, _ in getattr(raised.value, "failures", {}).values()] or [raised.value]
+    assert any(isinstance(c, lazyckpt.CorruptCheckpointError) and "fails its CRC-32" in str(c) for c in causes)
+
+
+def test_lazyckpt_reader_loads_a_checkpoint_of_dcp_own_writer(tmp_path):
+    """LazyStorageReader reads what DCP's FileSystemWriter wrote (a checkpoint from
+    before a switch to lazyckpt, or torchtitan's initial_load_path)."""
+    model, opt = _plain_model()
+    _train(model, opt, 2)
+    dcp.save({"model": model.state_dict(), "epoch": 5}, checkpoint_id=str(tmp_path), no_dist=True)
+    fresh = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    target = {"model": fresh.state_dict(), "epoch": 0}
+    dcp.load(target, storage_reader=LazyStorageReader(tmp_path), no_dist=True)
+    assert target["epoch"] == 5
+    assert all(torch.equal(target["model"][k], v) for k, v in model.state_dict().items())
 
 
 def _pickled_globals(raw: bytes):
@@ -234,9 +320,9 @@ def test_metadata_naming_lazystorageinfo_at_interop_still_loads(tmp_path):
     _load_and_compare(tmp_path, model)
 
 
-@pytest.mark.parametrize("use_async", [False, True])
+@pytest.mark.parametrize("use_async,file_format", [(False, "lazyckpt"), (True, "lazyckpt"), (True, "dcp")])
 def test_a_dcp_checkpoint_on_s3_is_whole_on_the_store_and_loads_from_any_working_directory(
-        tmp_path, monkeypatch, s3_server, s3_bucket, use_async):
+        tmp_path, monkeypatch, s3_server, s3_bucket, use_async, file_format):
     """Issue 35 (7): the data files and DCP's .metadata both go to the bucket (the
     metadata last: it is what makes the checkpoint exist), nothing is written under
     the working directory, and another working directory loads it bit-exact."""
@@ -251,7 +337,7 @@ def test_a_dcp_checkpoint_on_s3_is_whole_on_the_store_and_loads_from_any_working
     model, opt = _plain_model()
     _train(model, opt, 3)
     msd, osd = get_state_dict(model, opt)
-    writer = LazyStorageWriter(url, storage_options=options)
+    writer = LazyStorageWriter(url, storage_options=options, file_format=file_format)
     state = {"model": msd, "optim": osd, "extra": {"epoch": 3}}
     if use_async:
         writer.attach(opt)
@@ -262,7 +348,7 @@ def test_a_dcp_checkpoint_on_s3_is_whole_on_the_store_and_loads_from_any_working
     reference = _train(model, opt, 2, seed=100)
     assert os.listdir(first) == []                                # nothing written locally
     keys = sorted(o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"])
-    assert keys == ["run/step1/.metadata", "run/step1/__0.lzc"]
+    assert keys == ["run/step1/.metadata", "run/step1/__0.lzc" if file_format == "lazyckpt" else "run/step1/__0_0.distcp"]
 
     monkeypatch.chdir(second)
     model2, opt2 = _plain_model()

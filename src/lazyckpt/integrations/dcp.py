@@ -44,6 +44,7 @@ import uuid
 from typing import Any, Dict, List, Optional, Union
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -53,6 +54,7 @@ from lazyckpt.interop.dcp import METADATA, SUFFIX, LazyStorageInfo, LazyStorageR
 from lazyckpt.knobs import resolve_for
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import FileCommit
+from lazyckpt.saving.dcp_file import DISTCP_SUFFIX, DcpFileLayout
 from lazyckpt.saving.engine import CopyPart, FilePart, NoCommit, SaveEngine, run_now
 from lazyckpt.saving.hostcache import StagingArenas
 from lazyckpt.state.providers import flatten
@@ -81,6 +83,9 @@ DCP_REFUSED = {
     "replicated": "it is a Checkpointer argument; DCP's planner already deduplicates replicated items",
     "writer_lease": "it is a Checkpointer argument (one writer per Checkpointer directory)",
 }
+
+#: What write_data writes: lazyckpt's files, or DCP's own (read by DCP without lazyckpt).
+FILE_FORMATS = ("lazyckpt", "dcp")
 
 #: stage() waits at most this long for a staging buffer (an earlier save's write to end).
 _STAGING_WAIT_S = 600.0
@@ -112,9 +117,16 @@ class LazyStorageWriter(StorageWriter):
     # AsyncStager protocol: stage() returns a future; the user synchronizes.
     _synchronize_after_execute = False
 
-    def __init__(self, path: Union[str, os.PathLike], **knobs: Any):
+    def __init__(self, path: Union[str, os.PathLike], *, file_format: str = "lazyckpt", **knobs: Any):
         super().__init__()
+        if file_format not in FILE_FORMATS:
+            raise ValueError(f"{type(self).__name__}: file_format={file_format!r}: expected one of "
+                             f"{', '.join(map(repr, FILE_FORMATS))}")
         self.path = os.fspath(path)
+        #: "lazyckpt": one lazyckpt file per rank (LazyStorageReader reads it); "dcp": DCP's own
+        #: ``__<rank>_0.distcp`` files, which DCP's FileSystemReader (plain ``dcp.load``,
+        #: torchtitan) reads without lazyckpt, LazyStorageReader too.
+        self.file_format = file_format
         self.knobs = knobs
         self.options = resolve_for(type(self).__name__, DCP_REFUSED, **knobs)
         self.rank: Optional[int] = None
@@ -274,11 +286,12 @@ class LazyStorageWriter(StorageWriter):
                 for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        """Write this rank's items into one lazyckpt file (durable on return),
-        then give its staging buffer back."""
-        name = f"{plan.storage_data}{SUFFIX}"
+        """Write this rank's items into one file (durable on return), then give
+        its staging buffer back."""
+        dcp_file = self.file_format == "dcp"
+        name = f"{plan.storage_data}_0{DISTCP_SUFFIX}" if dcp_file else f"{plan.storage_data}{SUFFIX}"
         state: Dict[str, Any] = {}
-        results: List[WriteResult] = []
+        sized: List[tuple] = []
         pointers = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -294,16 +307,24 @@ class LazyStorageWriter(StorageWriter):
                     tensor = tensor.cpu()
                 state[key] = tensor
                 size = tensor.numel() * tensor.element_size()
-            results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                       storage_data=LazyStorageInfo(name, key)))
+            sized.append((item.index, key, size))
         engine = self._get_engine()
         try:
             path = self._current_path()
             strategy = FileCommit(for_path(path).join(path, name), self.options.lease_heartbeat_s,
                                   options=self.options)
-            run_now(strategy, [FilePart(flatten(state), {})], engine.resources, self.options, name=strategy.path)
+            if dcp_file:
+                layout = DcpFileLayout(list(state.items()))
+                part = layout.part(record_events(s.data for s in layout.sources))
+            else:
+                part = FilePart(flatten(state), {})
+            run_now(strategy, [part], engine.resources, self.options, name=strategy.path)
         finally:
             self._release_staging(planner, pointers)
+        results = [WriteResult(index=index, size_in_bytes=size,
+                               storage_data=_StorageInfo(name, *layout.spans[key]) if dcp_file
+                               else LazyStorageInfo(name, key))
+                   for index, key, size in sized]
         future: Future = Future()
         future.set_result(results)
         return future

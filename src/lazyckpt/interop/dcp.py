@@ -16,18 +16,26 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import mmap
 import os
 import pickle
+import struct
 import uuid
+import zipfile
 from typing import Any, Dict, List, Union
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from lazyckpt import api
+try:        # ISA-L's CRC-32 where the torch-format extra installed it (lazyckpt/saving/torchzip.py)
+    from isal.isal_zlib import crc32
+except ImportError:                                 # pragma: no cover
+    from zlib import crc32
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError
 from lazyckpt.knobs import resolve
 from lazyckpt.storage.stores import for_path
@@ -91,7 +99,9 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 class LazyStorageReader(StorageReader):
-    """A DCP ``StorageReader`` for checkpoints written by :class:`LazyStorageWriter`."""
+    """A DCP ``StorageReader`` for checkpoints written by :class:`LazyStorageWriter`
+    (either file format) and by DCP's ``FileSystemWriter`` (untransformed), on a
+    local path or an ``s3://`` URL; DCP's metadata unpickled with the allow-list."""
 
     def __init__(self, path: Union[str, os.PathLike], **knobs: Any):
         super().__init__()
@@ -144,36 +154,103 @@ class LazyStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        by_file: Dict[str, list] = {}
+        lazy: Dict[str, list] = {}
+        spans: Dict[str, list] = {}
         for item in plan.items:
             info = self.storage_data.get(item.storage_index)
-            if not isinstance(info, LazyStorageInfo) or "/" in info.relative_path \
+            if not isinstance(info, (LazyStorageInfo, _StorageInfo)) or "/" in info.relative_path \
                     or info.relative_path.startswith("."):
                 raise CorruptCheckpointError(f"{self.path}: no valid storage entry for {item.storage_index}",
                                              path=self.path)
-            by_file.setdefault(info.relative_path, []).append((item, info.key))
-        for name, items in by_file.items():
+            if isinstance(info, LazyStorageInfo):
+                lazy.setdefault(info.relative_path, []).append((item, info.key))
+            else:       # DCP's own layout (LazyStorageWriter(file_format="dcp"), FileSystemWriter)
+                spans.setdefault(info.relative_path, []).append((item, info))
+        for name, items in lazy.items():
             # Reads only the entries this rank's plan needs, checksums verified.
             state = api.load(for_path(self.path).join(self.path, name), keys=sorted({k for _, k in items}),
                              **self.knobs)
             for item, key in items:
-                value = state[key]
-                if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(value))
-                    continue
-                src = value
-                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    src = src.narrow(dim, offset, length)
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != src.size():
-                    raise CorruptCheckpointError(f"{name}: {key} has size {tuple(src.size())}, the plan "
-                                                 f"expects {tuple(target.size())}", path=self.path)
-                target.copy_(src)
-                planner.commit_tensor(item, target)
+                _deliver(planner, item, state[key], name, key, self.path)
+        for name, entries in spans.items():
+            self._read_spans(name, entries, planner)
         future: Future = Future()
         future.set_result(None)
         return future
 
+    def _read_spans(self, name: str, entries: List[tuple], planner: LoadPlanner) -> None:
+        """Items of a DCP data file: each one's (offset, length) run, a ``torch.save``
+        zip for a tensor (its records' CRC-32s checked here: ``torch.load`` does not;
+        ``weights_only``: no code runs), raw bytes for a ``BYTE_IO`` item."""
+        if entries and any(info.transform_descriptors for _, info in entries):
+            raise CheckpointError(f"{self.path}/{name}: written with DCP storage transforms "
+                                  f"(compression, extensions), which this reader does not apply; read it "
+                                  f"with DCP's FileSystemReader", path=self.path)
+        store = for_path(self.path)
+        source = store.open_input(store.join(self.path, name), self.options, threads=1)
+        try:
+            for item, info in sorted(entries, key=lambda e: e[1].offset):
+                start = info.offset // _PAGE * _PAGE       # aligned: the input may bypass the page cache
+                end = -(-(info.offset + info.length) // _PAGE) * _PAGE
+                buf = mmap.mmap(-1, max(end - start, _PAGE))
+                try:
+                    got = source.read_into(memoryview(buf)[:end - start], start)
+                    if got < info.offset + info.length - start:
+                        raise CorruptCheckpointError(f"{self.path}/{name}: truncated: {item.storage_index} "
+                                                     f"ends at byte {info.offset + info.length}",
+                                                     path=self.path)
+                    raw = buf[info.offset - start:info.offset - start + info.length]
+                finally:
+                    buf.close()
+                if item.type == LoadItemType.BYTE_IO:
+                    value: Any = raw
+                else:
+                    try:
+                        _check_crcs(raw)
+                        value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+                    except Exception as exc:
+                        raise CorruptCheckpointError(f"{self.path}/{name}: {item.storage_index.fqn}: "
+                                                     f"unreadable tensor record: {exc}", path=self.path) from None
+                _deliver(planner, item, value, name, item.storage_index.fqn, self.path)
+        finally:
+            source.close()
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+_PAGE = 4096
+
+
+def _deliver(planner: LoadPlanner, item: Any, value: Any, name: str, key: str, path: str) -> None:
+    """Hand one read item to DCP's planner: bytes as they are, a tensor narrowed
+    to the item's piece of it and copied into the planner's target."""
+    if item.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(item, io.BytesIO(value))
+        return
+    src = value
+    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+        src = src.narrow(dim, offset, length)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != src.size():
+        raise CorruptCheckpointError(f"{name}: {key} has size {tuple(src.size())}, the plan "
+                                     f"expects {tuple(target.size())}", path=path)
+    target.copy_(src)
+    planner.commit_tensor(item, target)
+
+
+def _check_crcs(raw: bytes) -> None:
+    """Every record of a stored (uncompressed) zip against its CRC-32: torch.load
+    reads the bytes without checking them. A CRC of 0 is taken as "not computed"
+    (``torch.serialization.set_crc32_options(False)`` writes 0)."""
+    view = memoryview(raw)
+    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+        for info in archive.infolist():
+            if info.CRC == 0 or info.compress_type != zipfile.ZIP_STORED:
+                continue
+            at = info.header_offset
+            name_len, extra_len = struct.unpack_from("<HH", raw, at + 26)
+            start = at + 30 + name_len + extra_len
+            if crc32(view[start:start + info.file_size]) != info.CRC:
+                raise ValueError(f"record {info.filename} fails its CRC-32")

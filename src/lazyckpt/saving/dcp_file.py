@@ -1,0 +1,79 @@
+"""DCP's own data file (``__<rank>_0.distcp``), written by lazyckpt's engine (docs/FORMAT.md §13.4).
+
+``torch.distributed.checkpoint.FileSystemReader`` -- what ``dcp.load(...,
+checkpoint_id=)`` uses, and torchtitan with it -- reads each item of a rank's
+plan from ``(relative_path, offset, length)`` in ``.metadata``: a ``BYTE_IO``
+item is its bytes there, a tensor is a whole ``torch.save`` zip there, read
+with ``torch.load(weights_only=True)`` through a view of the file that starts
+at ``offset``. This layout is those runs, one after the other: each tensor is
+a :class:`~lazyckpt.saving.torchzip.TorchZipLayout` of its own (its offsets
+relative to its start, as ``torch.save`` into DCP's stream makes them) placed
+at a page boundary, so its storage bytes stay aligned in the file and go from
+the live (or staged) state through the host cache to the disk, never pickled
+or copied by Python. The per-record CRC-32 fields are patched at the end, as
+for a ``file_format="torch"`` file.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+
+from lazyckpt.formats.datafile import align_up
+from .file_formats import FileLayout, apply_patches, blocks_of, combined_crc
+from .torchzip import PAGE_ALIGNMENT, TorchZipLayout, fast_crc32
+
+#: DCP's file name for a rank's data (FileSystemWriter: ``{prefix}{index}{suffix}``).
+DISTCP_SUFFIX = ".distcp"
+
+
+class DcpFileLayout(FileLayout):
+    """``entries``: (key, bytes or tensor), in the order they go into the file;
+    :attr:`spans` maps each key to its (offset, length), DCP's ``_StorageInfo``."""
+
+    span_checksum = staticmethod(fast_crc32)
+
+    def __init__(self, entries: List[Tuple[str, Any]]):
+        super().__init__()
+        self.spans: Dict[str, Tuple[int, int]] = {}
+        self._archives: List[Tuple[TorchZipLayout, int, Dict[int, int]]] = []   # archive, base, its index -> ours
+        cursor = 0
+        for key, payload in entries:
+            if isinstance(payload, torch.Tensor):
+                base = align_up(cursor, PAGE_ALIGNMENT)
+                archive = TorchZipLayout(payload)
+                index_of: Dict[int, int] = {}
+                for index, offset, length, data in archive.items():
+                    index_of[index] = len(self._items)
+                    self._items.append((len(self._items), base + offset, length, data))
+                self.sources.extend(archive.sources)
+                self._archives.append((archive, base, index_of))
+                self.spans[key] = (base, archive.size)
+                cursor = base + archive.size
+            else:
+                data = memoryview(bytes(payload))
+                if len(data):
+                    self._items.append((len(self._items), cursor, len(data), data))
+                self.spans[key] = (cursor, len(data))
+                cursor += len(data)
+        self.size = cursor
+
+    def _crc_fields(self) -> Iterator[Tuple[int, int, int, List[int]]]:
+        """(our item index, absolute data offset, size, absolute offsets of its two CRC fields)."""
+        for archive, base, index_of in self._archives:
+            for index, data_offset, size, _ in archive._crc_fields:
+                yield index_of[index], base + data_offset, size, [base + at for at in archive._patch_at[index]]
+
+    def kept_blocks(self) -> List[int]:
+        return blocks_of([(at, 4) for _, _, _, ats in self._crc_fields() for at in ats])
+
+    def patches(self, sums: Dict[int, List[int]], kept: Dict[int, bytes], block_bytes: int) -> List[Tuple[int, bytes]]:
+        # The writer's span checksums are per cache block of the whole file: each record's CRC
+        # is combined from them at its absolute offset (its archive's own offsets are relative).
+        values = []
+        for index, data_offset, size, ats in self._crc_fields():
+            crc = struct.pack("<I", combined_crc(data_offset, size, sums[index], block_bytes))
+            values += [(at, crc) for at in ats]
+        return apply_patches(values, kept)
