@@ -120,6 +120,9 @@ def record_bytes(path: str) -> dict:
     return out
 
 
+UPLOAD_THREADS = 32
+
+
 def upload_run(path: str, client, bucket: str, prefix: str) -> None:
     """The synthetic local run as an object-store directory (FORMAT.md §11.9):
     each step under ``step_X/<save_id>/``, one event per commit, and -- where
@@ -144,7 +147,9 @@ def upload_run(path: str, client, bucket: str, prefix: str) -> None:
     if hasattr(s3layout, "HEAD") and top is not None:
         puts.append((f"{prefix}/{s3layout.HEAD}", json.dumps({"step": top[0], "save_id": top[1],
                                                                "seq": top[2]}).encode()))
-    with ThreadPoolExecutor(16) as pool:
+    # As many connections as threads (botocore's pool holds 10 by default): at 100,000 steps
+    # this is 300,000 small PUTs, bound by the client's CPU, not by the server.
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
         list(pool.map(lambda kv: client.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]), puts))
 
 
@@ -268,7 +273,7 @@ def child(args: argparse.Namespace) -> None:
             sys.path.insert(0, os.path.join(HERE, "..", "tests"))
             from _s3server import SeaweedServer
             with SeaweedServer(os.path.join(root, "weed")) as server:
-                client = server.client()
+                client = server.client(max_pool_connections=UPLOAD_THREADS)
                 bucket = server.make_bucket()
                 upload_run(path, client, bucket, "run")
                 built_s = time.perf_counter() - t

@@ -12,4 +12,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[${LAZYCKPT_EXTRAS:-bench}]"
+case ",${LAZYCKPT_EXTRAS:-bench}," in
+  *,torchtitan,*)   # its checkpoint manager alone: see the torchtitan extra in pyproject.toml
+    .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps "torchtitan==0.3.0" ;;
+esac
 .venv/bin/python -c "import torch, lazyckpt; print('lazyckpt', lazyckpt.__version__, 'torch', torch.__version__)"
