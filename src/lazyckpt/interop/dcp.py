@@ -1,7 +1,9 @@
 """DCP checkpoint directories, read side: the one unpickler of DCP's
 ``.metadata`` (one allow-list, used by ``lazyckpt convert`` and by
 :class:`LazyStorageReader`), and the ``StorageReader`` of directories written
-by :class:`lazyckpt.integrations.dcp.LazyStorageWriter` (``.lzc`` files).
+by :class:`lazyckpt.integrations.dcp.LazyStorageWriter` (``.lzc`` files, or
+DCP's own ``.distcp`` layout with ``file_format="dcp"``) and by DCP's
+``FileSystemWriter``, whose records' CRC-32s it checks (docs/FORMAT.md §13.3).
 
 It lives in the core, not in ``integrations/``, because ``lazyckpt convert``
 reads such directories and the core never imports an integration.

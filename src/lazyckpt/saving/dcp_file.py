@@ -1,4 +1,4 @@
-"""DCP's own data file (``__<rank>_0.distcp``), written by lazyckpt's engine (docs/FORMAT.md §13.4).
+"""DCP's own data file (``__<rank>_0.distcp``), written by lazyckpt's engine (docs/FORMAT.md §13.3).
 
 ``torch.distributed.checkpoint.FileSystemReader`` -- what ``dcp.load(...,
 checkpoint_id=)`` uses, and torchtitan with it -- reads each item of a rank's
