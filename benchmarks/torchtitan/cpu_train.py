@@ -91,7 +91,7 @@ import time  # noqa: E402
 from torchtitan.components.checkpointer.base import BaseCheckpointManager  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-_times = {"step_s": [], "save_s": []}
+_times = {"step_s": [], "save_s": [], "wait_s": []}
 
 
 def _timed(cls, name, into):
@@ -108,6 +108,7 @@ def _timed(cls, name, into):
 
 _timed(Trainer, "train_step", "step_s")
 _timed(BaseCheckpointManager, "save", "save_s")
+_timed(BaseCheckpointManager, "maybe_wait_for_staging", "wait_s")
 
 
 @atexit.register

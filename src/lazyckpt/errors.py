@@ -7,6 +7,7 @@ structured fields (``path``, ``entry``, ``step``) besides the message.
 
 from __future__ import annotations
 
+import pickle
 from typing import Optional, Sequence
 
 
@@ -19,6 +20,29 @@ class CheckpointError(Exception):
         self.path = path
         self.entry = entry
         self.step = step
+
+    def __reduce__(self):
+        # DCP hands a rank's error to every rank by pickling it (gather_object): a field
+        # that cannot travel (a save's handle: locks, threads) stays behind, or the
+        # pickling error would replace this one. The message and plain fields travel.
+        state = {}
+        for name, value in self.__dict__.items():
+            try:
+                pickle.dumps(value)
+            except Exception:
+                continue
+            state[name] = value
+        if isinstance(self, OSError):       # its fields are slots, not in __dict__
+            state.update(errno=self.errno, strerror=self.strerror, filename=self.filename)
+        return _rebuild, (type(self), self.args, state)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> "CheckpointError":
+    error = cls.__new__(cls, *args)
+    BaseException.__init__(error, *args)
+    for name, value in state.items():
+        setattr(error, name, value)
+    return error
 
 
 class CorruptCheckpointError(CheckpointError):

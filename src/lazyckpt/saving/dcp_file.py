@@ -29,6 +29,24 @@ from .torchzip import PAGE_ALIGNMENT, TorchZipLayout, fast_crc32
 DISTCP_SUFFIX = ".distcp"
 
 
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with a storage of exactly its own bytes. ``torch.save`` writes a
+    view's whole storage, and DCP's items are often views (a staged state is one
+    arena; a shard is a piece of a parameter): DCP's own writer clones them. A
+    contiguous CPU view is aliased instead -- same memory, a storage that starts
+    and ends with it -- so the bytes still move only once, from the state to the
+    file; a strided view is cloned, as DCP does."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return tensor.contiguous() if tensor.device.type == "cpu" else tensor
+    if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes:
+        return tensor
+    if nbytes == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    alias = torch.from_numpy(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return alias.view(tensor.dtype).view(tensor.shape)
+
+
 class DcpFileLayout(FileLayout):
     """``entries``: (key, bytes or tensor), in the order they go into the file;
     :attr:`spans` maps each key to its (offset, length), DCP's ``_StorageInfo``."""
@@ -43,7 +61,7 @@ class DcpFileLayout(FileLayout):
         for key, payload in entries:
             if isinstance(payload, torch.Tensor):
                 base = align_up(cursor, PAGE_ALIGNMENT)
-                archive = TorchZipLayout(payload)
+                archive = TorchZipLayout(own_storage(payload))
                 index_of: Dict[int, int] = {}
                 for index, offset, length, data in archive.items():
                     index_of[index] = len(self._items)
