@@ -109,8 +109,12 @@ def run_mode(venv: str, root: str, mode: str, steps: int) -> dict:
     ckpt = os.path.join(dump, "checkpoint")
     kept = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []
     files = sorted(os.listdir(os.path.join(ckpt, kept[-1]))) if kept else []
-    return {"step_s": got["step_s"][1:], "save_s": got["save_s"][1:-1], "wall_s": wall, "kept": kept,
-            "files": files}
+    return {"step_s": got["step_s"][1:], "save_s": got["save_s"][1:-1], "wait_s": got.get("wait_s", [])[1:],
+            "wall_s": wall, "kept": kept, "files": files, "bytes": _tree_bytes(os.path.join(ckpt, kept[-1])) if kept else 0}
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
 
 
 def main() -> None:
@@ -133,8 +137,9 @@ def main() -> None:
                     print(f"rep {rep + 1} {mode:>13}: FAILED: {got['error']}", flush=True)
                 else:
                     print(f"rep {rep + 1} {mode:>13}: step {statistics.median(got['step_s']) * 1e3:7.1f} ms, "
-                          f"save() {statistics.median(got['save_s'] or [0]) * 1e3:7.1f} ms, wall "
-                          f"{got['wall_s']:.1f} s, kept {got['kept']}, last step's files {got['files']}",
+                          f"save() {statistics.median(got['save_s'] or [0]) * 1e3:7.1f} ms, staging wait "
+                          f"{statistics.median(got['wait_s'] or [0]) * 1e3:6.1f} ms, wall {got['wall_s']:.1f} s, "
+                          f"kept {got['kept']}, last step {got['bytes'] / 1e6:.1f} MB {got['files']}",
                           flush=True)
         print(f"\nmedians over {args.reps} repetition(s) x {args.steps - 1} steps (ms); checkpoint every step")
         print(f"{'mode':>13} {'train_step':>11} {'save()':>9} {'step+save':>10} {'overhead':>9}")
