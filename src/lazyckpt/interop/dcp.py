@@ -34,12 +34,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from lazyckpt import api
-try:        # ISA-L's CRC-32 where the torch-format extra installed it (lazyckpt/saving/torchzip.py)
-    from isal.isal_zlib import crc32
-except ImportError:                                 # pragma: no cover
-    from zlib import crc32
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError
+from lazyckpt.formats.datafile import ALIGNMENT, align_up
 from lazyckpt.knobs import resolve
+from lazyckpt.saving.torchzip import fast_crc32
 from lazyckpt.storage.stores import for_path
 
 METADATA = ".metadata"
@@ -192,9 +190,9 @@ class LazyStorageReader(StorageReader):
         source = store.open_input(store.join(self.path, name), self.options, threads=1)
         try:
             for item, info in sorted(entries, key=lambda e: e[1].offset):
-                start = info.offset // _PAGE * _PAGE       # aligned: the input may bypass the page cache
-                end = -(-(info.offset + info.length) // _PAGE) * _PAGE
-                buf = mmap.mmap(-1, max(end - start, _PAGE))
+                start = info.offset // ALIGNMENT * ALIGNMENT    # aligned: the input may bypass the page cache
+                end = align_up(info.offset + info.length)
+                buf = mmap.mmap(-1, max(end - start, ALIGNMENT))
                 try:
                     got = source.read_into(memoryview(buf)[:end - start], start)
                     if got < info.offset + info.length - start:
@@ -221,8 +219,6 @@ class LazyStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
-
-_PAGE = 4096
 
 
 def _deliver(planner: LoadPlanner, item: Any, value: Any, name: str, key: str, path: str) -> None:
@@ -254,5 +250,5 @@ def _check_crcs(raw: bytes) -> None:
             at = info.header_offset
             name_len, extra_len = struct.unpack_from("<HH", raw, at + 26)
             start = at + 30 + name_len + extra_len
-            if crc32(view[start:start + info.file_size]) != info.CRC:
+            if fast_crc32(view[start:start + info.file_size]) != info.CRC:
                 raise ValueError(f"record {info.filename} fails its CRC-32")

@@ -16,13 +16,12 @@ for a ``file_format="torch"`` file.
 
 from __future__ import annotations
 
-import struct
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
 from lazyckpt.formats.datafile import align_up
-from .file_formats import FileLayout, apply_patches, blocks_of, combined_crc
+from .file_formats import CrcField, FileLayout, crc_kept_blocks, crc_patches
 from .torchzip import PAGE_ALIGNMENT, TorchZipLayout, fast_crc32
 
 #: DCP's file name for a rank's data (FileSystemWriter: ``{prefix}{index}{suffix}``).
@@ -36,9 +35,11 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     contiguous CPU view is aliased instead -- same memory, a storage that starts
     and ends with it -- so the bytes still move only once, from the state to the
     file; a strided view is cloned, as DCP does."""
+    if tensor.device.type != "cpu":
+        return tensor                   # (write_data has moved every tensor to the host)
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
     nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return tensor.contiguous() if tensor.device.type == "cpu" else tensor
     if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes:
         return tensor
     if nbytes == 0:
@@ -78,20 +79,16 @@ class DcpFileLayout(FileLayout):
                 cursor += len(data)
         self.size = cursor
 
-    def _crc_fields(self) -> Iterator[Tuple[int, int, int, List[int]]]:
-        """(our item index, absolute data offset, size, absolute offsets of its two CRC fields)."""
-        for archive, base, index_of in self._archives:
-            for index, data_offset, size, _ in archive._crc_fields:
-                yield index_of[index], base + data_offset, size, [base + at for at in archive._patch_at[index]]
+    def crc_fields(self) -> List[CrcField]:
+        """Each archive's CRC fields, at the file's item indices and offsets."""
+        return [(index_of[index], base + data_offset, size, [base + at for at in ats])
+                for archive, base, index_of in self._archives
+                for index, data_offset, size, ats in archive.crc_fields()]
 
     def kept_blocks(self) -> List[int]:
-        return blocks_of([(at, 4) for _, _, _, ats in self._crc_fields() for at in ats])
+        return crc_kept_blocks(self.crc_fields())
 
     def patches(self, sums: Dict[int, List[int]], kept: Dict[int, bytes], block_bytes: int) -> List[Tuple[int, bytes]]:
         # The writer's span checksums are per cache block of the whole file: each record's CRC
         # is combined from them at its absolute offset (its archive's own offsets are relative).
-        values = []
-        for index, data_offset, size, ats in self._crc_fields():
-            crc = struct.pack("<I", combined_crc(data_offset, size, sums[index], block_bytes))
-            values += [(at, crc) for at in ats]
-        return apply_patches(values, kept)
+        return crc_patches(self.crc_fields(), sums, kept, block_bytes)

@@ -22,6 +22,7 @@ are combined (:meth:`FileLayout.patches`).
 from __future__ import annotations
 
 import functools
+import struct
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from lazyckpt.formats.datafile import ALIGNMENT, block_spans
@@ -166,6 +167,26 @@ def combined_crc(offset: int, length: int, sums: List[int], block_bytes: int) ->
     for (a, b), span_crc in zip(block_spans(offset, length, block_bytes), sums):
         crc = crc32_combine(crc, span_crc, b - a)
     return crc
+
+
+#: (item index, absolute data offset, size, absolute offsets of the 4-byte CRC fields to patch).
+CrcField = Tuple[int, int, int, List[int]]
+
+
+def crc_kept_blocks(fields: List[CrcField]) -> List[int]:
+    """The blocks holding CRC fields: kept as written, patched at the end."""
+    return blocks_of([(at, 4) for _, _, _, ats in fields for at in ats])
+
+
+def crc_patches(fields: List[CrcField], sums: Dict[int, List[int]], kept: Dict[int, bytes],
+                block_bytes: int) -> List[Tuple[int, bytes]]:
+    """Each item's CRC-32, combined from the writer threads' span CRCs at its
+    absolute offset, written into its fields (:meth:`FileLayout.patches`)."""
+    values = []
+    for index, data_offset, size, ats in fields:
+        crc = struct.pack("<I", combined_crc(data_offset, size, sums[index], block_bytes))
+        values += [(at, crc) for at in ats]
+    return apply_patches(values, kept)
 
 
 # --------------------------------------------------------------------------- building

@@ -46,7 +46,7 @@ from torch.serialization import location_tag, normalize_storage_type
 
 from lazyckpt.formats.datafile import align_up
 from lazyckpt.state.providers import Source
-from .file_formats import FileLayout, apply_patches, blocks_of, combined_crc
+from .file_formats import CrcField, FileLayout, crc_kept_blocks, crc_patches
 
 try:        # ISA-L's CRC-32 (PCLMUL): ~3.5 GB/s per core here against zlib's 0.4-1.4 (BENCHMARKS.md §19)
     from isal.isal_zlib import crc32 as fast_crc32
@@ -194,12 +194,14 @@ class TorchZipLayout(FileLayout):
                           min(cd_size, ZIP64_LIMIT), min(cd_offset, ZIP64_LIMIT), 0)
         return zip64_end + locator + end
 
+    def crc_fields(self) -> List[CrcField]:
+        """Every storage record's CRC-32 to patch: (item index, data offset, size,
+        offsets of its two CRC fields), offsets from the archive's start."""
+        return [(index, data_offset, size, self._patch_at[index])
+                for index, data_offset, size, _ in self._crc_fields]
+
     def kept_blocks(self) -> List[int]:
-        return blocks_of([(at, 4) for ats in self._patch_at.values() for at in ats])
+        return crc_kept_blocks(self.crc_fields())
 
     def patches(self, sums: Dict[int, List[int]], kept: Dict[int, bytes], block_bytes: int) -> List[Tuple[int, bytes]]:
-        values = []
-        for index, data_offset, size, _ in self._crc_fields:
-            crc = struct.pack("<I", combined_crc(data_offset, size, sums[index], block_bytes))
-            values += [(at, crc) for at in self._patch_at[index]]
-        return apply_patches(values, kept)
+        return crc_patches(self.crc_fields(), sums, kept, block_bytes)
