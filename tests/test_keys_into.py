@@ -233,3 +233,70 @@ def test_map_location_to_cuda_without_cuda(tmp_path):
     lazyckpt.save({"a": torch.ones(2)}, tmp_path / "m.lzc")
     with pytest.raises(lazyckpt.CheckpointError, match="(?i)cuda"):
         lazyckpt.load(tmp_path / "m.lzc", map_location="cuda")
+
+
+# --------------------------------------------------------------------------- into= through reused buffers
+
+
+def _count_buffers(monkeypatch):
+    """Bytes of every read buffer the reader allocates from here on."""
+    import lazyckpt.loading.reader as reader
+    sizes = []
+    real = reader.anonymous_buffer
+
+    def counting(nbytes, huge_pages=True):
+        sizes.append(nbytes)
+        return real(nbytes, huge_pages)
+    monkeypatch.setattr(reader, "anonymous_buffer", counting)
+    return sizes
+
+
+def test_into_reads_through_a_bounded_set_of_reused_buffers(tmp_path, monkeypatch):
+    """Entries copied into into= as they arrive are read into buffers reused
+    from run to run: the memory allocated for reading stays within two chunks
+    per reader however large the state, where a plain load allocates it all."""
+    state = {f"t{i}": torch.randn(16_384) for i in range(40)}          # 64 KiB each, 2.5 MiB in all
+    path = tmp_path / "s.lzc"
+    lazyckpt.save(state, path)
+    knobs = dict(chunk_bytes=128 << 10, reader_threads=2)
+    sizes = _count_buffers(monkeypatch)
+    lazyckpt.load(path, **knobs)
+    assert sum(sizes) >= 40 * 65536
+    sizes.clear()
+    into = {k: torch.zeros(16_384) for k in state}
+    assert lazyckpt.load(path, into=into, **knobs) is into
+    assert all(torch.equal(into[k], state[k]) for k in state)
+    assert 0 < sum(sizes) <= 2 * 2 * (128 << 10), sizes
+
+
+def test_an_entry_that_into_fills_and_another_tensor_views_is_not_reused(tmp_path):
+    """A storage shared by a tensor into= fills and a view into= does not hold
+    must still be there when the view is built after the read."""
+    base = torch.arange(50_000, dtype=torch.float32)
+    state = {"w": base, "head": base[:100], **{f"t{i}": torch.randn(20_000) for i in range(6)}}
+    path = tmp_path / "s.lzc"
+    lazyckpt.save(state, path, chunk_bytes=64 << 10)
+    into = {k: torch.zeros_like(v) for k, v in state.items() if k != "head"}
+    out = lazyckpt.load(path, into=into, chunk_bytes=64 << 10, reader_threads=1, strict=False)
+    assert torch.equal(out["w"], base) and torch.equal(out["head"], base[:100])
+    assert all(torch.equal(out[f"t{i}"], state[f"t{i}"]) for i in range(6))
+
+
+@pytest.mark.timeout(60)
+def test_a_damaged_block_fails_a_load_into_waiting_for_a_reused_buffer(tmp_path):
+    """One reader, buffers for a few runs only, a damaged block in the first
+    run: the runs waiting for a buffer are not started, the load raises (no
+    hang), and each tensor holds its old value or its checkpoint value."""
+    state = {f"t{i}": torch.full((40_000,), float(i)) for i in range(24)}
+    path = tmp_path / "s.lzc"
+    lazyckpt.save(state, path, chunk_bytes=64 << 10)
+    first = entry_by_name(parse(path).doc, "t0")
+    with open(path, "r+b") as f:
+        f.seek(first["offset"] + 1000)
+        f.write(b"\x00\x01\x02\x03")
+    into = {k: torch.full((40_000,), -1.0) for k in state}
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="checksum"):
+        lazyckpt.load(path, into=into, chunk_bytes=64 << 10, reader_threads=1)
+    assert torch.equal(into["t0"], torch.full((40_000,), -1.0))
+    for k, t in into.items():
+        assert torch.equal(t, state[k]) or torch.equal(t, torch.full((40_000,), -1.0)), k

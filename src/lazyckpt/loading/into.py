@@ -7,7 +7,8 @@ what fills what are written once, in :func:`fill_into`."""
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional
+from collections import Counter
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
@@ -105,6 +106,23 @@ def direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tuple
             if same_dtype:
                 out.setdefault(node["e"], []).append((node, dst))
     return out
+
+
+def staged_entries(tree: Any, direct: Dict[int, List[tuple]]) -> Set[int]:
+    """The entries of ``direct`` (:func:`direct_fills`) that nothing in ``tree``
+    uses but those fills: once copied into ``into=`` their bytes are not
+    read again, so the reader may read them into buffers it reuses."""
+    uses: Counter = Counter()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if type(node.get("e")) is int:
+                uses[node["e"]] += 1
+            stack.extend(v for k, v in node.items() if k != "e")
+        elif isinstance(node, list):
+            stack.extend(node)
+    return {e for e, fills in direct.items() if uses[e] == len(fills)}
 
 
 def dtensor_targets(into: Any) -> Dict[str, Any]:

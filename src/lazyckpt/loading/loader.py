@@ -24,7 +24,7 @@ from lazyckpt.knobs import Options
 from lazyckpt.state.providers import LoadContext, referenced_entries
 from lazyckpt.storage.stores import for_path
 from .graft import graft_missing, grafted_node, restrict_to
-from .into import direct_fills, fill_into, unfilled_tensors
+from .into import direct_fills, fill_into, staged_entries, unfilled_tensors
 from .reader import CheckpointFile, RefResolver, resolver_for
 from .stepfiles import StepFiles, plain_into_dtensor, slice_loader
 
@@ -292,8 +292,13 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
             with torch.no_grad():
                 target.copy_(value)
             filled[id(node)] = target
+        if e in staged:
+            del storages[e]             # a reused buffer: the next run's bytes go there
     kinds_of = {e: f.entries[e].content_kind for e in local}
-    storages.update(f.read_entries(local, pool, (lambda e, d: fill_now(e, d, kinds_of[e])) if direct else None))
+    staged = staged_entries(tree, direct) if direct else set()
+    storages.update(f.read_entries(local, pool, (lambda e, d: fill_now(e, d, kinds_of[e])) if direct else None,
+                                   staged=staged))
+    staged = set()                      # the other files' reads below return what they read
     kinds.update(kinds_of)
     remote: Dict[int, list] = {}
     for e in needed:

@@ -4,16 +4,20 @@ checksums verified, each entry's bytes returned as a CPU UntypedStorage.
 Entries are grouped into runs of adjacent entries (at most one chunk long
 each, or one large entry); each run is read with O_DIRECT straight into a
 fresh page-aligned buffer that then backs the returned storages, so the bytes
-are copied once, by the disk, and never again on CPU loads.
+are copied once, by the disk, and never again on CPU loads. Entries the
+caller copies elsewhere as soon as they are verified (``load(into=)``) are
+read instead into a few reused buffers (:class:`StagingBuffers`): memory the
+kernel zeroes once per load, not once per byte loaded.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import mmap
 import os
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Collection, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -70,12 +74,15 @@ class CheckpointFile:
             raise self.read_error(exc) from exc
 
     def read_entries(self, indices: Iterable[int], pool: cf.ThreadPoolExecutor,
-                     on_entry: Optional[Callable[[int, torch.UntypedStorage], None]] = None
-                     ) -> Dict[int, torch.UntypedStorage]:
+                     on_entry: Optional[Callable[[int, torch.UntypedStorage], None]] = None,
+                     staged: Collection[int] = ()) -> Dict[int, torch.UntypedStorage]:
         """Read (and verify) the given entries in parallel. ``on_entry(index,
         storage)`` is called, on a reader thread, as soon as an entry's bytes
         are read and every block of it verified (per run of adjacent entries),
-        while other runs are still being read; its errors fail the read."""
+        while other runs are still being read; its errors fail the read.
+        ``staged``: entries ``on_entry`` copies out and nobody reads after it
+        returns; their bytes are read into reused buffers and they are not in
+        the result."""
         wanted = set(indices)
         for i in wanted:
             if type(i) is not int or not 0 <= i < len(self.entries):
@@ -89,7 +96,8 @@ class CheckpointFile:
                 for i in referred:
                     on_entry(i, out[i])
         wanted = sorted((i for i in wanted if self.entries[i].kind != "ref"), key=lambda i: self.entries[i].offset)
-        runs = self._plan_runs([i for i in wanted if self.entries[i].length > 0])
+        staged = set(staged) if on_entry is not None else set()
+        runs = self._plan_runs([i for i in wanted if self.entries[i].length > 0], staged)
         for i in wanted:
             if self.entries[i].length == 0:
                 out[i] = torch.UntypedStorage(0)
@@ -99,30 +107,47 @@ class CheckpointFile:
             return out
         fd = self._open_input()
         block = self.footer.block_bytes
+        huge = not self.store.is_remote
+        staging = StagingBuffers(2 * max(1, self.options.reader_threads) * self.options.chunk_bytes, huge) \
+            if staged else None
+        jobs: List[cf.Future] = []
         try:
-            jobs = []
             for run in runs:
                 start = self.entries[run[0]].offset
                 end = self.entries[run[-1]].offset + self.entries[run[-1]].length
-                buf = anonymous_buffer(fmt.align_up(end - start), huge_pages=not self.store.is_remote)
+                reuse = staging is not None and run[0] in staged     # a run is all staged or none
+                if reuse:
+                    buf = staging.take(fmt.align_up(end - start), lambda: _failed(jobs))
+                    if buf is None:
+                        break           # a read failed: raised below, after the others end
+                else:
+                    buf = anonymous_buffer(fmt.align_up(end - start), huge_pages=huge)
                 view = memoryview(buf)
+                storages = {}
                 for i in run:
                     e = self.entries[i]
                     piece = view[e.offset - start:e.offset - start + e.length]
-                    out[i] = torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
+                    storages[i] = torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
+                if not reuse:
+                    out.update(storages)
                 spans = fmt.block_spans(start, end - start, block)
-                finished = _RunDone(len(spans), run, out, on_entry) if on_entry is not None else None
+                finished = _RunDone(len(spans), run, storages, on_entry) if on_entry is not None else None
                 # One read per checksum block: each piece is read and verified by one
                 # thread while other threads read the next pieces.
-                for lo, hi in spans:
-                    jobs.append(pool.submit(self._read_block, fd, view, start, lo, hi,
-                                            [self.entries[i] for i in run], finished))
+                run_jobs = [pool.submit(self._read_block, fd, view, start, lo, hi,
+                                        [self.entries[i] for i in run], finished) for lo, hi in spans]
+                jobs.extend(run_jobs)
+                if reuse:
+                    # Back to the staging buffers once every read of the run has ended
+                    # (after on_entry copied it out, or after a failure).
+                    _when_all_done(run_jobs, lambda buf=buf: staging.give(buf))
             # Every job ends before this returns or raises: none may still be
             # filling buffers (or, through on_entry, the caller's tensors) after.
             cf.wait(jobs)
             for job in jobs:
                 job.result()
         finally:
+            cf.wait(jobs)
             fd.close()
         return out
 
@@ -185,8 +210,9 @@ class CheckpointFile:
         if finished is not None:
             finished.block_done()
 
-    def _plan_runs(self, indices: List[int]) -> List[List[int]]:
-        """Group entries that sit next to each other in the file into one read."""
+    def _plan_runs(self, indices: List[int], staged: Collection[int] = ()) -> List[List[int]]:
+        """Group entries that sit next to each other in the file into one read
+        (staged entries only with staged ones)."""
         runs: List[List[int]] = []
         limit = self.options.chunk_bytes
         for i in indices:
@@ -194,7 +220,8 @@ class CheckpointFile:
             if runs:
                 last = self.entries[runs[-1][-1]]
                 first = self.entries[runs[-1][0]]
-                adjacent = fmt.align_up(last.offset + last.length) == e.offset
+                adjacent = fmt.align_up(last.offset + last.length) == e.offset \
+                    and (i in staged) == (runs[-1][0] in staged)
                 if adjacent and e.offset + e.length - first.offset <= limit:
                     runs[-1].append(i)
                     continue
@@ -254,6 +281,62 @@ class _RunDone:
         if last:
             for i in self.run:
                 self.on_entry(i, self.out[i])
+
+
+def _failed(jobs: List[cf.Future]) -> bool:
+    return any(j.done() and j.exception() is not None for j in jobs)
+
+
+def _when_all_done(jobs: List[cf.Future], then: Callable[[], None]) -> None:
+    """Call ``then()`` once every one of ``jobs`` has ended, whichever way."""
+    left = [len(jobs)]
+    lock = threading.Lock()
+
+    def one_done(_job: cf.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+    for job in jobs:
+        job.add_done_callback(one_done)
+
+
+class StagingBuffers:
+    """Read buffers reused from run to run, for entries copied out as soon as
+    they are verified (``load(into=)``): a fresh buffer per run costs the
+    kernel zeroing every page of it, as much CPU as the copy out again. At
+    most ``limit`` bytes are held (more only for one run larger than that);
+    :meth:`take` waits for a buffer to come back."""
+
+    def __init__(self, limit: int, huge_pages: bool):
+        self.limit, self.huge_pages = limit, huge_pages
+        self._free: List[mmap.mmap] = []
+        self._held = 0                  # bytes of every buffer, free or in use
+        self._cond = threading.Condition()
+
+    def take(self, nbytes: int, stop: Callable[[], bool]) -> Optional[mmap.mmap]:
+        """A buffer of at least ``nbytes``; None once ``stop()`` is true."""
+        with self._cond:
+            while not stop():
+                fit = [b for b in self._free if len(b) >= nbytes]
+                if fit:
+                    buf = min(fit, key=len)
+                    self._free.remove(buf)
+                    return buf
+                while self._free and self._held + nbytes > self.limit:
+                    self._held -= len(self._free.pop())     # too small: its memory goes back
+                in_use = self._held - sum(len(b) for b in self._free)
+                if self._held + nbytes <= self.limit or in_use == 0:
+                    self._held += nbytes
+                    return anonymous_buffer(nbytes, huge_pages=self.huge_pages)
+                self._cond.wait(0.05)
+            return None
+
+    def give(self, buf: mmap.mmap) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
 
 
 class RefResolver:

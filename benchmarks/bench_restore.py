@@ -1,0 +1,213 @@
+"""Restore (and save) against the disk, on a noisy disk: every method in every
+repetition, interleaved, page cache dropped before every read (issue 38).
+
+Reads, each into fresh memory, of the same bytes:
+
+- the raw methods: O_DIRECT preads of 32 MiB from lazyckpt's reader thread
+  count, buffered sequential read() of 32 MiB (default readahead), and mmap
+  with one byte of every page touched;
+- ``lazyckpt.load`` with and without checksum verification,
+  ``lazyckpt.load(into=)`` (verified) into preallocated tensors, ``keys=``
+  (every other tensor; its time scaled to the whole state's bytes),
+  ``load_async().wait()`` and the load of a Checkpointer's committed step;
+- the peers: ``torch.load`` (weights_only, ``mmap=False``), safetensors
+  ``load_file`` and DCP's ``FileSystemReader`` into preallocated tensors.
+
+Writes, each durable (fsynced) before the clock stops: raw O_DIRECT pwrite
+from lazyckpt's writer thread count, raw buffered write() + fsync,
+``lazyckpt.save`` and a Checkpointer's ``save().wait()`` (the save and its
+commit; one Checkpointer for the run, its cache allocated before the clock).
+
+The order of the methods rotates from one repetition to the next (no method
+always runs right after the same neighbour). Each figure is the median of the
+repetitions with its half-range; every ratio divides two medians of the same
+run. The ceiling is the best raw method of the run (per direction); "of
+mmap" is against mmap-touch. The disk's speed drifts by 1.5x from minute to
+minute: read the ratios, not the GB/s.
+
+    python benchmarks/bench_restore.py --gib 0.75 --tensors 64 --reps 7 --dir /work/bench-restore
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import lazyckpt  # noqa: E402
+from _common import machine_line, median_spread, print_table  # noqa: E402
+from lazyckpt.cli import bench as raw  # noqa: E402  (the raw methods, shared with `lazyckpt bench`)
+
+
+def _dcp_load(path: str, like: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    target = {k: torch.empty_like(v) for k, v in like.items()}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return target
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=0.75, help="state size in GiB (issue 38: 0.81 GB)")
+    p.add_argument("--tensors", type=int, default=64)
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-restore"))
+    p.add_argument("--json", default=None, help="also write the medians and ratios here")
+    p.add_argument("--only", default=None, help="comma-separated method names (the raw ones always run)")
+    args = p.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    state = raw.make_state(int(args.gib * (1 << 30)), args.tensors, raw.parse_dtypes(args.dtypes))
+    nbytes = raw.state_bytes(state)
+    opts = lazyckpt.Options()
+    path = lambda name: os.path.join(args.dir, name)  # noqa: E731
+    if not raw.drop_caches_global():
+        sys.exit("bench_restore needs to drop the page cache (root): without it every read is a memory copy")
+
+    # Files the read methods read: written once, untimed.
+    raw.raw_write(path("raw.bin"), nbytes, opts.writer_threads)
+    lazyckpt.save(state, path("read.lzc"))
+    torch.save(state, path("read.pt"))
+    import safetensors.torch as st
+    st.save_file(state, path("read.safetensors"))
+    import torch.distributed.checkpoint as dcp
+    raw.remove(path("read.dcp"))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path("read.dcp")), no_dist=True)
+    into = {k: torch.empty_like(v) for k, v in state.items()}
+    for t in into.values():
+        t.zero_()                           # faulted in once: into= fills memory the caller already has
+
+    raw.remove(path("ckpt-read"))
+    with lazyckpt.Checkpointer(path("ckpt-read"), keep_last=1) as ckpt:
+        ckpt.save(state, step=1).wait()
+    half = sorted(state)[::2]                # keys=: every other tensor
+    half_bytes = sum(state[k].numel() * state[k].element_size() for k in half)
+
+    def save_lazy() -> None:
+        lazyckpt.save(state, path("save.lzc"))
+
+    # One Checkpointer for the whole run, as in training: its host cache is
+    # allocated at its first (untimed) save, not in every repetition.
+    raw.remove(path("save.ckpt"))
+    writer = lazyckpt.Checkpointer(path("save.ckpt"), keep_last=1)
+    writer.save(state, step=0).wait()
+    steps = iter(range(1, 1 << 30))
+
+    def save_checkpointer() -> None:
+        # The save and its commit (manifest, rename, directory fsyncs, the previous
+        # step retired): a committed step, as a training job's Checkpointer makes it.
+        writer.save(state, step=next(steps)).wait()
+
+    def load_keys() -> float:
+        # Timed per byte read: scaled to the whole state, so that it compares.
+        t = time.perf_counter()
+        lazyckpt.load(path("read.lzc"), keys=half)
+        return (time.perf_counter() - t) * nbytes / half_bytes
+
+    reads: Dict[str, Callable[[], object]] = {
+        "raw O_DIRECT": lambda: raw.raw_read(path("raw.bin"), nbytes, opts.reader_threads),
+        "raw buffered": lambda: raw.raw_read_buffered(path("raw.bin"), nbytes),
+        "raw mmap-touch": lambda: raw.raw_read_mmap(path("raw.bin"), nbytes),
+        "lazyckpt.load": lambda: lazyckpt.load(path("read.lzc")),
+        "lazyckpt.load, no verify": lambda: lazyckpt.load(path("read.lzc"), verify_checksums=False),
+        "lazyckpt.load(into=)": lambda: lazyckpt.load(path("read.lzc"), into=into),
+        "lazyckpt.load(keys=half), per byte": load_keys,
+        "lazyckpt.load_async().wait()": lambda: lazyckpt.load_async(path("read.lzc")).wait(),
+        "lazyckpt.load(step directory)": lambda: lazyckpt.load(path("ckpt-read")),
+        "torch.load": lambda: torch.load(path("read.pt"), map_location="cpu", weights_only=True),
+        "safetensors": lambda: st.load_file(path("read.safetensors")),
+        "dcp.load": lambda: _dcp_load(path("read.dcp"), state),
+    }
+    writes: Dict[str, Callable[[], object]] = {
+        "raw O_DIRECT": lambda: raw.raw_write(path("save.bin"), nbytes, opts.writer_threads),
+        "raw buffered": lambda: raw.raw_write_buffered(path("save.bin"), nbytes),
+        "lazyckpt.save": save_lazy,
+        "Checkpointer.save().wait()": save_checkpointer,
+    }
+    raw_reads = [k for k in reads if k.startswith("raw")]
+    raw_writes = [k for k in writes if k.startswith("raw")]
+    if args.only:
+        keep = set(args.only.split(","))
+        reads = {k: v for k, v in reads.items() if k in raw_reads or k in keep}
+        writes = {k: v for k, v in writes.items() if k in raw_writes or k in keep}
+    tasks = [("read", k, f) for k, f in reads.items()] + [("write", k, f) for k, f in writes.items()]
+
+    print(machine_line())
+    print(f"state: {nbytes / 1e9:.3f} GB in {len(state)} tensors ({args.dtypes}), {args.reps} interleaved "
+          f"repetitions, page cache dropped before every read; lazyckpt {opts.reader_threads} reader / "
+          f"{opts.writer_threads} writer threads, o_direct={opts.o_direct!r}; dir {args.dir} "
+          f"({raw.filesystem_of(args.dir)})")
+    times: Dict[tuple, List[float]] = {}
+    for rep in range(args.reps):
+        shift = rep % len(tasks)
+        for direction, name, fn in tasks[shift:] + tasks[:shift]:
+            if direction == "write":
+                raw.remove(path("save.bin"))
+                raw.remove(path("save.lzc"))
+                os.sync()
+            else:
+                raw.drop_caches_global()
+            t = time.perf_counter()
+            result = fn()
+            elapsed = time.perf_counter() - t
+            # The raw methods time themselves (their allocation and fsync included, setup not).
+            times.setdefault((direction, name), []).append(result if isinstance(result, float) else elapsed)
+            del result
+        print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
+    best_read = max(raw_reads, key=lambda k: gbps[("read", k)])
+    best_write = max(raw_writes, key=lambda k: gbps[("write", k)])
+    peers = [k for k in ("torch.load", "safetensors", "dcp.load") if ("read", k) in gbps]
+    fastest_peer = max(peers, key=lambda k: gbps[("read", k)]) if peers else None
+    rows = []
+    for (direction, name), values in times.items():
+        ceiling = gbps[(direction, best_read if direction == "read" else best_write)]
+        row = [direction, name, median_spread(values), f"{gbps[(direction, name)]:.2f}",
+               f"{gbps[(direction, name)] / ceiling:.2f}"]
+        row.append(f"{gbps[(direction, name)] / gbps[('read', 'raw mmap-touch')]:.2f}" if direction == "read" else "-")
+        rows.append(row)
+    print_table(["", "method", "s (median ±half-range)", "GB/s", "of best raw", "of mmap-touch"], rows)
+    summary = {"bytes": nbytes, "reps": args.reps, "best_raw_read": best_read, "best_raw_write": best_write,
+               "fastest_peer": fastest_peer, "medians_s": {f"{d}:{n}": v for (d, n), v in med.items()}}
+    lines = [f"best raw read: {best_read} {gbps[('read', best_read)]:.2f} GB/s; "
+             f"best raw write: {best_write} {gbps[('write', best_write)]:.2f} GB/s"]
+    if ("read", "lazyckpt.load") in gbps:
+        load = gbps[("read", "lazyckpt.load")]
+        summary["load_of_best_raw"] = load / gbps[("read", best_read)]
+        summary["load_of_mmap_touch"] = load / gbps[("read", "raw mmap-touch")]
+        lines.append(f"lazyckpt.load: {summary['load_of_best_raw']:.2f} of the best raw read (target >= 0.90), "
+                     f"{summary['load_of_mmap_touch']:.2f} of mmap-touch (target >= 0.85 in the median)")
+        if fastest_peer:
+            summary["load_vs_fastest_peer"] = load / gbps[("read", fastest_peer)]
+            lines.append(f"lazyckpt.load vs the fastest peer ({fastest_peer}): "
+                         f"{summary['load_vs_fastest_peer']:.2f}x (target >= 1.10x)")
+        if ("read", "lazyckpt.load, no verify") in med:
+            summary["verify_cost"] = med[("read", "lazyckpt.load")] / med[("read", "lazyckpt.load, no verify")] - 1
+            lines.append(f"verification costs {summary['verify_cost']:+.1%} of the load's time (target <= 5 %)")
+    if ("write", "lazyckpt.save") in gbps:
+        summary["save_of_best_raw"] = gbps[("write", "lazyckpt.save")] / gbps[("write", best_write)]
+        lines.append(f"lazyckpt.save (durable): {summary['save_of_best_raw']:.2f} of the best raw write "
+                     f"(target >= 0.90)")
+    for line in lines:
+        print(line)
+    print("JSON " + json.dumps(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    writer.close()
+    for name in ("raw.bin", "save.bin", "read.lzc", "save.lzc", "read.pt", "read.safetensors", "read.dcp",
+                 "ckpt-read", "save.ckpt"):
+        raw.remove(path(name))
+
+
+if __name__ == "__main__":
+    main()
