@@ -12,6 +12,8 @@ function-level import of a lazyckpt module must say why on its line
 
 import ast
 import os
+import pathlib
+import re
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import lazyckpt
@@ -218,3 +220,24 @@ def test_no_package_name_hides_its_submodule():
                     if isinstance(t, ast.Name) and t.id in subs:
                         problems.append(f"{pkg}:{node.lineno}: {t.id} hides {pkg}.{t.id}")
     assert not problems, "\n".join(problems)
+
+
+MODULE_PATH = re.compile(r"\b(?:lazyckpt/)?((?:saving|loading|storage|state|formats|tiers|interop|integrations|"
+                         r"study|cli)/[A-Za-z_0-9]+\.py)\b|\blazyckpt/([A-Za-z_0-9]+\.py)\b")
+
+
+def test_docstrings_and_docs_name_modules_that_exist():
+    """A module named by its path (``lazyckpt/storage/iomode.py``,
+    ``saving/commit.py``) in the package's docstrings and comments, the docs
+    and the README is a file that exists: moving a module updates its mentions."""
+    src = pathlib.Path(ROOT)                    # src/lazyckpt
+    repo = src.parent.parent
+    texts = list(src.rglob("*.py")) + [repo / "README.md"] + sorted((repo / "docs").glob("*.md"))
+    stale = []
+    for path in texts:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in MODULE_PATH.finditer(line):
+                named = m.group(1) or m.group(2)
+                if not (src / named).is_file():
+                    stale.append(f"{path.relative_to(repo)}:{n}: {m.group(0)}")
+    assert not stale, "\n".join(stale)

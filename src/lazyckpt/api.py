@@ -55,7 +55,7 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
 
     ``file_format="torch"`` writes the zip ``torch.save`` writes (``torch.load``
     reads it); ``"safetensors"`` a safetensors file of a flat dict of tensors
-    (``metadata``: its str-to-str ``__metadata__``). See lazyckpt/file_formats.py.
+    (``metadata``: its str-to-str ``__metadata__``). See lazyckpt/saving/file_formats.py.
 
     The file is written under a temporary name and renamed into place, so
     ``path`` holds either its old content or the complete new checkpoint.

@@ -60,7 +60,7 @@ class Checkpointer:
     tensor whose bytes are unchanged since the previous committed step (block
     checksums compared at save time; ``"version-counters"`` trusts torch's
     counters instead and misses fused optimizers and more) is not written again: the new step refers to the earlier bytes, and retention
-    keeps every step a kept step refers to (see lazyckpt/incremental.py).
+    keeps every step a kept step refers to (see lazyckpt/saving/incremental.py).
 
     Steps form one line of history: saving step S supersedes every committed
     step >= S (a run resumed from an older step abandons the newer ones; they
@@ -120,14 +120,14 @@ class Checkpointer:
                 raise CheckpointError(f"{self.directory}: directory is not writable", path=self.directory)
         self.layout = store.checkpoint_dir(self.directory, self.options)
         #: Top-level keys identical on every rank (DDP): each entry written by one rank.
-        #: "auto": found by content (lazyckpt/autorep.py); unset: a warning names them.
+        #: "auto": found by content (lazyckpt/saving/autorep.py); unset: a warning names them.
         if replicated == "auto":
             self.replicated: Any = "auto"
         elif isinstance(replicated, str):
             raise ValueError(f"replicated must be a list of top-level keys or 'auto', got {replicated!r}")
         else:
             self.replicated = list(replicated or [])
-        #: Replicas on partner nodes (lazyckpt/replicas.py): the directory is node-local and
+        #: Replicas on partner nodes (lazyckpt/tiers/replicas.py): the directory is node-local and
         #: each node's ranks commit their own steps in it (the node is the commit group).
         self.topology = None
         self._replicas = None
@@ -158,7 +158,7 @@ class Checkpointer:
             raise ValueError("queue_policy='skip' cannot be used with several ranks: a save skipped on "
                              "one rank and not on another would never commit")
         self._calls = 0
-        #: The last save's walk, reused while the state keeps its structure (lazyckpt/plan.py).
+        #: The last save's walk, reused while the state keeps its structure (lazyckpt/state/plancache.py).
         self._plans = PlanCache()
         #: Incremental checkpoints: what this rank's last committed step holds.
         self._incremental = IncrementalIndex(self.options.incremental, self.options.full_every) \
@@ -240,7 +240,7 @@ class Checkpointer:
             self._hold_writer_lease()
             metadata = check_metadata(metadata)
             replicated = self._replicated_keys(state)
-            # A hit leaves the tensors' checks to the capture thread (lazyckpt/plan.py).
+            # A hit leaves the tensors' checks to the capture thread (lazyckpt/state/plancache.py).
             flat = self._plans.gather(state, self._dist.rank, self._dist.world_size, replicated)
             strategy = StepCommit(self.layout, self._dist, step, call, keep_last=self.keep_last, metadata=metadata,
                                   heartbeat_s=self.options.lease_heartbeat_s, history=self.history,

@@ -16,7 +16,7 @@ from lazyckpt.storage.s3 import normalize_options
 
 MiB = 1 << 20
 #: "content" (True) compares the bytes; "version-counters" trusts torch's version
-#: counters, which many in-place writers do not bump (lazyckpt/incremental.py).
+#: counters, which many in-place writers do not bump (lazyckpt/saving/incremental.py).
 INCREMENTAL_MODES = ("off", "content", "version-counters")
 #: Bounds of the automatically sized host cache.
 AUTO_CACHE_MIN = 64 * MiB
@@ -31,7 +31,7 @@ class Options:
     reader_threads: int = 4
     #: O_DIRECT (True), buffered I/O (False), or "auto": per file system and
     #: direction, whichever a short probe at first use measures faster (see
-    #: lazyckpt/iomode.py). O_DIRECT falls back to buffered where refused.
+    #: lazyckpt/storage/iomode.py). O_DIRECT falls back to buffered where refused.
     o_direct: Union[bool, str] = "auto"
     #: Size of one host-cache chunk: the unit of copy, write and checksum.
     chunk_bytes: int = 32 * MiB
@@ -58,7 +58,7 @@ class Options:
     #: (opt-in, free, but misses every writer that does not bump torch's
     #: version counter -- fused optimizers, BatchNorm statistics, collectives,
     #: .data, numpy views -- and then saves stale bytes; "version" is its old
-    #: name). See lazyckpt/incremental.py.
+    #: name). See lazyckpt/saving/incremental.py.
     incremental: str = "off"
     #: With incremental checkpoints, every full_every-th save writes everything
     #: (0: only the first), bounding how far back references reach.
@@ -70,7 +70,7 @@ class Options:
     lease_expiry_s: float = 60.0
     #: Object stores (s3:// paths, persist_to=): overrides of the standard AWS
     #: configuration (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-    #: AWS_REGION, profiles), as a dict; see lazyckpt/objstore.py for the keys.
+    #: AWS_REGION, profiles), as a dict; see lazyckpt/storage/s3.py for the keys.
     #: LAZYCKPT_STORAGE_OPTIONS takes it as JSON.
     storage_options: Any = ()
     #: Upload bandwidth cap of the persistent tier's background drain, bytes/s

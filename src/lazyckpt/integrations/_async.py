@@ -98,7 +98,7 @@ class AsyncFileWriter:
         it (for ``pending()`` and ``wait()`` by path). ``before_publish(temporary)``
         runs once the file is durable under its temporary name, just before it is
         renamed into place. ``file_format``: "lazyckpt",
-        "torch" (what ``torch.load`` reads) or "safetensors" (lazyckpt/file_formats.py)."""
+        "torch" (what ``torch.load`` reads) or "safetensors" (lazyckpt/saving/file_formats.py)."""
         self._engine.raise_errors()
         path = os.path.abspath(os.fspath(path))
         if check_file_format(file_format) != "lazyckpt":

@@ -40,7 +40,7 @@ class StepFiles:
         self.shards = manifest.get("shards", {})
         if not isinstance(self.shards, dict):
             raise CorruptCheckpointError(f"{path}: manifest shard index is not an object", path=path)
-        #: Placement-derived index (lazyckpt/placement.py): key -> global shape, dtype, layout.
+        #: Placement-derived index (lazyckpt/formats/placement.py): key -> global shape, dtype, layout.
         self.layouts = manifest.get("layouts", {})
         if not isinstance(self.layouts, dict):
             raise CorruptCheckpointError(f"{path}: manifest layouts are not an object", path=path)

@@ -232,7 +232,7 @@ class FilePart(Part):
     def __init__(self, flat: Flattened, metadata: Dict[str, Any], events: Optional[Dict[Any, Any]] = None,
                  final_path: Optional[str] = None, layout: Any = None):
         super().__init__()
-        #: A foreign file layout (torch zip, safetensors: lazyckpt/file_formats.py), else None.
+        #: A foreign file layout (torch zip, safetensors: lazyckpt/saving/file_formats.py), else None.
         self.layout = layout
         #: A PendingFlat (a save gathered along a plan) is resolved first thing in run().
         self.flat: Optional[Union[Flattened, PendingFlat]] = flat

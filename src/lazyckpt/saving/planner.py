@@ -154,7 +154,7 @@ class StepPlanner(SavePlanner):
     def _check_candidates(self, part: FilePart, resources: Any) -> None:
         """``replicated="auto"``: deduplicate only the candidates every rank hashes
         alike (one store round, before anything is captured); every other
-        candidate is written by each rank (lazyckpt/autorep.py)."""
+        candidate is written by each rank (lazyckpt/saving/autorep.py)."""
         sources, candidates = part.flat.sources, list(self.replicated)
         with _device_buffer(resources, [s.own_copy for s in sources]) as buffer:
             digests = AutoReplication.content_digests(self._auto_nodes, candidates, sources, buffer, part.events)

@@ -24,7 +24,7 @@ cache to the file.
 Each record carries its CRC-32 (in its local header and in the central
 directory, no data descriptors): the writer threads compute one CRC per
 (record, cache block) span from the host cache and the layout combines them
-and patches the header blocks at the end (lazyckpt/file_formats.py); ISA-L's
+and patches the header blocks at the end (lazyckpt/saving/file_formats.py); ISA-L's
 crc32 where ``isal`` is installed (the ``torch-format`` extra), else zlib's. Not
 written: ``.format_version`` and ``.storage_alignment`` (torch >= 2.5 writes
 them): with them torch may compute record offsets assuming its own writer's

@@ -79,7 +79,7 @@ class FileWriteJob:
                  on_captured: Optional[Callable[[], None]] = None, align_size: bool = False,
                  layout: Any = None):
         self.path = path
-        #: A foreign file layout (lazyckpt/file_formats.py: torch zip, safetensors)
+        #: A foreign file layout (lazyckpt/saving/file_formats.py: torch zip, safetensors)
         #: instead of lazyckpt's own; None for lazyckpt's.
         self.layout = layout
         #: The per-(entry, block) checksum the writer threads compute.

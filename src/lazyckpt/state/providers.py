@@ -62,7 +62,7 @@ class Source:
     #: "ref": where an earlier step holds these bytes (format.Entry.ref).
     ref: Optional[Dict[str, Any]] = None
     #: "remote": this rank's own copy, which ``replicated="auto"`` writes after all
-    #: when the ranks' copies turn out to differ (lazyckpt/autorep.py).
+    #: when the ranks' copies turn out to differ (lazyckpt/saving/autorep.py).
     local: Optional["Source"] = None
 
     @property
@@ -568,7 +568,7 @@ class DTensorProvider(Provider):
                 "offsets": [int(o) for o in offsets], "local_shape": [int(n) for n in local_shape],
                 "local": None}
         layout = describe(value)
-        if layout is not None:      # loaders derive every rank's piece from it (lazyckpt/placement.py)
+        if layout is not None:      # loaders derive every rank's piece from it (lazyckpt/formats/placement.py)
             node["layout"] = layout
         if value.requires_grad:
             node["requires_grad"] = True
