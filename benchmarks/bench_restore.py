@@ -34,9 +34,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -48,9 +49,68 @@ from lazyckpt.cli import bench as raw  # noqa: E402  (the raw methods, shared wi
 
 def _dcp_load(path: str, like: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
-    target = {k: torch.empty_like(v) for k, v in like.items()}
+    target = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in like.items()}
     dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return target
+
+
+def like_state(state: Dict[str, torch.Tensor]) -> Dict[str, list]:
+    """What a reading process needs to know of the state: names, shapes, dtypes."""
+    return {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in state.items()}
+
+
+def read_methods(path: Callable[[str], str], like: Dict[str, list], opts: Any,
+                 only: str = None) -> Dict[str, Callable[[], object]]:
+    """Every read method, by name, over the files the parent wrote. Their
+    setup (into='s tensors, faulted in; imports) is done here, before any
+    clock; ``only``: the one method a fresh process runs (nothing else set up)."""
+    import safetensors.torch as st
+    shapes = {k: torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for k, (shape, dtype) in like.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in shapes.values())
+    # into= fills memory the caller already has (faulted in, as a built model's).
+    into = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in shapes.items()} \
+        if only in (None, "lazyckpt.load(into=)") else None
+    half = sorted(like)[::2]                # keys=: every other tensor
+    half_bytes = sum(shapes[k].numel() * shapes[k].element_size() for k in half)
+
+    def load_keys() -> float:
+        # Timed per byte read: scaled to the whole state, so that it compares.
+        t = time.perf_counter()
+        lazyckpt.load(path("read.lzc"), keys=half)
+        return (time.perf_counter() - t) * nbytes / half_bytes
+
+    return {
+        "raw O_DIRECT": lambda: raw.raw_read(path("raw.bin"), nbytes, opts.reader_threads),
+        "raw buffered": lambda: raw.raw_read_buffered(path("raw.bin"), nbytes),
+        "raw mmap-touch": lambda: raw.raw_read_mmap(path("raw.bin"), nbytes),
+        "lazyckpt.load": lambda: lazyckpt.load(path("read.lzc")),
+        "lazyckpt.load, no verify": lambda: lazyckpt.load(path("read.lzc"), verify_checksums=False),
+        "lazyckpt.load(into=)": lambda: lazyckpt.load(path("read.lzc"), into=into),
+        "lazyckpt.load(keys=half), per byte": load_keys,
+        "lazyckpt.load_async().wait()": lambda: lazyckpt.load_async(path("read.lzc")).wait(),
+        "lazyckpt.load(step directory)": lambda: lazyckpt.load(path("ckpt-read")),
+        "torch.load": lambda: torch.load(path("read.pt"), map_location="cpu", weights_only=True),
+        "safetensors": lambda: st.load_file(path("read.safetensors")),
+        "dcp.load": lambda: _dcp_load(path("read.dcp"), shapes),
+    }
+
+
+def child(args: argparse.Namespace) -> None:
+    """--fresh-process: one read method, timed once, in this new interpreter."""
+    with open(os.path.join(args.dir, "like.json")) as f:
+        like = json.load(f)
+    fn = read_methods(lambda name: os.path.join(args.dir, name), like, lazyckpt.Options(), args.child)[args.child]
+    t = time.perf_counter()
+    result = fn()
+    elapsed = time.perf_counter() - t
+    print(json.dumps(result if isinstance(result, float) else elapsed))
+
+
+def run_fresh(name: str, args: argparse.Namespace) -> float:
+    """Seconds of one read method in a new interpreter (imports and setup untimed)."""
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--dir", args.dir],
+                          check=True, capture_output=True, text=True)
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -62,7 +122,12 @@ def main() -> None:
     p.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-restore"))
     p.add_argument("--json", default=None, help="also write the medians and ratios here")
     p.add_argument("--only", default=None, help="comma-separated method names (the raw ones always run)")
+    p.add_argument("--fresh-process", action="store_true",
+                   help="a restart: every read in a new interpreter (the first load of a process); no writes")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        return child(args)
     os.makedirs(args.dir, exist_ok=True)
     state = raw.make_state(int(args.gib * (1 << 30)), args.tensors, raw.parse_dtypes(args.dtypes))
     nbytes = raw.state_bytes(state)
@@ -80,15 +145,12 @@ def main() -> None:
     import torch.distributed.checkpoint as dcp
     raw.remove(path("read.dcp"))
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path("read.dcp")), no_dist=True)
-    into = {k: torch.empty_like(v) for k, v in state.items()}
-    for t in into.values():
-        t.zero_()                           # faulted in once: into= fills memory the caller already has
+    with open(path("like.json"), "w") as f:
+        json.dump(like_state(state), f)
 
     raw.remove(path("ckpt-read"))
     with lazyckpt.Checkpointer(path("ckpt-read"), keep_last=1) as ckpt:
         ckpt.save(state, step=1).wait()
-    half = sorted(state)[::2]                # keys=: every other tensor
-    half_bytes = sum(state[k].numel() * state[k].element_size() for k in half)
 
     def save_lazy() -> None:
         lazyckpt.save(state, path("save.lzc"))
@@ -105,26 +167,7 @@ def main() -> None:
         # step retired): a committed step, as a training job's Checkpointer makes it.
         writer.save(state, step=next(steps)).wait()
 
-    def load_keys() -> float:
-        # Timed per byte read: scaled to the whole state, so that it compares.
-        t = time.perf_counter()
-        lazyckpt.load(path("read.lzc"), keys=half)
-        return (time.perf_counter() - t) * nbytes / half_bytes
-
-    reads: Dict[str, Callable[[], object]] = {
-        "raw O_DIRECT": lambda: raw.raw_read(path("raw.bin"), nbytes, opts.reader_threads),
-        "raw buffered": lambda: raw.raw_read_buffered(path("raw.bin"), nbytes),
-        "raw mmap-touch": lambda: raw.raw_read_mmap(path("raw.bin"), nbytes),
-        "lazyckpt.load": lambda: lazyckpt.load(path("read.lzc")),
-        "lazyckpt.load, no verify": lambda: lazyckpt.load(path("read.lzc"), verify_checksums=False),
-        "lazyckpt.load(into=)": lambda: lazyckpt.load(path("read.lzc"), into=into),
-        "lazyckpt.load(keys=half), per byte": load_keys,
-        "lazyckpt.load_async().wait()": lambda: lazyckpt.load_async(path("read.lzc")).wait(),
-        "lazyckpt.load(step directory)": lambda: lazyckpt.load(path("ckpt-read")),
-        "torch.load": lambda: torch.load(path("read.pt"), map_location="cpu", weights_only=True),
-        "safetensors": lambda: st.load_file(path("read.safetensors")),
-        "dcp.load": lambda: _dcp_load(path("read.dcp"), state),
-    }
+    reads = read_methods(path, like_state(state), opts)
     writes: Dict[str, Callable[[], object]] = {
         "raw O_DIRECT": lambda: raw.raw_write(path("save.bin"), nbytes, opts.writer_threads),
         "raw buffered": lambda: raw.raw_write_buffered(path("save.bin"), nbytes),
@@ -137,11 +180,13 @@ def main() -> None:
         keep = set(args.only.split(","))
         reads = {k: v for k, v in reads.items() if k in raw_reads or k in keep}
         writes = {k: v for k, v in writes.items() if k in raw_writes or k in keep}
-    tasks = [("read", k, f) for k, f in reads.items()] + [("write", k, f) for k, f in writes.items()]
+    tasks = [("read", k, f) for k, f in reads.items()] + \
+        ([] if args.fresh_process else [("write", k, f) for k, f in writes.items()])
 
     print(machine_line())
     print(f"state: {nbytes / 1e9:.3f} GB in {len(state)} tensors ({args.dtypes}), {args.reps} interleaved "
-          f"repetitions, page cache dropped before every read; lazyckpt {opts.reader_threads} reader / "
+          f"repetitions, page cache dropped before every read"
+          f"{', every read in a new process' if args.fresh_process else ''}; lazyckpt {opts.reader_threads} reader / "
           f"{opts.writer_threads} writer threads, o_direct={opts.o_direct!r}; dir {args.dir} "
           f"({raw.filesystem_of(args.dir)})")
     times: Dict[tuple, List[float]] = {}
@@ -154,6 +199,9 @@ def main() -> None:
                 os.sync()
             else:
                 raw.drop_caches_global()
+            if direction == "read" and args.fresh_process:
+                times.setdefault((direction, name), []).append(run_fresh(name, args))
+                continue
             t = time.perf_counter()
             result = fn()
             elapsed = time.perf_counter() - t
@@ -165,7 +213,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
     best_read = max(raw_reads, key=lambda k: gbps[("read", k)])
-    best_write = max(raw_writes, key=lambda k: gbps[("write", k)])
+    best_write = max(raw_writes, key=lambda k: gbps[("write", k)]) if not args.fresh_process else None
     peers = [k for k in ("torch.load", "safetensors", "dcp.load") if ("read", k) in gbps]
     fastest_peer = max(peers, key=lambda k: gbps[("read", k)]) if peers else None
     rows = []
@@ -176,10 +224,12 @@ def main() -> None:
         row.append(f"{gbps[(direction, name)] / gbps[('read', 'raw mmap-touch')]:.2f}" if direction == "read" else "-")
         rows.append(row)
     print_table(["", "method", "s (median ±half-range)", "GB/s", "of best raw", "of mmap-touch"], rows)
-    summary = {"bytes": nbytes, "reps": args.reps, "best_raw_read": best_read, "best_raw_write": best_write,
+    summary = {"bytes": nbytes, "reps": args.reps, "fresh_process": args.fresh_process,
+               "best_raw_read": best_read, "best_raw_write": best_write,
                "fastest_peer": fastest_peer, "medians_s": {f"{d}:{n}": v for (d, n), v in med.items()}}
-    lines = [f"best raw read: {best_read} {gbps[('read', best_read)]:.2f} GB/s; "
-             f"best raw write: {best_write} {gbps[('write', best_write)]:.2f} GB/s"]
+    lines = [f"best raw read: {best_read} {gbps[('read', best_read)]:.2f} GB/s"
+             + (f"; best raw write: {best_write} {gbps[('write', best_write)]:.2f} GB/s" if best_write else
+                " (every read the first of a new process)")]
     if ("read", "lazyckpt.load") in gbps:
         load = gbps[("read", "lazyckpt.load")]
         summary["load_of_best_raw"] = load / gbps[("read", best_read)]
@@ -205,7 +255,7 @@ def main() -> None:
             json.dump(summary, f, indent=1)
     writer.close()
     for name in ("raw.bin", "save.bin", "read.lzc", "save.lzc", "read.pt", "read.safetensors", "read.dcp",
-                 "ckpt-read", "save.ckpt"):
+                 "ckpt-read", "save.ckpt", "like.json"):
         raw.remove(path(name))
 
 

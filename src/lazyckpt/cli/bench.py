@@ -226,15 +226,15 @@ def _o_direct_flag() -> int:
 
 
 # The raw methods move bytes between the file and the same kind of memory as
-# lazyckpt's loader and host cache (fileio.anonymous_buffer: page-aligned, huge
-# pages asked for), so the ceiling is not slowed by 4 KiB page faults that
-# lazyckpt does not pay.
+# lazyckpt's (fileio.anonymous_buffer, page-aligned): the writers' pattern is
+# reused memory with huge pages asked for, like the host cache; the readers
+# fill fresh memory without, like the loader.
 
 
 def _pattern(size: int) -> mmap.mmap:
     """``size`` bytes of page-aligned anonymous memory holding one random MiB
     repeated: what the raw writers write (incompressible, identical pieces)."""
-    buf = anonymous_buffer(max(1, size))
+    buf = anonymous_buffer(max(1, size), huge_pages=True)
     seed = os.urandom(min(len(buf), 1 << 20))
     for off in range(0, len(buf), len(seed)):
         buf[off:off + len(seed)] = seed[:len(buf) - off]

@@ -107,8 +107,7 @@ class CheckpointFile:
             return out
         fd = self._open_input()
         block = self.footer.block_bytes
-        huge = not self.store.is_remote
-        staging = StagingBuffers(2 * max(1, self.options.reader_threads) * self.options.chunk_bytes, huge) \
+        staging = StagingBuffers(2 * max(1, self.options.reader_threads) * self.options.chunk_bytes) \
             if staged else None
         jobs: List[cf.Future] = []
         try:
@@ -121,7 +120,7 @@ class CheckpointFile:
                     if buf is None:
                         break           # a read failed: raised below, after the others end
                 else:
-                    buf = anonymous_buffer(fmt.align_up(end - start), huge_pages=huge)
+                    buf = anonymous_buffer(fmt.align_up(end - start))
                 view = memoryview(buf)
                 storages = {}
                 for i in run:
@@ -249,7 +248,7 @@ class CheckpointFile:
                          e.name)
         fd = self._open_input()
         try:
-            buf = anonymous_buffer(fmt.align_up(hi - lo), huge_pages=not self.store.is_remote)
+            buf = anonymous_buffer(fmt.align_up(hi - lo))
             view = memoryview(buf)
             jobs = [pool.submit(self._read_block, fd, view, lo, a, b, [span])
                     for a, b in fmt.block_spans(lo, hi - lo, block)]
@@ -309,8 +308,8 @@ class StagingBuffers:
     most ``limit`` bytes are held (more only for one run larger than that);
     :meth:`take` waits for a buffer to come back."""
 
-    def __init__(self, limit: int, huge_pages: bool):
-        self.limit, self.huge_pages = limit, huge_pages
+    def __init__(self, limit: int):
+        self.limit = limit
         self._free: List[mmap.mmap] = []
         self._held = 0                  # bytes of every buffer, free or in use
         self._cond = threading.Condition()
@@ -329,7 +328,7 @@ class StagingBuffers:
                 in_use = self._held - sum(len(b) for b in self._free)
                 if self._held + nbytes <= self.limit or in_use == 0:
                     self._held += nbytes
-                    return anonymous_buffer(nbytes, huge_pages=self.huge_pages)
+                    return anonymous_buffer(nbytes)
                 self._cond.wait(0.05)
             return None
 

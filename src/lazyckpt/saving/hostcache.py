@@ -51,7 +51,7 @@ class PinnedBuffer:
                             "slower", nbytes)
         if tensor is None:
             # An anonymous mapping is page-aligned, as O_DIRECT needs.
-            self._map = anonymous_buffer(nbytes)
+            self._map = anonymous_buffer(nbytes, huge_pages=True)
             tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.tensor = tensor
         self.array = tensor.numpy()
@@ -63,7 +63,7 @@ class PinnedBuffer:
             runtime = cudart() if cudart is not None else None
             if runtime is None or not hasattr(runtime, "cudaHostRegister"):
                 return None
-            self._map = anonymous_buffer(nbytes)
+            self._map = anonymous_buffer(nbytes, huge_pages=True)
             tensor = torch.frombuffer(self._map, dtype=torch.uint8)
             rc = runtime.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
             if int(getattr(rc, "value", rc)) != 0:

@@ -83,16 +83,23 @@ class OutputFile:
 HUGE_PAGE_MIN = 4 << 20
 
 
-def anonymous_buffer(nbytes: int, huge_pages: bool = True) -> mmap.mmap:
-    """Zeroed, page-aligned memory (as O_DIRECT needs) for bulk I/O. Large ones
-    ask for transparent huge pages (``huge_pages``): filling 1 GB of fresh
-    4 KiB pages costs a quarter million page faults, which measured here as a
-    1.4x slower cold load from a local disk (median 1.91 vs 1.36 s for 1.27
-    GB; on 2026-12-03 the medians were equal, 1.52 vs 1.43 s, the huge pages
-    ranging 0.6-6.2 s); where THP is off this is a no-op. Buffers an object
-    store's socket fills do not ask: 8 ranks restoring 256 MiB each at once
-    took 13 s with huge pages against 5 s without (the kernel's huge-page
-    faults under ``defrag=madvise``), one rank 1.6 s against 0.7 s."""
+def anonymous_buffer(nbytes: int, huge_pages: bool = False) -> mmap.mmap:
+    """Zeroed, page-aligned memory (as O_DIRECT needs) for bulk I/O. With
+    ``huge_pages``, large ones ask for transparent huge pages (a no-op where
+    THP is off): only memory kept and reused (the host cache) asks.
+
+    Why not one-shot buffers (every load's): a huge page fresh to the process
+    cost far more than the 512 small pages it replaces. The first load of a
+    process -- a restart -- measured 1.5-1.7x slower with them (0.81 GB, cold
+    cache, a new process per load, ABBA: medians 0.685 vs 0.400 s over 10
+    rounds, 0.658 vs 0.437 s over 8, kernel CPU 0.92 vs 0.36 s); a second
+    load in the same process was equal or 1.3x faster with them, and only
+    right after the first had freed its own huge pages. The likely cause on
+    a VM: free page reporting hands free 2 MiB blocks back to the host, so a
+    fresh huge page is a host fault. Earlier figures went both ways (1.91 vs
+    1.36 s for 1.27 GB in favour on 2026-12-01, equal on 12-03 with huge
+    pages ranging 0.6-6.2 s), and an object store's socket buffers were 2.7x
+    slower with them (8 ranks restoring at once: 13 s against 5 s)."""
     buf = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge_pages and nbytes >= HUGE_PAGE_MIN and hasattr(mmap, "MADV_HUGEPAGE"):
         try:

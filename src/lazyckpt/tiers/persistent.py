@@ -44,7 +44,7 @@ def upload_file(path: str, url: str, options: Options, part_bytes: int, pool: cf
             if stop is not None and stop.is_set():
                 raise CheckpointWriteError(f"{url}: upload cancelled", path=url)
             n = min(part_bytes, size - offset)
-            buf = anonymous_buffer(n)
+            buf = anonymous_buffer(n, huge_pages=True)
             view = memoryview(buf)[:n]
             if pread_into(fd, view, offset, path) != n:
                 raise CorruptCheckpointError(f"{path}: changed size while being uploaded", path=path)
