@@ -242,12 +242,12 @@ def _count_buffers(monkeypatch):
     """Bytes of every read buffer the reader allocates from here on."""
     import lazyckpt.loading.reader as reader
     sizes = []
-    real = reader.anonymous_buffer
+    real = reader.read_buffer
 
-    def counting(nbytes, huge_pages=True):
+    def counting(nbytes, remote=False):
         sizes.append(nbytes)
-        return real(nbytes, huge_pages)
-    monkeypatch.setattr(reader, "anonymous_buffer", counting)
+        return real(nbytes, remote)
+    monkeypatch.setattr(reader, "read_buffer", counting)
     return sizes
 
 

@@ -104,7 +104,7 @@ import torch
 
 import lazyckpt
 from lazyckpt.knobs import Options
-from lazyckpt.storage.fileio import anonymous_buffer, open_for_read
+from lazyckpt.storage.fileio import anonymous_buffer, open_for_read, read_buffer
 
 GB = 1e9
 CHUNK = 32 << 20
@@ -226,9 +226,9 @@ def _o_direct_flag() -> int:
 
 
 # The raw methods move bytes between the file and the same kind of memory as
-# lazyckpt's (fileio.anonymous_buffer, page-aligned): the writers' pattern is
-# reused memory with huge pages asked for, like the host cache; the readers
-# fill fresh memory without, like the loader.
+# lazyckpt's (page-aligned): the writers' pattern is reused memory with huge
+# pages asked for, like the host cache; the readers fill fresh memory under
+# the loader's own policy (fileio.read_buffer).
 
 
 def _pattern(size: int) -> mmap.mmap:
@@ -310,7 +310,7 @@ def _timed_fill(nbytes: int, fill: Callable[[memoryview], None]) -> float:
     """Seconds to allocate fresh memory for ``nbytes`` (as lazyckpt's reader
     does) and ``fill`` it: what every raw reader measures."""
     t = time.perf_counter()
-    buf = anonymous_buffer(max(1, nbytes))
+    buf = read_buffer(max(1, nbytes))
     view = memoryview(buf)
     try:
         fill(view)

@@ -22,6 +22,7 @@ from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, Checkpoin
                              CorruptCheckpointError, MissingKeyError, UnsafeObjectError)
 from lazyckpt.knobs import Options
 from lazyckpt.state.providers import LoadContext, referenced_entries
+from lazyckpt.storage.fileio import a_load_ended
 from lazyckpt.storage.stores import for_path
 from .graft import graft_missing, grafted_node, restrict_to
 from .into import direct_fills, fill_into, staged_entries, unfilled_tensors
@@ -353,6 +354,7 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
         # rather than when the garbage collector finds the cycle.
         storages.clear()
         mapped.clear()
+        a_load_ended()                  # later loads' buffers may ask for huge pages (fileio.read_buffer)
     if into is not None:
         filled = fill_into(into, state, path)
         if unfilled:

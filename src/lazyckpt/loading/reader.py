@@ -26,7 +26,7 @@ from lazyckpt.formats import datafile as fmt
 from lazyckpt.formats.names import rank_filename, step_dirname
 from lazyckpt.knobs import Options
 from lazyckpt.storage.base import Input
-from lazyckpt.storage.fileio import anonymous_buffer
+from lazyckpt.storage.fileio import read_buffer
 from lazyckpt.storage.locks import StepDir
 from lazyckpt.storage.stores import for_path
 
@@ -107,8 +107,8 @@ class CheckpointFile:
             return out
         fd = self._open_input()
         block = self.footer.block_bytes
-        staging = StagingBuffers(2 * max(1, self.options.reader_threads) * self.options.chunk_bytes) \
-            if staged else None
+        staging = StagingBuffers(2 * max(1, self.options.reader_threads) * self.options.chunk_bytes,
+                                 self.store.is_remote) if staged else None
         jobs: List[cf.Future] = []
         try:
             for run in runs:
@@ -120,7 +120,7 @@ class CheckpointFile:
                     if buf is None:
                         break           # a read failed: raised below, after the others end
                 else:
-                    buf = anonymous_buffer(fmt.align_up(end - start))
+                    buf = read_buffer(fmt.align_up(end - start), self.store.is_remote)
                 view = memoryview(buf)
                 storages = {}
                 for i in run:
@@ -248,7 +248,7 @@ class CheckpointFile:
                          e.name)
         fd = self._open_input()
         try:
-            buf = anonymous_buffer(fmt.align_up(hi - lo))
+            buf = read_buffer(fmt.align_up(hi - lo), self.store.is_remote)
             view = memoryview(buf)
             jobs = [pool.submit(self._read_block, fd, view, lo, a, b, [span])
                     for a, b in fmt.block_spans(lo, hi - lo, block)]
@@ -308,8 +308,8 @@ class StagingBuffers:
     most ``limit`` bytes are held (more only for one run larger than that);
     :meth:`take` waits for a buffer to come back."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, remote: bool = False):
+        self.limit, self.remote = limit, remote
         self._free: List[mmap.mmap] = []
         self._held = 0                  # bytes of every buffer, free or in use
         self._cond = threading.Condition()
@@ -328,7 +328,7 @@ class StagingBuffers:
                 in_use = self._held - sum(len(b) for b in self._free)
                 if self._held + nbytes <= self.limit or in_use == 0:
                     self._held += nbytes
-                    return anonymous_buffer(nbytes)
+                    return read_buffer(nbytes, self.remote)
                 self._cond.wait(0.05)
             return None
 

@@ -86,20 +86,18 @@ HUGE_PAGE_MIN = 4 << 20
 def anonymous_buffer(nbytes: int, huge_pages: bool = False) -> mmap.mmap:
     """Zeroed, page-aligned memory (as O_DIRECT needs) for bulk I/O. With
     ``huge_pages``, large ones ask for transparent huge pages (a no-op where
-    THP is off): only memory kept and reused (the host cache) asks.
+    THP is off): memory kept and reused (the host cache) always asks, a
+    load's fresh buffers only after the process's first load
+    (:func:`read_buffer`, whose docstring has the figures).
 
-    Why not one-shot buffers (every load's): a huge page fresh to the process
-    cost far more than the 512 small pages it replaces. The first load of a
-    process -- a restart -- measured 1.5-1.7x slower with them (0.81 GB, cold
-    cache, a new process per load, ABBA: medians 0.685 vs 0.400 s over 10
-    rounds, 0.658 vs 0.437 s over 8, kernel CPU 0.92 vs 0.36 s); a second
-    load in the same process was equal or 1.3x faster with them, and only
-    right after the first had freed its own huge pages. The likely cause on
-    a VM: free page reporting hands free 2 MiB blocks back to the host, so a
-    fresh huge page is a host fault. Earlier figures went both ways (1.91 vs
-    1.36 s for 1.27 GB in favour on 2026-12-01, equal on 12-03 with huge
-    pages ranging 0.6-6.2 s), and an object store's socket buffers were 2.7x
-    slower with them (8 ranks restoring at once: 13 s against 5 s)."""
+    Huge pages fresh to a process can cost far more than small ones: the
+    first load of a new process ran 1.5-1.7x slower with them (0.81 GB, cold
+    cache, ABBA: medians 0.685 vs 0.400 s over 10 rounds, kernel CPU 0.92 vs
+    0.36 s). The likely cause on a VM: free page reporting hands free 2 MiB
+    blocks back to the host, so a fresh huge page is a host fault. Earlier
+    days' figures went both ways (1.91 vs 1.36 s for 1.27 GB in their favour
+    on 2026-12-01, equal on 12-03), and an object store's socket buffers
+    were 2.7x slower with them (8 ranks restoring at once: 13 s against 5 s)."""
     buf = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge_pages and nbytes >= HUGE_PAGE_MIN and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -107,6 +105,27 @@ def anonymous_buffer(nbytes: int, huge_pages: bool = False) -> mmap.mmap:
         except OSError:
             pass
     return buf
+
+
+#: Whether a load has ended in this process (see :func:`read_buffer`).
+_loaded_before = False
+
+
+def read_buffer(nbytes: int, remote: bool = False) -> mmap.mmap:
+    """Fresh memory for bytes being read from a local file: small pages for
+    the first load of a process, huge pages once one has ended. A restart's
+    one load ran 1.5-1.7x slower with huge pages (see :func:`anonymous_buffer`);
+    a process that loads again and again (studies, evaluation) ran its later
+    loads up to 1.4x faster with them, by reusing the huge pages earlier loads
+    freed (its second load pays for the first fresh ones). Buffers a socket
+    fills (``remote``) never ask."""
+    return anonymous_buffer(nbytes, huge_pages=_loaded_before and not remote)
+
+
+def a_load_ended() -> None:
+    """Called by the loader after every load (whichever way it ended)."""
+    global _loaded_before
+    _loaded_before = True
 
 
 def fsync_dir(path: str) -> None:
