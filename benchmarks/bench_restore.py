@@ -19,8 +19,10 @@ from lazyckpt's writer thread count, raw buffered write() + fsync,
 to ``wait()`` (which also retires the superseded step); one Checkpointer
 for the run, its cache allocated before the clock.
 
-The order of the methods rotates from one repetition to the next (no method
-always runs right after the same neighbour). Each figure is the median of the
+The order of the methods is shuffled in every repetition (seeded): a load
+right after a method that freed huge pages runs faster than one after a
+method that freed none (storage/fileio.py read_buffer), so a fixed order
+would credit a method with its neighbour's effect. Each figure is the median of the
 repetitions with its half-range; every ratio divides two medians of the same
 run. The ceiling is the best raw method of the run (per direction); "of
 mmap" is against mmap-touch. The disk's speed drifts by 1.5x from minute to
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -200,8 +203,11 @@ def main() -> None:
           f"({raw.filesystem_of(args.dir)})")
     times: Dict[tuple, List[float]] = {}
     for rep in range(args.reps):
-        shift = rep % len(tasks)
-        for direction, name, fn in tasks[shift:] + tasks[:shift]:
+        # A new order every repetition: what ran just before a method (memory it
+        # freed, the disk's state) changes a load's time as much as the method does.
+        order = list(tasks)
+        random.Random(rep).shuffle(order)
+        for direction, name, fn in order:
             if direction == "write":
                 raw.remove(path("save.bin"))
                 raw.remove(path("save.lzc"))
@@ -226,7 +232,8 @@ def main() -> None:
     peers = [k for k in ("torch.load", "safetensors", "dcp.load") if ("read", k) in gbps]
     fastest_peer = max(peers, key=lambda k: gbps[("read", k)]) if peers else None
     rows = []
-    for (direction, name), values in times.items():
+    for direction, name, _fn in tasks:          # the table in a fixed order, whatever ran first
+        values = times[(direction, name)]
         ceiling = gbps[(direction, best_read if direction == "read" else best_write)]
         row = [direction, name, median_spread(values), f"{gbps[(direction, name)]:.2f}",
                f"{gbps[(direction, name)] / ceiling:.2f}"]
@@ -235,7 +242,8 @@ def main() -> None:
     print_table(["", "method", "s (median ±half-range)", "GB/s", "of best raw", "of mmap-touch"], rows)
     summary = {"bytes": nbytes, "reps": args.reps, "fresh_process": args.fresh_process,
                "best_raw_read": best_read, "best_raw_write": best_write,
-               "fastest_peer": fastest_peer, "medians_s": {f"{d}:{n}": v for (d, n), v in med.items()}}
+               "fastest_peer": fastest_peer,
+               "medians_s": {f"{d}:{n}": med[(d, n)] for d, n, _fn in tasks}}
     lines = [f"best raw read: {best_read} {gbps[('read', best_read)]:.2f} GB/s"
              + (f"; best raw write: {best_write} {gbps[('write', best_write)]:.2f} GB/s" if best_write else
                 " (every read the first of a new process)")]
