@@ -233,3 +233,46 @@ def _train_with_collectives(rank, world, directory):
 def test_async_saves_interleaved_with_training_collectives(tmp_path):
     for ok, steps in run_ranks(2, _train_with_collectives, str(tmp_path)):
         assert ok and steps == list(range(6))
+
+
+# ----------------------------------------------------------------------------- the last use of the store
+
+
+def _a_rank_slow_to_read_the_outcome(rank, world, directory, persist_to):
+    """Rank 1 is descheduled (a sleep) just before it reads the outcome of the
+    coordinator's commit; rank 0 closes and its process exits at once. The
+    store lives in rank 0's process (init_method tcp://, as with env://)."""
+    import time
+    from lazyckpt.distributed import RankInfo
+    if rank == 1:
+        wait_for = RankInfo.wait_for
+
+        def descheduled(self, keys, what, step):
+            # The local commit's outcome, or with persist_to the drain's (the last agree of a close).
+            if any(k.endswith("/outcome") and (persist_to is None) != k.startswith("persist") for k in keys):
+                time.sleep(1.5)
+            return wait_for(self, keys, what, step)
+        RankInfo.wait_for = descheduled
+    t0 = time.monotonic()
+    with lazyckpt.Checkpointer(directory, commit_timeout_s=8, persist_to=persist_to) as ckpt:
+        ckpt.save({"x": torch.full((4,), float(rank))}, step=1).wait()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("tier", ["local", "persist_to"])
+def test_the_coordinator_closes_only_after_every_rank_is_done_with_the_store(tmp_path, tier, request,
+                                                                             monkeypatch):
+    """A rank that read the commit's outcome after the coordinator's process had
+    exited waited for the dead store until its deadline, then reported a
+    committed step as failed. The coordinator's close now waits until every
+    rank's close is done with the store."""
+    persist_to = None
+    if tier == "persist_to":                  # the drain's commit: the last agree of a close
+        server = request.getfixturevalue("s3_server")
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        persist_to = f"s3://{request.getfixturevalue('s3_bucket')}/run"
+    took = run_ranks(2, _a_rank_slow_to_read_the_outcome, str(tmp_path / "run"), persist_to, timeout=120)
+    assert took[0] >= 1.0, took        # rank 0 waited for rank 1
+    with lazyckpt.Checkpointer(str(tmp_path / "run")) as ckpt:
+        assert ckpt.steps() == [1]

@@ -36,7 +36,7 @@ from lazyckpt.storage.stores import for_path
 from lazyckpt.tiers.persistent import PersistentTier
 from lazyckpt.tiers.replicas import (ReplicaTier, node_group, restore as restore_replicas,
                                      topology as replica_topology)
-from .distributed import rank_info, refuse
+from .distributed import depart, rank_info, refuse
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .history import Event, History, abandoned, line
 from .knobs import Options, resolve
@@ -141,9 +141,13 @@ class Checkpointer:
             if persist_to is not None:       # each node's steps persist under their own prefix
                 persist_to = f"{persist_to.rstrip('/')}/node_{self.topology.node:05d}"
         self._dist = rank_info(self.directory, process_group, commit_timeout_s)
+        #: The widest group this Checkpointer coordinates (node groups under replicas=).
+        self._world = self._dist
+        self._departed = False
         if replicas:
             # The world's namespace cannot come from the directory: node-local paths may differ.
             world = rank_info("lazyckpt-replicas", None, commit_timeout_s)
+            self._world = world
             self._replicas = ReplicaTier(self.directory, self.topology, replicas, world, replica_bandwidth,
                                          commit_timeout_s)
             self._replicas.abandoned = self._abandoned_locally
@@ -606,7 +610,12 @@ class Checkpointer:
 
     def close(self, cancel: bool = False) -> None:
         """Drain pending saves (or cancel them with ``cancel=True``), stop every
-        thread, release the cache. Raises the first unreported failure."""
+        thread, release the cache. Raises the first unreported failure.
+
+        Collective on several ranks, as opening is: rank 0 returns once every
+        rank's close is done with the job's store, which its process may host
+        (bounded by ``commit_timeout_s``, 10 s when cancelled; a rank that never
+        closes costs a warning, see ``distributed.depart``)."""
         try:
             self._engine.close(cancel=cancel)
             if self._replicas is not None and not cancel:
@@ -620,9 +629,17 @@ class Checkpointer:
                 if not cancel and (self.persistent is not None or self._replicas is not None):
                     self._retain_drained()
             finally:
-                if self._writer is not None:
-                    self._writer.release()
-                self.layout.close()
+                try:
+                    if self._writer is not None:
+                        self._writer.release()
+                    self.layout.close()
+                finally:
+                    # Collective, as opening is: rank 0 stays until every rank is done with the
+                    # store its process may host (distributed.depart). A cancelled close (an
+                    # exception) waits less for ranks that may be gone.
+                    if not self._departed:
+                        self._departed = True
+                        depart(self._world, bound_s=10.0 if cancel else None)
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -239,6 +239,36 @@ def refuse(d: RankInfo, key: str, error: BaseException) -> None:
         logging.getLogger("lazyckpt").warning("lazyckpt: could not publish a refused call: %s", exc)
 
 
+def depart(d: RankInfo, bound_s: Optional[float] = None) -> None:
+    """This rank is done with the store (the last act of a collective close).
+
+    The coordinator returns only once every rank has called it (bounded by
+    ``bound_s``, else ``d.timeout_s``): with ``init_method="env://"`` or
+    ``tcp://`` the store lives in global rank 0's process, and once that
+    process exits every request of the others fails. A rank descheduled
+    between the coordinator's last outcome and its own read of it would wait
+    for the dead store until its deadline and report a committed step as
+    failed. One counter key: O(1) requests per rank; the rank that brings it
+    to ``world_size`` sets the key the coordinator waits on.
+
+    A rank that never departs (it died, or closes much later) costs the
+    coordinator the bound and a warning, not an error: its own close did all
+    it had to."""
+    if not d.distributed:
+        return
+    import dataclasses
+    import logging
+    try:
+        if d.store.add("departed", 1) == d.world_size:
+            d.publish("all_departed", {})
+        if d.coordinator:
+            bounded = d if bound_s is None else dataclasses.replace(d, timeout_s=min(bound_s, d.timeout_s))
+            bounded.wait_for(["all_departed"], "every rank's close", "close")
+            d.delete(["departed", "all_departed"])
+    except Exception as exc:            # the store may be gone (a rank 0 that exited first)
+        logging.getLogger("lazyckpt").warning("lazyckpt: close: not every rank was seen closing: %s", exc)
+
+
 def _what(step: Any) -> str:
     return f"step {step}" if isinstance(step, int) else str(step)
 

@@ -61,7 +61,7 @@ from typing import Any, Optional
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from lazyckpt.distributed import RankInfo, agree, rank_info, refuse
+from lazyckpt.distributed import RankInfo, agree, depart, rank_info, refuse
 from lazyckpt.errors import CheckpointError
 from lazyckpt.knobs import resolve
 from lazyckpt.loading.loader import _find_pickle, load_file
@@ -147,6 +147,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         # DeepSpeed steps through its own optimizer wrappers: guard every optimizer.
         self._engine.barrier.guard_all_optimizers()
         self._dist = rank_info("lazyckpt-deepspeed", None, commit_timeout_s)
+        self._departed = False
         self._job: Optional[Job] = None
         self._seq = 0
         self._warned_pickles = False
@@ -246,8 +247,13 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._engine.wait()
 
     def close(self) -> None:
-        self._seal()
-        self._engine.close()
+        try:
+            self._seal()
+            self._engine.close()
+        finally:
+            if not self._departed:            # rank 0 may host the store (distributed.depart)
+                self._departed = True
+                depart(self._dist)
 
     def _export_next_saves(self, on: bool) -> None:
         self._export = on
