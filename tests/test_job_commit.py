@@ -159,7 +159,8 @@ def _rollback_failing_after_the_round_on_rank_0(rank, world, base):
         def commit(self, tmp, step, keep_superseded, event=None):
             raise OSError(errno.EIO, "injected: the record cannot be written")
         layout_module.CheckpointDir.commit = commit
-    with lazyckpt.Checkpointer(_dir(base, rank), replicas=1, node_size=1, commit_timeout_s=60) as ckpt:
+    # Node 1's replica round with the failed node 0 ends at this deadline (most of the test's time).
+    with lazyckpt.Checkpointer(_dir(base, rank), replicas=1, node_size=1, commit_timeout_s=20) as ckpt:
         ckpt.load(step=2)
         try:
             ckpt.save(_state(rank, 100), step=3).wait()
