@@ -17,8 +17,15 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+#: Test modules that required a framework when they were imported (tests/conftest.py
+#: marks their tests ``frameworks``).
+REQUIRED_BY: set = set()
+
+
 def require(module: str):
     """The imported module, or skip (fail under CI) if it is missing."""
+    import sys
+    REQUIRED_BY.add(sys._getframe(1).f_globals.get("__name__", "").rsplit(".", 1)[-1])
     try:
         return importlib.import_module(module)
     except ImportError as exc:

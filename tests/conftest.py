@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 
 import pytest
 
@@ -141,7 +142,55 @@ UNIT_MODULES = {
 }
 
 
+#: What makes a test an ``integration`` test: a fixture it uses (the S3 server), or a
+#: helper its module imports that starts other processes (ranks, crash points,
+#: model-based children, subprocesses).
+INTEGRATION_FIXTURES = {"s3_server"}
+PROCESS_HELPERS = {"_dist", "_crashpoints", "_crashreplicas", "_model", "multiprocessing"}
+#: Outside the unit modules, a module that imports subprocess is an integration test too
+#: (a unit module may run a tool such as ``unzip -t`` or one short interpreter).
+SUBPROCESS = "subprocess"
+#: Integration modules of lazyckpt whose import means the test drives a framework.
+FRAMEWORK_INTEGRATIONS = {"lazyckpt.integrations.lightning", "lazyckpt.integrations.huggingface",
+                          "lazyckpt.integrations.hf_callbacks", "lazyckpt.integrations.deepspeed",
+                          "lazyckpt.integrations.torchtitan"}
+FRAMEWORK_ROOTS = {"deepspeed", "lightning", "pytorch_lightning", "transformers", "accelerate", "torchtitan"}
+
+
+def _imports(module) -> set:
+    return {getattr(v, "__module__", None) or getattr(v, "__name__", None) for v in vars(module).values()}
+
+
+def _drives_a_framework(module) -> bool:
+    from _frameworks import REQUIRED_BY
+    if module.__name__.rsplit(".", 1)[-1] in REQUIRED_BY:
+        return True
+    return any(getattr(v, "__name__", None) in FRAMEWORK_INTEGRATIONS
+               or str(getattr(v, "__name__", "")).split(".")[0] in FRAMEWORK_ROOTS
+               for v in vars(module).values() if isinstance(v, types.ModuleType))
+
+
 def pytest_collection_modifyitems(config, items):
+    """The layers, marked from what each test uses: ``frameworks`` (it required a
+    framework), ``integration`` (the S3 server, other processes), ``unit``
+    (UNIT_MODULES; a unit module that uses either is a collection error)."""
+    layers: dict = {}
     for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in UNIT_MODULES:
+        module = item.module
+        if module is None:
+            continue
+        name = module.__name__.rsplit(".", 1)[-1]
+        if name not in layers:
+            imported = _imports(module)
+            layers[name] = (_drives_a_framework(module), bool(imported & PROCESS_HELPERS), SUBPROCESS in imported)
+        framework, processes, subprocesses = layers[name]
+        integration = processes or bool(INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if name in UNIT_MODULES:
+            if framework or integration:
+                raise pytest.UsageError(f"{item.nodeid}: in a unit module (tests/conftest.py UNIT_MODULES) "
+                                        f"but it {'drives a framework' if framework else 'starts processes or the S3 server'}")
             item.add_marker(pytest.mark.unit)
+        elif framework:
+            item.add_marker(pytest.mark.frameworks)
+        elif integration or subprocesses:
+            item.add_marker(pytest.mark.integration)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (the torchtitan extra)")
+torchtitan = pytest.importorskip("torchtitan", reason="torchtitan is not installed (the torchtitan extra)")
 
 from _dist import fsdp_model, run_ranks  # noqa: E402
 
