@@ -2,7 +2,7 @@
 # Set up (if needed) and run the test suite that CI runs: everything except
 # tests marked slow or gpu, on two pytest-xdist workers (most tests wait on
 # processes, a server or the disk for part of their time: two workers on the
-# 2-core machine take the suite from 31 to about 15 minutes).
+# 2-core machine take the suite from 31 to about 17 minutes).
 #
 #   bash scripts/test.sh            # the full CI run
 #   bash scripts/test.sh unit       # the unit layer only (no process, server or framework): under a minute

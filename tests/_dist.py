@@ -9,8 +9,9 @@ Ranks are forked from a fork server that imported torch and lazyckpt once
 (``PRELOAD``): a new interpreter per rank spent 2-3 s of both cores importing
 torch, and the suite starts ranks a few hundred times. Every rank is still a
 new process of its own (nothing a test does outlives it), forked from one that
-never ran a torch operation or started a thread; it takes the environment of
-the test that started it (``_child`` sets it), not the fork server's.
+never ran a torch operation or started a thread; it takes the environment and
+working directory of the test that started it (``_child`` sets them), not the
+fork server's.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 120.0,
     ``("died", exitcode)`` or ``("error", traceback)`` instead of raising."""
     ctx = rank_context()
     port = free_port()
-    env = dict(os.environ)
+    env, cwd = dict(os.environ), os.getcwd()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_child, args=(r, world, port, out_dir, fn, args, env, os.getcwd()), daemon=True)
+        procs = [ctx.Process(target=_child, args=(r, world, port, out_dir, fn, args, env, cwd), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -134,8 +134,8 @@ def s3_bucket(s3_server):
 #: Test modules that need no other process, no server and no framework: the format,
 #: the planner's pure parts, reading hostile bytes, round trips through one process.
 #: ``bash scripts/test.sh unit`` (``pytest -m unit``) runs them as the inner loop
-#: (about 30 s here, against about 15 minutes for the full suite on 2 cores). A module joins only while every test in it
-#: stays that way.
+#: (25-40 s here, against about 17 minutes for the full suite on 2 cores). A module
+#: joins only while every test in it stays that way.
 UNIT_MODULES = {
     "test_format", "test_imports", "test_plan_cache", "test_keys_into", "test_fuzz", "test_corruption",
     "test_attacks", "test_file_formats", "test_roundtrip", "test_io_modes", "test_iomode",

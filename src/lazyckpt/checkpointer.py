@@ -141,13 +141,9 @@ class Checkpointer:
             if persist_to is not None:       # each node's steps persist under their own prefix
                 persist_to = f"{persist_to.rstrip('/')}/node_{self.topology.node:05d}"
         self._dist = rank_info(self.directory, process_group, commit_timeout_s)
-        #: The widest group this Checkpointer coordinates (node groups under replicas=).
-        self._world = self._dist
-        self._departed = False
         if replicas:
             # The world's namespace cannot come from the directory: node-local paths may differ.
             world = rank_info("lazyckpt-replicas", None, commit_timeout_s)
-            self._world = world
             self._replicas = ReplicaTier(self.directory, self.topology, replicas, world, replica_bandwidth,
                                          commit_timeout_s)
             self._replicas.abandoned = self._abandoned_locally
@@ -637,9 +633,9 @@ class Checkpointer:
                     # Collective, as opening is: rank 0 stays until every rank is done with the
                     # store its process may host (distributed.depart). A cancelled close (an
                     # exception) waits less for ranks that may be gone.
-                    if not self._departed:
-                        self._departed = True
-                        depart(self._world, bound_s=10.0 if cancel else None)
+                    # The widest group: under replicas= the world, not this node's group.
+                    widest = self._replicas.world if self._replicas is not None else self._dist
+                    depart(widest, bound_s=10.0 if cancel else None)
 
     def __enter__(self) -> "Checkpointer":
         return self

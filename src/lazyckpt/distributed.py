@@ -50,6 +50,7 @@ class RankInfo:
     store: Any = None           # a PrefixStore private to this checkpointer, or None
     run_id: str = ""
     timeout_s: float = 600.0
+    departed: bool = False      # depart() ran: a second close of the same owner does nothing
 
     @property
     def distributed(self) -> bool:
@@ -253,9 +254,10 @@ def depart(d: RankInfo, bound_s: Optional[float] = None) -> None:
 
     A rank that never departs (it died, or closes much later) costs the
     coordinator the bound and a warning, not an error: its own close did all
-    it had to."""
-    if not d.distributed:
+    it had to. Once per RankInfo: a second call (a second close) does nothing."""
+    if not d.distributed or d.departed:
         return
+    d.departed = True
     import dataclasses
     import logging
     try:

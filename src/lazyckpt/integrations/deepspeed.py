@@ -147,7 +147,6 @@ class LazyCheckpointEngine(CheckpointEngine):
         # DeepSpeed steps through its own optimizer wrappers: guard every optimizer.
         self._engine.barrier.guard_all_optimizers()
         self._dist = rank_info("lazyckpt-deepspeed", None, commit_timeout_s)
-        self._departed = False
         self._job: Optional[Job] = None
         self._seq = 0
         self._warned_pickles = False
@@ -251,9 +250,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             self._seal()
             self._engine.close()
         finally:
-            if not self._departed:            # rank 0 may host the store (distributed.depart)
-                self._departed = True
-                depart(self._dist)
+            depart(self._dist)            # rank 0 may host the store (distributed.depart)
 
     def _export_next_saves(self, on: bool) -> None:
         self._export = on

@@ -88,7 +88,7 @@ def anonymous_buffer(nbytes: int, huge_pages: bool = False) -> mmap.mmap:
     ``huge_pages``, large ones ask for transparent huge pages (a no-op where
     THP is off): memory kept and reused (the host cache) always asks, a
     load's fresh buffers only after the process's first load
-    (:func:`read_buffer`, whose docstring has the figures).
+    (:func:`read_buffer`, the policy; the figures are below).
 
     Huge pages fresh to a process can cost far more than small ones: the
     first load of a new process ran 1.5-1.7x slower with them (0.81 GB, cold
