@@ -72,8 +72,6 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     opts = resolve(options, **knobs)
     if check_file_format(file_format) != "lazyckpt":
         part = plan_layout(state, file_format, metadata).part()
-        if for_path(path).is_remote:
-            raise ValueError(f"file_format={file_format!r} is written to local files only, not to {path}")
     else:
         part = FilePart(flatten(state), check_metadata(metadata))
     for_path(path).check(path, opts)     # credentials, a bucket: one clear error first

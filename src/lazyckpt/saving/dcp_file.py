@@ -79,16 +79,18 @@ class DcpFileLayout(FileLayout):
                 cursor += len(data)
         self.size = cursor
 
-    def crc_fields(self) -> List[CrcField]:
-        """Each archive's CRC fields, at the file's item indices and offsets."""
+    def crc_fields(self, in_place: bool = True) -> List[CrcField]:
+        """Each archive's CRC fields, at the file's item indices and offsets
+        (``in_place=False``: the central directories' only, see TorchZipLayout)."""
         return [(index_of[index], base + data_offset, size, [base + at for at in ats])
                 for archive, base, index_of in self._archives
-                for index, data_offset, size, ats in archive.crc_fields()]
+                for index, data_offset, size, ats in archive.crc_fields(in_place)]
 
-    def kept_blocks(self) -> List[int]:
-        return crc_kept_blocks(self.crc_fields())
+    def kept_blocks(self, in_place: bool = True) -> List[int]:
+        return crc_kept_blocks(self.crc_fields(in_place))
 
-    def patches(self, sums: Dict[int, List[int]], kept: Dict[int, bytes], block_bytes: int) -> List[Tuple[int, bytes]]:
+    def patches(self, sums: Dict[int, List[int]], kept: Dict[int, bytes], block_bytes: int,
+                in_place: bool = True) -> List[Tuple[int, bytes]]:
         # The writer's span checksums are per cache block of the whole file: each record's CRC
         # is combined from them at its absolute offset (its archive's own offsets are relative).
-        return crc_patches(self.crc_fields(), sums, kept, block_bytes)
+        return crc_patches(self.crc_fields(in_place), sums, kept, block_bytes)

@@ -63,14 +63,18 @@ class FileLayout:
     def items(self) -> List[Item]:
         return self._items
 
-    def kept_blocks(self) -> List[int]:
-        """Sorted 4 KiB-aligned offsets of the blocks :meth:`patches` rewrites."""
+    def kept_blocks(self, in_place: bool = True) -> List[int]:
+        """Sorted 4 KiB-aligned offsets of the blocks :meth:`patches` rewrites.
+        ``in_place=False``: the output cannot rewrite cheaply (an object's parts
+        are uploaded once, ``Output.rewrites_in_place``): only the fields readers
+        need, as few blocks as the format allows."""
         return []
 
-    def patches(self, sums: Dict[int, List[int]], kept: Dict[int, bytes], block_bytes: int) -> List[Tuple[int, bytes]]:
+    def patches(self, sums: Dict[int, List[int]], kept: Dict[int, bytes], block_bytes: int,
+                in_place: bool = True) -> List[Tuple[int, bytes]]:
         """(aligned offset, bytes) runs to rewrite once every item is written;
         ``sums[i]``: item i's span checksums, one per cache block it overlaps;
-        ``kept``: the kept blocks as written."""
+        ``kept``: the kept blocks as written; ``in_place`` as for :meth:`kept_blocks`."""
         return []
 
     def flattened(self) -> Flattened:

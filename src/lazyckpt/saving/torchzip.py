@@ -194,14 +194,19 @@ class TorchZipLayout(FileLayout):
                           min(cd_size, ZIP64_LIMIT), min(cd_offset, ZIP64_LIMIT), 0)
         return zip64_end + locator + end
 
-    def crc_fields(self) -> List[CrcField]:
+    def crc_fields(self, in_place: bool = True) -> List[CrcField]:
         """Every storage record's CRC-32 to patch: (item index, data offset, size,
-        offsets of its two CRC fields), offsets from the archive's start."""
-        return [(index, data_offset, size, self._patch_at[index])
+        offsets of its CRC fields), offsets from the archive's start. Both fields
+        (local header, central directory) where the output rewrites in place;
+        else the central directory's only, at the archive's end: readers take the
+        CRC from there (zipfile, lazyckpt's DCP reader), ``torch.load`` checks
+        neither, and the local header keeps 0 (docs/FORMAT.md §13)."""
+        return [(index, data_offset, size, self._patch_at[index] if in_place else self._patch_at[index][1:])
                 for index, data_offset, size, _ in self._crc_fields]
 
-    def kept_blocks(self) -> List[int]:
-        return crc_kept_blocks(self.crc_fields())
+    def kept_blocks(self, in_place: bool = True) -> List[int]:
+        return crc_kept_blocks(self.crc_fields(in_place))
 
-    def patches(self, sums: Dict[int, List[int]], kept: Dict[int, bytes], block_bytes: int) -> List[Tuple[int, bytes]]:
-        return crc_patches(self.crc_fields(), sums, kept, block_bytes)
+    def patches(self, sums: Dict[int, List[int]], kept: Dict[int, bytes], block_bytes: int,
+                in_place: bool = True) -> List[Tuple[int, bytes]]:
+        return crc_patches(self.crc_fields(in_place), sums, kept, block_bytes)

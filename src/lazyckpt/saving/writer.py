@@ -202,7 +202,9 @@ class FileWriteJob:
         layout = self.layout
         size = layout.size
         items = [_Item(*item) for item in layout.items()]
-        self._keep = layout.kept_blocks()
+        in_place = self._file.rewrites_in_place
+        self._keep = layout.kept_blocks(in_place)
+        self._file.will_rewrite(self._keep)
         self._stream_region(0, fmt.align_up(size), items)
         self.copier.synchronize()
         self.stats.capture_s = time.perf_counter() - self._start
@@ -212,7 +214,7 @@ class FileWriteJob:
         self._drain()
         if self._cancel.is_set():
             raise Aborted("cancelled")
-        for offset, data in layout.patches(self._sums, self._kept, self.block):
+        for offset, data in layout.patches(self._sums, self._kept, self.block, in_place):
             self._write_bytes(offset, data)
         self._file.finish(size)
         self.stats.file_bytes = size

@@ -64,9 +64,17 @@ class Output(Protocol):
     path: str
     #: Whether writes bypass the page cache (O_DIRECT): windows must then be page-aligned.
     direct: bool
+    #: Whether bytes already written may be written again before :meth:`finish` at no
+    #: extra cost (a file). An object's parts are uploaded once: rewriting one means
+    #: keeping it in memory, so a foreign layout patches only what a reader needs there.
+    rewrites_in_place: bool
 
     def pwrite_all(self, data: memoryview, offset: int) -> None:
         """Write all of ``data`` at ``offset`` (thread-safe; any order)."""
+
+    def will_rewrite(self, offsets: List[int]) -> None:
+        """The 4 KiB blocks at these offsets will be written again before
+        :meth:`finish` (a foreign layout's checksum fields, patched at the end)."""
 
     def finish(self, size: int) -> None:
         """The file is exactly ``size`` bytes and durable on return."""
@@ -404,8 +412,8 @@ class Store(abc.ABC):
     scheme: str = ""
     #: Whether the bytes leave this host. A remote store has no rename, no flock and
     #: no node-local steps: callers ask this for policy (``persist_to`` must be remote,
-    #: incremental references and replicas need a local directory, foreign file formats
-    #: are written locally), never the path's spelling.
+    #: incremental references and replicas need a local directory), never the path's
+    #: spelling.
     is_remote: bool = False
     #: Whether a step here may refer to bytes of earlier steps (incremental saves):
     #: a reader then resolves references in the step's directory. Only stores

@@ -21,6 +21,8 @@ class OutputFile:
     file is reopened buffered and the write retried, transparently.
     """
 
+    rewrites_in_place = True
+
     def __init__(self, path: str, o_direct: bool):
         self.path = path
         self._lock = threading.Lock()
@@ -64,6 +66,9 @@ class OutputFile:
             if n <= 0:
                 raise OSError(errno.EIO, f"write returned {n}", self.path)
             done += n
+
+    def will_rewrite(self, offsets: list) -> None:
+        """Nothing to keep: a file's blocks are rewritten where they are."""
 
     def finish(self, size: int) -> None:
         """Cut the file to its exact size (O_DIRECT wrote whole pages) and make it durable."""

@@ -448,6 +448,7 @@ class ObjectOutput:
     """A checkpoint file written as one object (see the module docstring)."""
 
     direct = False
+    rewrites_in_place = False
 
     def __init__(self, url: str, storage_options: Tuple[Tuple[str, Any], ...], block_bytes: int):
         self.path = url
@@ -460,6 +461,8 @@ class ObjectOutput:
         self._etags: Dict[int, str] = {}
         self._buffers: Dict[int, bytearray] = {}
         self._covered: Dict[int, int] = {}
+        #: Parts that will be written again before finish (will_rewrite): buffered, uploaded at finish.
+        self._held: set = set()
         self._finished = False
         self.bytes_uploaded = 0
 
@@ -487,7 +490,10 @@ class ObjectOutput:
 
     def pwrite_all(self, data: memoryview, offset: int) -> None:
         """Write ``data`` at ``offset``: whole parts are uploaded now, from
-        ``data`` itself; pieces of parts wait in a part buffer."""
+        ``data`` itself; pieces of parts wait in a part buffer. A part is
+        uploaded once: writing into one already uploaded (and not announced by
+        :meth:`will_rewrite`) is refused, never a part re-sent from a buffer
+        holding only the new piece."""
         q = self.part_bytes
         end = offset + len(data)
         pos = offset
@@ -495,7 +501,10 @@ class ObjectOutput:
             number = pos // q
             part_end = min(end, (number + 1) * q)
             piece = data[pos - offset:part_end - offset]
-            if pos == number * q and part_end - pos == q:
+            if number in self._etags:
+                raise CheckpointError(f"{self.path}: internal error: part {number + 1} written again after its "
+                                      f"upload (offset {pos})")
+            if pos == number * q and part_end - pos == q and number not in self._held:
                 self._put_part(number, piece)
             else:
                 complete = None
@@ -505,11 +514,17 @@ class ObjectOutput:
                         buf = self._buffers[number] = bytearray(q)
                     buf[pos - number * q:part_end - number * q] = piece
                     self._covered[number] = self._covered.get(number, 0) + (part_end - pos)
-                    if self._covered[number] >= q:
+                    if self._covered[number] >= q and number not in self._held:
                         complete = self._buffers.pop(number)
                 if complete is not None:
                     self._put_part(number, memoryview(complete))
             pos = part_end
+
+    def will_rewrite(self, offsets: List[int]) -> None:
+        """The parts holding these offsets stay in memory until :meth:`finish`
+        (a part is uploaded once): at most one part per offset, and a foreign
+        layout asks for few (its trailing index) on an object store."""
+        self._held.update(offset // self.part_bytes for offset in offsets)
 
     def finish(self, size: int) -> None:
         """Upload what is buffered (the last part cut to ``size``) and complete
