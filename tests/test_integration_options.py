@@ -31,7 +31,8 @@ def _lightning_plugins():
     return plugins
 
 
-@pytest.mark.parametrize("name,value", IGNORED_BY_FILE_WRITERS, ids=lambda v: str(v)[:20])
+@pytest.mark.parametrize("name,value", [(n, v) for n, v in IGNORED_BY_FILE_WRITERS if n != "storage_options"],
+                         ids=lambda v: str(v)[:20])
 def test_lightning_refuses_what_it_would_ignore_and_says_why(name, value):
     for plugin in _lightning_plugins():
         with pytest.raises(ValueError) as caught:
@@ -51,8 +52,10 @@ def test_dcp_refuses_what_it_would_ignore_and_says_why(tmp_path, name, value):
 def test_what_asks_for_nothing_passes_and_what_is_used_reaches_the_writer(tmp_path):
     for plugin in _lightning_plugins():
         io = plugin(incremental=False, full_every=0, persist_bandwidth=0, keep_last=None,
-                    writer_threads=2, chunk_bytes=1 << 20)
+                    writer_threads=2, chunk_bytes=1 << 20,
+                    storage_options={"endpoint_url": "http://127.0.0.1:1"})     # dirpath="s3://..." uses it
         assert (io.writer.options.writer_threads, io.writer.options.chunk_bytes) == (2, 1 << 20)
+        assert dict(io.writer.options.storage_options)
         io.writer.close()
         with pytest.raises(TypeError, match="unknown options"):
             plugin(writer_thread=2)                              # a typo is still a typo

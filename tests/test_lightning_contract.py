@@ -324,11 +324,15 @@ CHILD = textwrap.dedent("""
     from lazyckpt.integrations import lightning as lzl
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.pytorch.callbacks import model_checkpoint as mc
+    from lazyckpt.storage import localstore
     if what == "remove":
-        lzl._remove_path = killing(lzl._remove_path)
+        lzl._LazyCheckpointIOImpl._remove = killing(lzl._LazyCheckpointIOImpl._remove)
         TorchCheckpointIO.remove_checkpoint = killing(TorchCheckpointIO.remove_checkpoint)
     elif what == "link":
+        # Every link the plugin makes: last.ckpt's symlink, and the stand-in's hard link
+        # (at publication, or through the store's copy_file once the file is visible).
         lzl._replace_with_link = killing(lzl._replace_with_link)
+        localstore.replace_with_link = killing(localstore.replace_with_link)
         mc.ModelCheckpoint._link_checkpoint = staticmethod(killing(mc.ModelCheckpoint._link_checkpoint))
     plugin = make_plugin(kind)
     trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,

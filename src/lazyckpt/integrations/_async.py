@@ -18,7 +18,7 @@ import logging
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from lazyckpt.errors import CheckpointNotFoundError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats.datafile import MAGIC
 from lazyckpt.knobs import Options, resolve, resolve_for
 from lazyckpt.loading.loader import _find_pickle, load_file
@@ -29,10 +29,11 @@ from lazyckpt.saving.file_formats import check_file_format
 from lazyckpt.saving.foreign import plan_layout
 from lazyckpt.state.providers import flatten
 from lazyckpt.storage.layout import clean_sibling_temps
+from lazyckpt.storage.stores import InvalidURLError, for_path
 
 log = logging.getLogger("lazyckpt")
 
-__all__ = ["AsyncFileWriter", "file_writer_options", "is_lazyckpt_file"]
+__all__ = ["AsyncFileWriter", "file_location", "file_writer_options", "is_lazyckpt_file"]
 
 _KEEPS_FILES = ("the framework decides where each checkpoint file goes and how many to keep "
                 "(Lightning's ModelCheckpoint dirpath/save_top_k, the Trainer's output_dir/save_total_limit)")
@@ -42,7 +43,8 @@ WHOLE_FILE_REFUSED = {
     "incremental": "each checkpoint file must stand alone: the framework deletes older files itself "
                    "(save_top_k, save_total_limit), so a file cannot refer to bytes of an earlier one",
     "full_every": "it only applies to incremental saves, which whole framework files cannot be",
-    "storage_options": "this integration writes to a local directory (object storage is not supported here)",
+    "storage_options": "this integration writes to a local directory (object storage is not supported here; "
+                       "Lightning's LazyCheckpointIO writes s3:// dirpaths)",
     "persist_bandwidth": "it caps the drain of a persistent tier (persist_to=), which this integration does "
                          "not have",
     "advise_mtbf": "the framework schedules the checkpoints; `lazyckpt advise` gives the interval from "
@@ -55,18 +57,31 @@ WHOLE_FILE_REFUSED = {
 }
 
 
-def file_writer_options(integration: str, knobs: Dict[str, Any]) -> Options:
+def file_writer_options(integration: str, knobs: Dict[str, Any], object_stores: bool = False) -> Options:
     """The Options of an integration's :class:`AsyncFileWriter`, refusing (with the
-    reason) every knob that such a writer would ignore."""
-    return resolve_for(integration, WHOLE_FILE_REFUSED, **knobs)
+    reason) every knob that such a writer would ignore. ``object_stores``: the
+    integration writes ``s3://`` paths too, so ``storage_options`` is used."""
+    refused = {k: v for k, v in WHOLE_FILE_REFUSED.items() if not (object_stores and k == "storage_options")}
+    return resolve_for(integration, refused, **knobs)
 
 
-def is_lazyckpt_file(path: str) -> bool:
-    """True if ``path`` is a file that starts with lazyckpt's magic."""
+def file_location(path: Any) -> str:
+    """``path`` as a whole-file integration keys it: an absolute local path, or
+    a normalized ``s3://`` URL. Any other URL is refused with the way out."""
+    path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
-    except OSError:
+        return for_path(path).normalize(path)
+    except InvalidURLError as exc:
+        raise NotImplementedError(f"{exc} (lazyckpt writes local or mounted file systems and s3:// object "
+                                  f"stores; for other URLs use the framework's own checkpoint I/O)") from exc
+
+
+def is_lazyckpt_file(path: str, options: Optional[Options] = None) -> bool:
+    """True if ``path`` (a file or an object) starts with lazyckpt's magic."""
+    try:
+        return for_path(path).read_ends(path, options or resolve(),
+                                        lambda size, read: size >= len(MAGIC) and read(0, len(MAGIC)) == MAGIC)
+    except (OSError, CheckpointError):
         return False
 
 
@@ -100,7 +115,7 @@ class AsyncFileWriter:
         renamed into place. ``file_format``: "lazyckpt",
         "torch" (what ``torch.load`` reads) or "safetensors" (lazyckpt/saving/file_formats.py)."""
         self._engine.raise_errors()
-        path = os.path.abspath(os.fspath(path))
+        path = file_location(path)
         if check_file_format(file_format) != "lazyckpt":
             layout = plan_layout(state, file_format, metadata)
             part = layout.part(record_events(s.data for s in layout.sources))
@@ -113,13 +128,13 @@ class AsyncFileWriter:
     def _submit(self, path: str, part: FilePart, on_commit: Optional[Callable[[SaveHandle], None]],
                 final_path: Optional[str], before_publish: Optional[Callable[[str], None]] = None) -> SaveHandle:
         directory = os.path.dirname(path)
-        if directory not in self._cleaned and os.path.isdir(directory):
+        if directory not in self._cleaned and not for_path(path).is_remote and os.path.isdir(directory):
             self._cleaned.add(directory)
             clean_sibling_temps(directory, self.options.lease_expiry_s)
         strategy = FileCommit(path, self.options.lease_heartbeat_s, on_commit=on_commit,
                               before_publish=before_publish)
         job = self._engine.submit(strategy, [part], name=path)
-        job.handle.path = os.path.abspath(final_path) if final_path else path
+        job.handle.path = file_location(final_path) if final_path else path
         job.handle.file = path              # type: ignore[attr-defined]
         return job.handle
 
@@ -127,8 +142,8 @@ class AsyncFileWriter:
         """Saves not yet finished (of ``path`` or below it, if given)."""
         out = self._engine.pending()
         if path is not None:
-            path = os.path.abspath(os.fspath(path))
-            out = [h for h in out if any(q == path or q.startswith(path + os.sep)
+            path = file_location(path)
+            out = [h for h in out if any(q == path or q.startswith(path + "/")
                                          for q in (h.path, getattr(h, "file", h.path)))]
         return out
 
@@ -157,9 +172,10 @@ class AsyncFileWriter:
 
     def load(self, path: str, **kwargs: Any) -> Any:
         """Load a file this (or any) writer produced, waiting for its pending save."""
-        path = os.fspath(path)
+        path = file_location(path)
         self.wait(path, raise_errors=False)
-        if not os.path.isfile(path):
+        store = for_path(path)
+        if not store.exists(path, self.options) or (not store.is_remote and not os.path.isfile(path)):
             raise CheckpointNotFoundError(f"{path}: no such checkpoint file", path=path)
         return load_file(path, self.options, self._engine.resources.readers, **kwargs)
 

@@ -194,9 +194,8 @@ def _paths(view: Dict[str, Any]) -> set:
     return {p for p in out if p}
 
 
-def _abs(paths: set) -> set:
-    import os
-    return {os.path.abspath(p) for p in paths}
+def _abs(paths: set, plugin: Any) -> set:
+    return {plugin.location(p) for p in paths}
 
 
 def refresh_view(mc: Any, plugin: Any) -> None:
@@ -206,9 +205,9 @@ def refresh_view(mc: Any, plugin: Any) -> None:
     if not queue and d.get("_lazyckpt_view") is None:
         return
     pending = plugin.pending_paths()
-    while queue and not (_abs(_paths(queue[0])) & pending):
+    while queue and not (_abs(_paths(queue[0]), plugin) & pending):
         d["_lazyckpt_view"] = queue.pop(0)
-    if not queue and not (_abs(_paths(_snapshot(mc))) & pending):
+    if not queue and not (_abs(_paths(_snapshot(mc)), plugin) & pending):
         d.pop("_lazyckpt_view", None)          # nothing pending: outside readers see the real state
 
 
@@ -226,7 +225,7 @@ def _exit(mc: Any) -> None:
     if plugin is None:
         return
     real = _snapshot(mc)
-    if _abs(_paths(real)) & plugin.pending_paths():
+    if _abs(_paths(real), plugin) & plugin.pending_paths():
         d.setdefault("_lazyckpt_queue", []).append(real)
         if d.get("_lazyckpt_view") is None:
             d["_lazyckpt_view"] = d.pop("_lazyckpt_outside", None) or real
@@ -293,11 +292,10 @@ def _wrap_model_checkpoint(mc_cls: type, plugin_of: Any) -> None:
     original_link = mc_cls.__dict__["_link_checkpoint"].__func__
 
     def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
-        import os
         plugin = plugin_of(trainer)
         if plugin is None:
             return original_link(trainer, filepath, linkpath)
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+        if trainer.is_global_zero and plugin.location(filepath) != plugin.location(linkpath):
             plugin.link_checkpoint(filepath, linkpath)
         trainer.strategy.barrier()
 

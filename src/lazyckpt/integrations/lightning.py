@@ -108,7 +108,10 @@ __all__ = ["AsyncFileWriter", "LazyCheckpointIO", "PLLazyCheckpointIO", "is_lazy
 
 from lazyckpt.saving.engine import SaveHandle
 from . import _lightning_order
+from lazyckpt.storage.fileio import replace_with_link as _replace_with_link
+from lazyckpt.storage.stores import for_path
 from ._async import AsyncFileWriter, file_writer_options, is_lazyckpt_file
+from ._async import file_location as _store_location
 
 
 # --------------------------------------------------------------------------- CheckpointIO
@@ -146,7 +149,7 @@ class _LazyCheckpointIOImpl:
         self.guard_buffers = guard_buffers
         self.knobs = dict(knobs)
         # Unknown knobs, and those a file writer would ignore, are refused now, not at the first save.
-        self.options = file_writer_options(type(self).__name__, self.knobs)
+        self.options = file_writer_options(type(self).__name__, self.knobs, object_stores=True)
         self._writer: Optional[AsyncFileWriter] = None
         self._init_runtime()
 
@@ -171,13 +174,14 @@ class _LazyCheckpointIOImpl:
         self._commit_errors: "list[BaseException]" = []
         self._stand_ins: set = set()                     # last paths made by stand_in, not yet Lightning's
         self._publishing: Dict[str, Optional[str]] = {}  # a save not yet published -> its stand-in last path
+        self._copy_at_commit: Dict[str, str] = {}        # an object just published -> its stand-in last path
 
     # Runtime state (threads, locks, pending actions) does not travel to ddp_spawn children.
     def __getstate__(self) -> Dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_actions", "_removals", "_links", "_running_actions", "_trainer_call",
                               "_last_trainer", "_views", "_last_save", "_action_lock", "_at_commit",
-                              "_commit_errors", "_stand_ins", "_publishing")}
+                              "_commit_errors", "_stand_ins", "_publishing", "_copy_at_commit")}
         state["_writer"] = None
         return state
 
@@ -197,7 +201,7 @@ class _LazyCheckpointIOImpl:
         if storage_options is not None:
             raise TypeError(f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
                             f"{type(self).__name__}")
-        local = _local_path(path)
+        local = file_location(path)
         self.run_due_actions()
         self._stand_ins.discard(local)
         self._cancel_pending_removal(local)
@@ -230,18 +234,23 @@ class _LazyCheckpointIOImpl:
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        local = _local_path(path)
+        local = file_location(path)
         if self._writer is not None:
             self._writer.wait(local, raise_errors=False)
-        if not os.path.exists(local):
+        store = for_path(local)
+        if not store.exists(local, self.options):
             raise FileNotFoundError(f"Checkpoint file not found: {local}")
-        if not is_lazyckpt_file(local):
+        if not is_lazyckpt_file(local, self.options):
             # A torch zip: written by this plugin with file_format="torch", or by torch.save.
-            torch_io = self._torch_io()
             kwargs: Dict[str, Any] = {"weights_only": self._torch_weights_only(weights_only)}
             if map_location is not None:
                 kwargs["map_location"] = map_location
-            return torch_io.load_checkpoint(local, **kwargs)
+            if store.is_remote:
+                # Through lazyckpt's client (its storage_options), not fsspec's: one GET.
+                import io
+                import torch
+                return torch.load(io.BytesIO(store.read_whole(local, self.options, limit=1 << 62)), **kwargs)
+            return self._torch_io().load_checkpoint(local, **kwargs)
         created = self._writer is None
         try:
             return self.writer.load(local, map_location=map_location if map_location is not None else "cpu",
@@ -259,13 +268,13 @@ class _LazyCheckpointIOImpl:
         Inside a running Trainer the removal is deferred to the training
         thread's next safe point after that commit (and dropped if the save
         failed, so the previous checkpoint stays); otherwise it waits."""
-        local = _local_path(path)
+        local = file_location(path)
         last = self._last_save
         if not self._actions and (last is None or (last.done() and last.error is None)):
-            _remove_path(local)             # nothing pending, nothing failed: as the default does
+            self._remove(local)             # nothing pending, nothing failed: as the default does
             return
         trainer = getattr(self._trainer_call, "trainer", None) or _active_trainer(self)
-        action = self._defer(lambda: _remove_path(local), kind="remove", path=local)
+        action = self._defer(lambda: self._remove(local), kind="remove", path=local)
         self._removals[local] = action
         # Not also at the commit (as links are): a callback that reads best_model_path in
         # its hook must find the file, as with the default plugin; only the training
@@ -276,7 +285,7 @@ class _LazyCheckpointIOImpl:
     def link_checkpoint(self, target: str, linkpath: str) -> None:
         """``ModelCheckpoint(save_last="link")``: point ``linkpath`` at ``target``
         once ``target`` is durable, replacing the old link atomically."""
-        target, linkpath = os.path.abspath(target), os.path.abspath(linkpath)
+        target, linkpath = file_location(target), file_location(linkpath)
         self._stand_ins.discard(linkpath)
         self._cancel_pending_removal(linkpath)
         action = self._defer(lambda: _replace_with_link(target, linkpath), kind="link", path=linkpath)
@@ -293,9 +302,16 @@ class _LazyCheckpointIOImpl:
         asks for that link or save only after ``save_checkpoint`` returns; a kill
         in between, the file committed, would leave last.ckpt a step behind
         (issue 35, 1). ``new_name``: the callback has no last file yet; ``path`` is
-        the name it will choose, and is left alone if something already has it."""
-        source, path = os.path.abspath(source), os.path.abspath(path)
-        if new_name and (os.path.lexists(path) or self.path_taken(path, lambda: False)):
+        the name it will choose, and is left alone if something already has it.
+
+        On an object store nothing is visible before it is complete and nothing
+        links: ``path`` becomes a server-side copy of ``source`` right after
+        ``source``'s upload completes (Lightning's own save of last.ckpt follows).
+        A kill between the two leaves last.ckpt naming the previous checkpoint,
+        which is complete: an object store publishes one object at a time."""
+        source, path = file_location(source), file_location(path)
+        store = for_path(path)
+        if new_name and (store.exists(path, self.options) or self.path_taken(path, lambda: False)):
             return
         with self._action_lock:
             if source in self._publishing:          # not published yet: at its publication
@@ -303,13 +319,16 @@ class _LazyCheckpointIOImpl:
                 if new_name:
                     self._stand_ins.add(path)       # still free for the callback's own choice of name
                 return
-        if os.path.isfile(source):                  # already visible (a fast commit): at once
-            _replace_with_link(source, path, hard=True)
+        if store.exists(source, self.options):     # already visible (a fast commit): at once
+            store.copy_file(source, path, self.options)
 
     def _before_publish(self, final: str, temporary: str) -> None:
         """On the writer's thread: ``final``'s bytes are durable at ``temporary``."""
         with self._action_lock:
             last = self._publishing.pop(final, None)
+            if last and for_path(final).is_remote:      # an upload is not readable before it completes
+                self._copy_at_commit[final] = last
+                last = None
         if last:
             _replace_with_link(temporary, last, hard=True)
 
@@ -320,6 +339,14 @@ class _LazyCheckpointIOImpl:
 
     def _committed(self, handle: SaveHandle) -> None:
         """On the writer's thread, ``handle``'s file just durable: the links waiting for it."""
+        with self._action_lock:
+            copy_to = self._copy_at_commit.pop(handle.path, None)
+        if copy_to:
+            try:
+                for_path(copy_to).copy_file(handle.path, copy_to, self.options)
+            except BaseException as exc:        # raised on the training thread at its next safe point
+                with self._action_lock:
+                    self._commit_errors.append(exc)
         with self._action_lock:
             due = [a for h, a in self._at_commit if h is handle]
             self._at_commit = [(h, a) for h, a in self._at_commit if h is not handle and not h.done()]
@@ -349,7 +376,7 @@ class _LazyCheckpointIOImpl:
     def path_taken(self, path: str, exists: Any) -> bool:
         """Whether a new checkpoint may not use ``path``: a save or link to it is
         pending, or it exists and is not about to be removed."""
-        path = os.path.abspath(path)
+        path = file_location(path)
         if path in self._stand_ins:
             return False                # a stand-in for the name Lightning is about to choose
         if path in self._links:
@@ -449,6 +476,14 @@ class _LazyCheckpointIOImpl:
         self._actions.append(action)
         return action
 
+    @staticmethod
+    def location(path: Any) -> str:
+        """How the plugin keys ``path`` (:func:`file_location`)."""
+        return file_location(path)
+
+    def _remove(self, path: str) -> None:
+        for_path(path).delete_file(path, self.options)
+
     def _forget(self, action: "_Action") -> None:
         for table in (self._removals, self._links):
             if table.get(action.path) is action:
@@ -484,38 +519,13 @@ class _Action:
         self.fn, self.kind, self.path, self.after, self.cancelled, self.ran = fn, kind, path, after, False, False
 
 
-def _remove_path(local: str) -> None:
-    if os.path.islink(local) or os.path.isfile(local):
-        os.unlink(local)
-    elif os.path.isdir(local):
-        import shutil
-        shutil.rmtree(local)
-
-
-def _replace_with_link(target: str, linkpath: str, hard: bool = False) -> None:
-    """Atomically make ``linkpath`` a relative symlink to ``target`` (``hard``: a
-    hard link, a file of its own that outlives ``target``'s removal; a copy where
-    links are refused), then fsync the directory: a kill leaves the old link or
-    the new one, never none."""
-    import shutil
-    import uuid
-    directory = os.path.dirname(linkpath)
-    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
-        shutil.rmtree(linkpath)
-    tmp = os.path.join(directory, f".{os.path.basename(linkpath)}.{uuid.uuid4().hex[:8]}.link")
-    try:
-        if hard:
-            os.link(target, tmp)
-        else:
-            os.symlink(os.path.relpath(target, directory), tmp)
-    except OSError:
-        shutil.copy(target, tmp)
-    os.replace(tmp, linkpath)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def file_location(path: Any) -> str:
+    """A path Lightning passes, as the plugin keys it: fsspec's ``file://`` is the
+    local path; then an absolute path or a normalized ``s3://`` URL."""
+    path = os.fspath(path)
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    return _store_location(path)
 
 
 def _trainer_running(trainer: Any) -> bool:
@@ -526,14 +536,6 @@ def _trainer_running(trainer: Any) -> bool:
 def _active_trainer(plugin: Any) -> Any:
     ref = getattr(plugin, "_last_trainer", None)
     return ref() if ref is not None else None
-
-
-def _local_path(path: Any) -> str:
-    path = os.fspath(path)
-    if "://" in path and not path.startswith("file://"):
-        raise NotImplementedError(f"{path}: lazyckpt writes local (or mounted) file systems only; use "
-                                  f"Lightning's TorchCheckpointIO for remote URLs")
-    return os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
 
 
 _TREES = {

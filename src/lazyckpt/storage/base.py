@@ -474,6 +474,23 @@ class Store(abc.ABC):
         What commits a framework's checkpoint that is not a Checkpointer step
         (DCP's ``.metadata``)."""
 
+    # Whole files a framework names and rotates itself (Lightning's .ckpt files).
+
+    @abc.abstractmethod
+    def exists(self, path: str, options: "Options") -> bool:
+        """Whether something is at ``path`` (a file, a link, an object)."""
+
+    @abc.abstractmethod
+    def delete_file(self, path: str, options: "Options") -> None:
+        """Remove what is at ``path``, if anything (a file, a link, a directory a
+        framework wrote there, an object)."""
+
+    @abc.abstractmethod
+    def copy_file(self, source: str, dest: str, options: "Options") -> None:
+        """Make ``dest`` a complete copy of the complete file ``source`` in one
+        step (the old ``dest`` or the new one, never neither), durable on return;
+        a link where the store has them, a server-side copy on an object store."""
+
     @abc.abstractmethod
     def read_whole(self, path: str, options: "Options", limit: int) -> bytes:
         """The bytes of the small file at ``path``; ``CheckpointNotFoundError``

@@ -232,6 +232,28 @@ def write_file_atomic(path: str, data: bytes) -> None:
     fsync_dir(directory)
 
 
+def replace_with_link(target: str, linkpath: str, hard: bool = False) -> None:
+    """Atomically make ``linkpath`` a relative symlink to ``target`` (``hard``: a
+    hard link, a file of its own that outlives ``target``'s removal; a copy where
+    links are refused), then fsync the directory: a kill leaves the old link or
+    the new one, never none."""
+    import shutil
+    import uuid
+    directory = os.path.dirname(linkpath)
+    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+        shutil.rmtree(linkpath)
+    tmp = os.path.join(directory, f".{os.path.basename(linkpath)}.{uuid.uuid4().hex[:8]}.link")
+    try:
+        if hard:
+            os.link(target, tmp)
+        else:
+            os.symlink(os.path.relpath(target, directory), tmp)
+    except OSError:
+        shutil.copy(target, tmp)
+    os.replace(tmp, linkpath)
+    fsync_dir(directory)
+
+
 class NotARegularFile(OSError):
     """A path that should be a checkpoint file is a FIFO, a device, a directory..."""
 

@@ -5,6 +5,7 @@ written and read at explicit offsets (O_DIRECT or buffered, as measured by
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from typing import Any, Callable, ContextManager, Dict, Optional
 
@@ -13,7 +14,8 @@ from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
 from .base import HeldStep, Located, Store
-from .fileio import InputFile, NotARegularFile, OutputFile, open_regular, read_small_file, write_file_atomic
+from .fileio import (InputFile, NotARegularFile, OutputFile, open_regular, read_small_file, replace_with_link,
+                     write_file_atomic)
 from .iomode import use_o_direct
 from .layout import CheckpointDir, PendingSiblingFile
 from .locks import StepDir, deleted_while_reading
@@ -68,6 +70,20 @@ class LocalStore(Store):
     def write_whole(self, path: str, data: bytes, options: Options) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_file_atomic(path, data)
+
+    def exists(self, path: str, options: Options) -> bool:
+        return os.path.lexists(path)
+
+    def delete_file(self, path: str, options: Options) -> None:
+        if os.path.islink(path) or os.path.isfile(path):
+            os.unlink(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+
+    def copy_file(self, source: str, dest: str, options: Options) -> None:
+        """A hard link (a file of its own, which outlives ``source``; a copy where
+        links are refused) put in place by rename, then the directory fsynced."""
+        replace_with_link(source, dest, hard=True)
 
     def read_whole(self, path: str, options: Options, limit: int) -> bytes:
         try:

@@ -311,6 +311,14 @@ class ObjectStore:
         finally:
             self.delete([key])
 
+    def copy(self, source_bucket: str, source_key: str, key: str) -> None:
+        """Server-side copy of an object (up to 5 GB in one request; larger ones
+        part by part, as boto3's managed copy does)."""
+        try:
+            self.client.copy({"Bucket": source_bucket, "Key": source_key}, self.bucket, key)
+        except Exception as exc:
+            raise self.error(exc, key, f"copying s3://{source_bucket}/{source_key} to") from exc
+
     def delete(self, keys: List[str]) -> None:
         for i in range(0, len(keys), 1000):      # the API's batch limit
             batch = [{"Key": k} for k in keys[i:i + 1000]]

@@ -65,6 +65,20 @@ class S3Store(Store):
         store, key = store_for(self.normalize(path), options.storage_options)
         store.put(key, data)
 
+    def exists(self, path: str, options: Options) -> bool:
+        store, key = store_for(self.normalize(path), options.storage_options)
+        return store.size(key) is not None
+
+    def delete_file(self, path: str, options: Options) -> None:
+        store, key = store_for(self.normalize(path), options.storage_options)
+        store.delete([key])
+
+    def copy_file(self, source: str, dest: str, options: Options) -> None:
+        """A server-side copy: the object at ``dest`` is replaced whole."""
+        src, dst = ObjectURL.parse(self.normalize(source)), ObjectURL.parse(self.normalize(dest))
+        store, key = store_for(str(dst), options.storage_options)
+        store.copy(src.bucket, src.key, key)
+
     def read_whole(self, path: str, options: Options, limit: int) -> bytes:
         url = self.normalize(path)
         store, key = store_for(url, options.storage_options)
