@@ -769,6 +769,8 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
     from lazyckpt.errors import CheckpointNotFoundError
     if program.kind == "file":
         return _check_file(ctx, program)
+    if program.kind == "objects":
+        return _check_objects(ctx, program)
     problems: List[str] = []
     directory = os.path.join(ctx.case, "run")
     problems += index_problems(directory, "after the crash, before any open")
@@ -898,6 +900,53 @@ def _check_file(ctx: Ctx, program: Program) -> List[str]:
     except Exception as exc:
         problems.append(f"restart: save(): {type(exc).__name__}: {exc}")
     return problems
+
+
+def _check_objects(ctx: Ctx, program: Program) -> List[str]:
+    """A framework's files on an object store (``kind="objects"``, the worlds' steps
+    1 and 2 being the old and the new top-k file): every object under the prefix
+    is a whole checkpoint of one world, last.ckpt names one, and the new one once
+    the old file is gone; then a new save and load work."""
+    import io
+    import torch
+    from lazyckpt.integrations.lightning import LazyCheckpointIO
+    from lazyckpt.storage.s3 import store_for
+    store, prefix = store_for(ctx.persist_to, _storage_options_key(ctx.storage_options))
+    problems = []
+    names = sorted(o["Key"][len(prefix) + 1:] for o in store.list(prefix + "/"))
+    found = {}
+    for name in names:
+        try:
+            got = torch.load(io.BytesIO(store.get(f"{prefix}/{name}")), weights_only=True)
+        except Exception as exc:
+            problems.append(f"{name}: does not load: {type(exc).__name__}: {exc}")
+            continue
+        worlds = [w.latest for w in program.worlds if not differs(w.allowed[w.latest], got)]
+        if not worlds:
+            problems.append(f"{name}: holds neither the old nor the new checkpoint")
+        found[name] = worlds[0] if worlds else None
+    topk = {n: s for n, s in found.items() if n != "last.ckpt"}
+    if "last.ckpt" not in found:
+        problems.append(f"no last.ckpt ({names})")
+    elif topk and found["last.ckpt"] is not None and found["last.ckpt"] < min(topk.values()):
+        problems.append(f"last.ckpt names step {found['last.ckpt']}, older than every top-k file ({topk})")
+    if not topk:
+        problems.append(f"no top-k file left ({names})")
+    plugin = LazyCheckpointIO(storage_options=ctx.storage_options, **KNOBS)
+    values = make_state(999)
+    try:
+        plugin.save_checkpoint(values, f"{ctx.persist_to}/restart.ckpt")
+        plugin.teardown()
+        if differs(values, plugin.load_checkpoint(f"{ctx.persist_to}/restart.ckpt")):
+            problems.append("restart: save then load differs")
+    except Exception as exc:
+        problems.append(f"restart: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def _storage_options_key(options: Optional[Dict[str, Any]]) -> Any:
+    from lazyckpt.knobs import resolve
+    return resolve(storage_options=options).storage_options
 
 
 # ----------------------------------------------------------------------------- one case, one program

@@ -159,6 +159,40 @@ def takeover_program() -> Program:
     return Program("takeover-save", prepare, _save_run(3, NEW, takeover=True), [before, after])
 
 
+def lightning_s3_program() -> Program:
+    """``LazyCheckpointIO`` on an ``s3://`` dirpath as ``ModelCheckpoint(save_top_k=1,
+    save_last=True)`` drives it for a new step: the new top-k object, last.ckpt's
+    server-side copy at its completion, last.ckpt's own save, the old top-k
+    object's removal (issue 35, 8). ``kind="objects"``: every object left loads
+    whole, last.ckpt exists and names the old or the new step, and the new one
+    once the old one is gone (``_check_objects``)."""
+    def plugin(ctx: Ctx) -> Any:
+        from lazyckpt.integrations.lightning import LazyCheckpointIO
+        return LazyCheckpointIO(storage_options=ctx.storage_options, **KNOBS)
+
+    def prepare(ctx: Ctx) -> None:
+        io = plugin(ctx)
+        io.save_checkpoint(S[1], f"{ctx.persist_to}/{TOPK.format(1)}")
+        io.save_checkpoint(S[1], f"{ctx.persist_to}/last.ckpt")
+        io.teardown()
+
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        io = plugin(ctx)
+        new, last = f"{ctx.persist_to}/{TOPK.format(2)}", f"{ctx.persist_to}/last.ckpt"
+        with icp.operation():
+            io.save_checkpoint(NEW, new)
+            io.stand_in(new, last)
+            io.save_checkpoint(NEW, last)
+            io.remove_checkpoint(f"{ctx.persist_to}/{TOPK.format(1)}")
+            io.teardown()
+    return Program("lightning-s3-rotation", prepare, run, [World("old", 1, {1: S[1]}), World("new", 2, {2: NEW})],
+                   kind="objects", persist=True)
+
+
+#: ModelCheckpoint's file name for step i (epoch 0).
+TOPK = "epoch=0-step={}.ckpt"
+
+
 def local_programs() -> List[Program]:
     return [save_program(None), save_program(2), rollback_program(None), rollback_program(2),
             incremental_program(None), incremental_program(1), prune_program(2), leftovers_program(),
@@ -166,7 +200,7 @@ def local_programs() -> List[Program]:
 
 
 def persist_programs() -> List[Program]:
-    return [save_program(None, persist=True), rollback_program(None, persist=True)]
+    return [save_program(None, persist=True), rollback_program(None, persist=True), lightning_s3_program()]
 
 
 def all_programs() -> List[Program]:
