@@ -28,7 +28,8 @@ Pieces (tests/test_crash_points.py and scripts/soak_crash_points.py use them):
   (open O_CREAT, mkdir, link, symlink) and renamed into it since its last fsync.
   After the crash the parent undoes, newest first, every entry change whose
   directory was not fsynced after it (a created entry is removed, a rename is
-  moved back and the file it replaced restored), then cuts every file written
+  moved back and the file it replaced restored: as a link again where that
+  was a hard link whose inode another name still holds), then cuts every file written
   during the operation back to its last fsynced size (a never-fsynced new file
   to 0 bytes, a never-fsynced old one to its content before the operation).
   In this mode the mutating calls are serialized (from a call's number to its
@@ -264,6 +265,7 @@ class Interceptor:
                     return fn(*args, **kwargs)
                 me.point(f"os.{name} {me._rel(src)} -> {me._rel(dst)}")
                 replaced = None
+                replaced_link = None        # the replaced entry's inode, when another name keeps it
                 me._local.busy = True
                 try:
                     if me._track() and kind == "rename":
@@ -272,6 +274,8 @@ class Interceptor:
                             if stat.S_ISREG(st.st_mode):
                                 me._backup(st.st_ino, dst)
                                 replaced = me.files.get(st.st_ino, {}).get("backup")
+                                if st.st_nlink > 1:
+                                    replaced_link = st.st_ino
                         except OSError:
                             pass
                 finally:
@@ -286,7 +290,8 @@ class Interceptor:
                             me.entries.append({"seq": me.seq, "kind": "rename", "parent": os.stat(os.path.dirname(dst)).st_ino,
                                                "name": os.path.basename(dst), "ino": ino,
                                                "src_parent": os.stat(os.path.dirname(src)).st_ino,
-                                               "src_name": os.path.basename(src), "replaced_backup": replaced})
+                                               "src_name": os.path.basename(src), "replaced_backup": replaced,
+                                               "replaced_link": replaced_link})
                         else:
                             me._entry("create", os.path.dirname(dst), os.path.basename(dst), ino)
                     except OSError:
@@ -513,7 +518,14 @@ def apply_power_loss(journal: Dict[str, Any], root: str) -> List[str]:
                 continue
             os.rename(p, src)
             done.append(f"undo rename {os.path.relpath(src, os.path.dirname(root))} -> {rel}")
-            if e.get("replaced_backup"):
+            other = paths().get(e["replaced_link"]) if e.get("replaced_link") is not None else None
+            if other is not None:
+                # The replaced entry was a hard link whose inode another name still holds
+                # (Lightning's last.ckpt): the entry comes back pointing at that inode.
+                os.link(other, p)
+                done.append(f"restore {rel} (a link to {os.path.relpath(other, os.path.dirname(root))}, "
+                            f"which the rename replaced)")
+            elif e.get("replaced_backup"):
                 shutil.copyfile(e["replaced_backup"], p)
                 done.append(f"restore {rel} (the file the rename replaced)")
     where = paths()
@@ -663,6 +675,11 @@ class Program:
     restart_values: Any = None
     #: Longer programs: the worlds given the crash record's tag (None: the program ended).
     worlds_at: Optional[Callable[[Optional[str]], List[World]]] = None
+    #: Imports to make once in the fork server, not in every child (a framework: seconds).
+    preload: Optional[Callable[[], None]] = None
+    #: kind="objects": the directory under the case that the program mirrors to
+    #: persist_to/<mirror_dir> (checked on both sides); None: its files are on the store only.
+    mirror_dir: Optional[str] = None
 
 
 #: Knobs every program uses: deterministic I/O (one writer thread, O_DIRECT
@@ -913,32 +930,56 @@ def _check_objects(ctx: Ctx, program: Program) -> List[str]:
     from lazyckpt.storage.s3 import store_for
     store, prefix = store_for(ctx.persist_to, _storage_options_key(ctx.storage_options))
     problems = []
-    names = sorted(o["Key"][len(prefix) + 1:] for o in store.list(prefix + "/"))
-    found = {}
-    for name in names:
-        try:
-            got = torch.load(io.BytesIO(store.get(f"{prefix}/{name}")), weights_only=True)
-        except Exception as exc:
-            problems.append(f"{name}: does not load: {type(exc).__name__}: {exc}")
-            continue
-        worlds = [w.latest for w in program.worlds if not differs(w.allowed[w.latest], got)]
-        if not worlds:
-            problems.append(f"{name}: holds neither the old nor the new checkpoint")
-        found[name] = worlds[0] if worlds else None
-    topk = {n: s for n, s in found.items() if n != "last.ckpt"}
-    if "last.ckpt" not in found:
-        problems.append(f"no last.ckpt ({names})")
-    elif topk and found["last.ckpt"] is not None and found["last.ckpt"] < min(topk.values()):
-        problems.append(f"last.ckpt names step {found['last.ckpt']}, older than every top-k file ({topk})")
-    if not topk:
-        problems.append(f"no top-k file left ({names})")
-    plugin = LazyCheckpointIO(storage_options=ctx.storage_options, **KNOBS)
+    sides = {"store": {}}
+    if program.mirror_dir is None:
+        for o in store.list(prefix + "/"):
+            name = o["Key"][len(prefix) + 1:]
+            sides["store"][name] = lambda n=name: store.get(f"{prefix}/{n}")
+    else:
+        directory = os.path.join(ctx.case, program.mirror_dir)
+        for o in store.list(f"{prefix}/{program.mirror_dir}/"):
+            name = o["Key"][len(prefix) + len(program.mirror_dir) + 2:]
+            sides["store"][name] = lambda n=name: store.get(f"{prefix}/{program.mirror_dir}/{n}")
+        sides["local"] = {n: (lambda n=n: open(os.path.join(directory, n), "rb").read())
+                          for n in sorted(os.listdir(directory)) if not n.startswith(".")}
+    for side, files in sides.items():
+        found = {}
+        for name, read in sorted(files.items()):
+            try:
+                got = torch.load(io.BytesIO(read()), weights_only=True)
+            except Exception as exc:
+                problems.append(f"{side}: {name}: does not load: {type(exc).__name__}: {exc}")
+                continue
+            worlds = [w.latest for w in program.worlds if not differs(w.allowed[w.latest], got)]
+            if not worlds:
+                problems.append(f"{side}: {name}: holds neither the old nor the new checkpoint")
+            found[name] = worlds[0] if worlds else None
+        topk = {n: s for n, s in found.items() if n != "last.ckpt"}
+        if "last.ckpt" not in found:
+            problems.append(f"{side}: no last.ckpt ({sorted(files)})")
+        elif topk and found["last.ckpt"] is not None and found["last.ckpt"] < min(topk.values()):
+            problems.append(f"{side}: last.ckpt names step {found['last.ckpt']}, older than every top-k file "
+                            f"({topk})")
+        if not topk:
+            problems.append(f"{side}: no top-k file left ({sorted(files)})")
     values = make_state(999)
     try:
-        plugin.save_checkpoint(values, f"{ctx.persist_to}/restart.ckpt")
+        if program.mirror_dir is None:
+            plugin = LazyCheckpointIO(storage_options=ctx.storage_options, **KNOBS)
+            target = f"{ctx.persist_to}/restart.ckpt"
+        else:
+            plugin = LazyCheckpointIO(storage_options=ctx.storage_options, persist_to=ctx.persist_to,
+                                      local_root=ctx.case, **KNOBS)
+            target = os.path.join(ctx.case, program.mirror_dir, "restart.ckpt")
+        plugin.save_checkpoint(values, target)
         plugin.teardown()
-        if differs(values, plugin.load_checkpoint(f"{ctx.persist_to}/restart.ckpt")):
+        if differs(values, plugin.load_checkpoint(target)):
             problems.append("restart: save then load differs")
+        if program.mirror_dir is not None:
+            # The restart's first save brought the store level with the directory.
+            missing = set(os.listdir(os.path.dirname(target))) - set(plugin.mirror.names(os.path.dirname(target)))
+            if {n for n in missing if not n.startswith(".")}:
+                problems.append(f"restart: files not on the store after the first save: {sorted(missing)}")
     except Exception as exc:
         problems.append(f"restart: {type(exc).__name__}: {exc}")
     return problems
@@ -1100,6 +1141,8 @@ def _cleanup(case: str, side: str) -> None:
 def preload(program: Program) -> None:
     """Import in the fork server what every child would import again (boto3:
     0.4 s a child here). Imports only: no client, no socket, no thread."""
+    if program.preload is not None:
+        program.preload()
     if program.persist:
         import boto3
         import botocore.config  # noqa: F401

@@ -186,7 +186,41 @@ def lightning_s3_program() -> Program:
             io.remove_checkpoint(f"{ctx.persist_to}/{TOPK.format(1)}")
             io.teardown()
     return Program("lightning-s3-rotation", prepare, run, [World("old", 1, {1: S[1]}), World("new", 2, {2: NEW})],
-                   kind="objects", persist=True)
+                   kind="objects", persist=True, preload=_import_lightning)
+
+
+def lightning_persist_program() -> Program:
+    """The same rotation in a local directory with ``persist_to``: the local
+    commits, last.ckpt's hard link, the removal, and the persistent tier's
+    uploads, copy and delete, in that order. Both sides are checked, and the
+    restart's first save must bring the store level with the directory."""
+    def plugin(ctx: Ctx) -> Any:
+        from lazyckpt.integrations.lightning import LazyCheckpointIO
+        return LazyCheckpointIO(storage_options=ctx.storage_options, persist_to=ctx.persist_to,
+                                local_root=ctx.case, **KNOBS)
+
+    def prepare(ctx: Ctx) -> None:
+        io = plugin(ctx)
+        io.save_checkpoint(S[1], os.path.join(ctx.case, "ck", TOPK.format(1)))
+        io.save_checkpoint(S[1], os.path.join(ctx.case, "ck", "last.ckpt"))
+        io.teardown()
+
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        io = plugin(ctx)
+        new, last = os.path.join(ctx.case, "ck", TOPK.format(2)), os.path.join(ctx.case, "ck", "last.ckpt")
+        with icp.operation():
+            io.save_checkpoint(NEW, new)
+            io.stand_in(new, last)
+            io.save_checkpoint(NEW, last)
+            io.remove_checkpoint(os.path.join(ctx.case, "ck", TOPK.format(1)))
+            io.teardown()
+    return Program("lightning-persist-rotation", prepare, run,
+                   [World("old", 1, {1: S[1]}), World("new", 2, {2: NEW})],
+                   kind="objects", persist=True, preload=_import_lightning, mirror_dir="ck")
+
+
+def _import_lightning() -> None:
+    from lazyckpt.integrations.lightning import LazyCheckpointIO  # noqa: F401  (imports lightning.pytorch)
 
 
 #: ModelCheckpoint's file name for step i (epoch 0).
@@ -200,7 +234,8 @@ def local_programs() -> List[Program]:
 
 
 def persist_programs() -> List[Program]:
-    return [save_program(None, persist=True), rollback_program(None, persist=True), lightning_s3_program()]
+    return [save_program(None, persist=True), rollback_program(None, persist=True), lightning_s3_program(),
+            lightning_persist_program()]
 
 
 def all_programs() -> List[Program]:

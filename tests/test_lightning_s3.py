@@ -162,3 +162,65 @@ def test_a_kill_on_s3_leaves_last_naming_a_committed_checkpoint(kill_batch, s3en
     assert {"epoch=2-step=24.ckpt", "last.ckpt"} <= set(_objects(s3env, s3_bucket, "run"))
     open_uploads = s3env.client().list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
     assert len(open_uploads) <= 1           # at most the killed run's upload, which prune's cleanup aborts
+
+
+# ----------------------------------------------------------------------------- persist_to (issue 35, 8)
+
+
+def _persisting(tmp_path, s3_bucket, **kw):
+    return lzl.LazyCheckpointIO(persist_to=f"s3://{s3_bucket}/tier", local_root=str(tmp_path), **kw)
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_persist_to_mirrors_rotation_and_resumes_bit_exact_with_the_local_directory_gone(
+        save_last, s3env, s3_bucket, tmp_path, monkeypatch):
+    """Files committed locally are uploaded, top-k removals and last.ckpt follow on
+    the store; after fit the store holds what the directory holds (last.ckpt a
+    whole file there, whichever save_last). With the local directory deleted,
+    fit(ckpt_path="last") fetches last.ckpt from the store and resumes bit-exact
+    against the same resume from the kept directory with the default plugin.
+    Before: persist_to refused."""
+    monkeypatch.chdir(tmp_path)
+    dirpath = tmp_path / "ck"
+    kw = dict(monitor="score", mode="min", save_top_k=2, every_n_train_steps=1, save_last=save_last)
+    plugin = _persisting(tmp_path, s3_bucket)
+    trainer, ckpt, _, _ = fit(plugin, dirpath, epochs=1, **kw)
+    local = sorted(os.listdir(dirpath))
+    assert _objects(s3env, s3_bucket, "tier/ck") == local and "last.ckpt" in local
+    for name in local:             # each object is the local file's checkpoint, bit for bit
+        a, b = _load(s3env, f"s3://{s3_bucket}/tier/ck/{name}"), torch.load(dirpath / name, weights_only=True)
+        assert a["global_step"] == b["global_step"] and all(
+            torch.equal(x, y) for x, y in zip(a["state_dict"].values(), b["state_dict"].values())), name
+    assert plugin.mirror.done >= len(local)
+
+    import shutil
+    shutil.rmtree(dirpath)                                   # the node is lost
+    resumed, _, _, model = fit(_persisting(tmp_path, s3_bucket), dirpath, epochs=2, ckpt_path="last", **kw)
+    assert resumed.global_step == 16                         # 8 restored from the store + 8 more
+    # The oracle: the same two runs with the default plugin and the directory kept.
+    fit("default", tmp_path / "ref", epochs=1, **kw)
+    _, straight, _, reference = fit("default", tmp_path / "ref", epochs=2, ckpt_path="last", **kw)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+    # The rotation went on from the callback's restored state: the store holds the files
+    # the default leaves (a top-k file of the first run included, which only the store
+    # has now), and best_model_path loads from it although it is not local.
+    assert _objects(s3env, s3_bucket, "tier/ck") == sorted(os.listdir(tmp_path / "ref"))
+    assert set(os.listdir(dirpath)) <= set(_objects(s3env, s3_bucket, "tier/ck"))
+    best = resumed.checkpoint_callback.best_model_path
+    assert os.path.basename(best) == os.path.basename(straight.best_model_path)
+    got = resumed.strategy.checkpoint_io.load_checkpoint(best)
+    assert got["global_step"] == torch.load(straight.best_model_path, weights_only=True)["global_step"]
+
+
+def test_persist_to_refusals_say_why(s3env, s3_bucket, tmp_path):
+    with pytest.raises(ValueError, match="expected an object store URL"):
+        lzl.LazyCheckpointIO(persist_to=str(tmp_path / "elsewhere"))
+    with pytest.raises(ValueError, match="local_root= names what persist_to= mirrors"):
+        lzl.LazyCheckpointIO(local_root=str(tmp_path))
+    plugin = _persisting(tmp_path / "root", s3_bucket)
+    with pytest.raises(ValueError, match="outside local_root"):
+        plugin.save_checkpoint({"x": torch.zeros(2)}, str(tmp_path / "other" / "a.ckpt"))
+    with pytest.raises(ValueError, match="already on an object store"):
+        plugin.save_checkpoint({"x": torch.zeros(2)}, f"s3://{s3_bucket}/direct/a.ckpt")
+    plugin.teardown()

@@ -57,11 +57,14 @@ WHOLE_FILE_REFUSED = {
 }
 
 
-def file_writer_options(integration: str, knobs: Dict[str, Any], object_stores: bool = False) -> Options:
+def file_writer_options(integration: str, knobs: Dict[str, Any], object_stores: bool = False,
+                        persist: bool = False) -> Options:
     """The Options of an integration's :class:`AsyncFileWriter`, refusing (with the
     reason) every knob that such a writer would ignore. ``object_stores``: the
-    integration writes ``s3://`` paths too, so ``storage_options`` is used."""
-    refused = {k: v for k, v in WHOLE_FILE_REFUSED.items() if not (object_stores and k == "storage_options")}
+    integration writes ``s3://`` paths too, so ``storage_options`` is used;
+    ``persist``: it has a persistent tier (``persist_bandwidth`` caps it)."""
+    used = ({"storage_options"} if object_stores else set()) | ({"persist_bandwidth"} if persist else set())
+    refused = {k: v for k, v in WHOLE_FILE_REFUSED.items() if k not in used}
     return resolve_for(integration, refused, **knobs)
 
 

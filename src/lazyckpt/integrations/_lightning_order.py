@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 import threading
 import weakref
 from typing import Any, Dict, Tuple
@@ -332,6 +333,20 @@ def _wrap_model_checkpoint(mc_cls: type, plugin_of: Any) -> None:
         finally:
             d["_lazyckpt_saving_last"] -= 1
 
+    original_find_last = mc_cls._find_last_checkpoints      # already wrapped by _inside
+
+    @functools.wraps(original_find_last)
+    def _find_last_checkpoints(self: Any, trainer: Any) -> set:
+        found = original_find_last(self, trainer)
+        plugin = plugin_of(trainer)
+        if found or plugin is None or plugin.mirror is None:
+            return found
+        # ckpt_path="last" with no local last file: the persistent tier's (a lost node).
+        directory = self._ModelCheckpoint__resolve_ckpt_dir(trainer)
+        pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
+        return plugin.fetch_from_store(str(directory), pattern.match)
+
+    mc_cls._find_last_checkpoints = _find_last_checkpoints
     mc_cls._save_last_checkpoint = _save_last_checkpoint
     mc_cls.file_exists = file_exists
     mc_cls._link_checkpoint = staticmethod(_link_checkpoint)

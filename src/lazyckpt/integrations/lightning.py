@@ -110,6 +110,7 @@ from lazyckpt.saving.engine import SaveHandle
 from . import _lightning_order
 from lazyckpt.storage.fileio import replace_with_link as _replace_with_link
 from lazyckpt.storage.stores import for_path
+from lazyckpt.tiers.files import FileMirror, check_mirror_target
 from ._async import AsyncFileWriter, file_writer_options, is_lazyckpt_file
 from ._async import file_location as _store_location
 
@@ -132,6 +133,14 @@ class _LazyCheckpointIOImpl:
             allow unless ``weights_only=True``. ``False``: always refuse.
         guard_buffers: also wait for a pending capture before the forward of a
             training-mode module that owns persistent buffers (BatchNorm).
+        persist_to: an object store URL (``s3://bucket/prefix``): every file
+            committed under ``local_root`` is uploaded there in the background,
+            removals are applied there too, and ``fit(ckpt_path="last")`` with
+            the local directory gone fetches ``last.ckpt`` back from it
+            (:mod:`lazyckpt.tiers.files`). ``persist_bandwidth`` caps it.
+        local_root: the local directory mirrored under ``persist_to`` (default:
+            the working directory when the plugin is made); every checkpoint
+            directory must be under it.
         **knobs: lazyckpt options (``host_cache_bytes``, ``writer_threads``,
             ``o_direct``, ``chunk_bytes``, ``max_pending_saves`` ...).
     """
@@ -139,7 +148,8 @@ class _LazyCheckpointIOImpl:
     _torch_io_path = ""     # module of the tree's TorchCheckpointIO, set per tree
 
     def __init__(self, file_format: Optional[str] = None, allow_pickle: Optional[bool] = None,
-                 guard_buffers: bool = True, **knobs: Any) -> None:
+                 guard_buffers: bool = True, persist_to: Optional[str] = None, local_root: Optional[str] = None,
+                 **knobs: Any) -> None:
         super().__init__()
         if file_format not in (None, "torch", "lazyckpt"):
             raise ValueError(f"file_format={file_format!r}: expected 'torch' (torch.load-compatible .ckpt) "
@@ -149,7 +159,16 @@ class _LazyCheckpointIOImpl:
         self.guard_buffers = guard_buffers
         self.knobs = dict(knobs)
         # Unknown knobs, and those a file writer would ignore, are refused now, not at the first save.
-        self.options = file_writer_options(type(self).__name__, self.knobs, object_stores=True)
+        self.options = file_writer_options(type(self).__name__, self.knobs, object_stores=True,
+                                           persist=persist_to is not None)
+        if persist_to is not None and not for_path(persist_to).is_remote:
+            raise ValueError(f"persist_to={persist_to!r}: expected an object store URL (s3://bucket/prefix): the "
+                             f"persistent tier is where the checkpoints survive the loss of this node")
+        if local_root is not None and persist_to is None:
+            raise ValueError("local_root= names what persist_to= mirrors; without persist_to it does nothing")
+        self.persist_to = persist_to
+        self.local_root = os.path.abspath(local_root or os.getcwd())
+        self._mirror: Optional[FileMirror] = None
         self._writer: Optional[AsyncFileWriter] = None
         self._init_runtime()
 
@@ -175,19 +194,28 @@ class _LazyCheckpointIOImpl:
         self._stand_ins: set = set()                     # last paths made by stand_in, not yet Lightning's
         self._publishing: Dict[str, Optional[str]] = {}  # a save not yet published -> its stand-in last path
         self._copy_at_commit: Dict[str, str] = {}        # an object just published -> its stand-in last path
+        self._stood_in: Dict[str, str] = {}              # a file just published -> the last path linked to it
 
     # Runtime state (threads, locks, pending actions) does not travel to ddp_spawn children.
     def __getstate__(self) -> Dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_actions", "_removals", "_links", "_running_actions", "_trainer_call",
                               "_last_trainer", "_views", "_last_save", "_action_lock", "_at_commit",
-                              "_commit_errors", "_stand_ins", "_publishing", "_copy_at_commit")}
+                              "_commit_errors", "_stand_ins", "_publishing", "_copy_at_commit", "_stood_in")}
         state["_writer"] = None
+        state["_mirror"] = None
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._init_runtime()
+
+    @property
+    def mirror(self) -> Optional[FileMirror]:
+        """The persistent tier (``persist_to``), made at first use; None without one."""
+        if self._mirror is None and self.persist_to is not None:
+            self._mirror = FileMirror(self.persist_to, self.local_root, self.options)
+        return self._mirror
 
     @property
     def writer(self) -> AsyncFileWriter:
@@ -203,6 +231,12 @@ class _LazyCheckpointIOImpl:
                             f"{type(self).__name__}")
         local = file_location(path)
         self.run_due_actions()
+        mirror = self.mirror
+        if mirror is not None:
+            check_mirror_target(local)
+            mirror.raise_errors()
+            mirror.key(local)                       # outside local_root: refused before a byte moves
+            mirror.sync(os.path.dirname(local), lambda name: not name.startswith("."))
         self._stand_ins.discard(local)
         self._cancel_pending_removal(local)
         kwargs = {"file_format": self.file_format} if self.file_format == "torch" else {}
@@ -239,6 +273,10 @@ class _LazyCheckpointIOImpl:
             self._writer.wait(local, raise_errors=False)
         store = for_path(local)
         if not store.exists(local, self.options):
+            mirror = self.mirror if not store.is_remote else None
+            if mirror is not None and mirror.store.exists(mirror.key(local), self.options):
+                # The local copy is gone (a lost node): the persistent tier's.
+                return self.load_checkpoint(mirror.key(local), map_location, weights_only)
             raise FileNotFoundError(f"Checkpoint file not found: {local}")
         if not is_lazyckpt_file(local, self.options):
             # A torch zip: written by this plugin with file_format="torch", or by torch.save.
@@ -288,7 +326,7 @@ class _LazyCheckpointIOImpl:
         target, linkpath = file_location(target), file_location(linkpath)
         self._stand_ins.discard(linkpath)
         self._cancel_pending_removal(linkpath)
-        action = self._defer(lambda: _replace_with_link(target, linkpath), kind="link", path=linkpath)
+        action = self._defer(lambda: self._link(target, linkpath), kind="link", path=linkpath)
         self._links[linkpath] = action
         self._also_at_commit(action)
         self.run_due_actions()
@@ -321,6 +359,8 @@ class _LazyCheckpointIOImpl:
                 return
         if store.exists(source, self.options):     # already visible (a fast commit): at once
             store.copy_file(source, path, self.options)
+            if self._mirror is not None:
+                self._mirror.copied(source, path)
 
     def _before_publish(self, final: str, temporary: str) -> None:
         """On the writer's thread: ``final``'s bytes are durable at ``temporary``."""
@@ -331,6 +371,8 @@ class _LazyCheckpointIOImpl:
                 last = None
         if last:
             _replace_with_link(temporary, last, hard=True)
+            with self._action_lock:
+                self._stood_in[final] = last
 
     def _also_at_commit(self, action: "_Action") -> None:
         if action.after is not None and not action.after.done():
@@ -341,6 +383,12 @@ class _LazyCheckpointIOImpl:
         """On the writer's thread, ``handle``'s file just durable: the links waiting for it."""
         with self._action_lock:
             copy_to = self._copy_at_commit.pop(handle.path, None)
+            stood_in = self._stood_in.pop(handle.path, None)
+        if self._mirror is not None:
+            # In the order it happened here: the file, then last.ckpt naming it.
+            self._mirror.uploaded(handle.path)
+            if stood_in:
+                self._mirror.copied(handle.path, stood_in)
         if copy_to:
             try:
                 for_path(copy_to).copy_file(handle.path, copy_to, self.options)
@@ -448,6 +496,10 @@ class _LazyCheckpointIOImpl:
         finally:
             if writer is not None:
                 writer.close()
+            if self._mirror is not None:
+                self._mirror.close()            # every upload, copy and removal asked so far is on the store
+        if self._mirror is not None:
+            self._mirror.raise_errors()
 
     def wait_for_snapshot(self) -> None:
         """Block until pending saves have copied their data; then state may be modified in place."""
@@ -464,6 +516,9 @@ class _LazyCheckpointIOImpl:
             self._writer.wait(raise_errors=False)
             self.run_due_actions(block=True)
             self._writer.raise_errors()
+        if self._mirror is not None:
+            self._mirror.wait()
+            self._mirror.raise_errors()
 
     # ------------------------------------------------------------------ helpers
 
@@ -481,8 +536,31 @@ class _LazyCheckpointIOImpl:
         """How the plugin keys ``path`` (:func:`file_location`)."""
         return file_location(path)
 
+    def fetch_from_store(self, directory: str, wanted: Any) -> set:
+        """Download the files of ``directory`` whose names ``wanted`` accepts from
+        the persistent tier (each whole, then renamed into place); their local paths."""
+        mirror = self.mirror
+        directory = file_location(directory)
+        if mirror is None or for_path(directory).is_remote:
+            return set()
+        out = set()
+        for name in mirror.names(directory):
+            if wanted(name):
+                local = os.path.join(directory, name)
+                mirror.fetch(local)
+                log.info("lazyckpt: %s: fetched from the persistent tier %s", local, mirror.key(local))
+                out.add(os.path.normpath(local))
+        return out
+
     def _remove(self, path: str) -> None:
         for_path(path).delete_file(path, self.options)
+        if self._mirror is not None:
+            self._mirror.removed(path)
+
+    def _link(self, target: str, linkpath: str) -> None:
+        _replace_with_link(target, linkpath)
+        if self._mirror is not None:
+            self._mirror.copied(target, linkpath)
 
     def _forget(self, action: "_Action") -> None:
         for table in (self._removals, self._links):

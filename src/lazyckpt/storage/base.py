@@ -477,6 +477,11 @@ class Store(abc.ABC):
     # Whole files a framework names and rotates itself (Lightning's .ckpt files).
 
     @abc.abstractmethod
+    def list_files(self, directory: str, options: "Options") -> List[str]:
+        """Sorted names of the files directly in ``directory`` (a prefix's objects
+        one level down); empty if there is none. One listing."""
+
+    @abc.abstractmethod
     def exists(self, path: str, options: "Options") -> bool:
         """Whether something is at ``path`` (a file, a link, an object)."""
 

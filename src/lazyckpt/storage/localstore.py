@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-from typing import Any, Callable, ContextManager, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
@@ -70,6 +70,13 @@ class LocalStore(Store):
     def write_whole(self, path: str, data: bytes, options: Options) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_file_atomic(path, data)
+
+    def list_files(self, directory: str, options: Options) -> List[str]:
+        try:
+            return sorted(e.name for e in os.scandir(directory) if e.is_file(follow_symlinks=False)
+                          or e.is_symlink())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def exists(self, path: str, options: Options) -> bool:
         return os.path.lexists(path)

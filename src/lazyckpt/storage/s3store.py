@@ -4,7 +4,7 @@ committed by a manifest object (``s3layout``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 from lazyckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
@@ -64,6 +64,11 @@ class S3Store(Store):
         """One PUT: an object store shows the whole object or the previous one."""
         store, key = store_for(self.normalize(path), options.storage_options)
         store.put(key, data)
+
+    def list_files(self, directory: str, options: Options) -> List[str]:
+        store, key = store_for(self.normalize(directory), options.storage_options)
+        prefix = f"{key}/" if key else ""
+        return sorted(n for n in (o["Key"][len(prefix):] for o in store.list(prefix)) if n and "/" not in n)
 
     def exists(self, path: str, options: Options) -> bool:
         store, key = store_for(self.normalize(path), options.storage_options)

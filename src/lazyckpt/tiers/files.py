@@ -1,0 +1,219 @@
+"""The persistent tier of a framework's own files (``persist_to=`` of Lightning's
+``LazyCheckpointIO``): every checkpoint file the framework commits locally is
+uploaded to an object store in the background, the framework's rotation is
+applied there too, and a run whose local directory is gone finds its files
+again on the store.
+
+A file at ``<local_root>/<relative path>`` is mirrored at
+``<persist_to>/<relative path>``. One thread runs the operations in the order
+they were asked: upload a committed file, copy one file's object to another
+name (``last.ckpt`` naming the newest top-k file), delete an object. That
+order is the framework's own order locally (a new file, then ``last``, then
+the removal of the old one), so at every instant the store holds what the
+local directory held at some earlier instant: a kill never leaves the store
+without a complete ``last.ckpt`` once one was there, and never with the new
+file's removal ahead of its upload. Each operation is one atomic step of the
+store (an upload completes whole; a copy or a delete is one request).
+
+What a kill leaves: the store behind the local directory (files not yet
+uploaded, removals not yet applied). The first save into a directory after a
+restart reconciles it (``sync``): local files the store lacks are uploaded.
+Objects whose local file is gone are left: from the store alone nothing tells
+a file the framework removed (its removal not applied before the kill) from
+one a resume did not fetch back, and deleting the second would lose a
+checkpoint the framework still tracks; such a leftover is a complete, older
+checkpoint.
+
+Cost: one listing of a directory's prefix at its first save in a process, then
+O(1) requests per operation, whatever the run's length.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import os
+import threading
+from typing import Callable, Deque, List, Optional, Set, Tuple
+
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
+from lazyckpt.knobs import Options
+from lazyckpt.storage.stores import for_path
+from .drain import RateLimit
+from .persistent import upload_file
+
+log = logging.getLogger("lazyckpt")
+
+
+class FileMirror:
+    """Mirrors files under ``local_root`` to ``persist_to`` (see the module docstring).
+
+    Failures are kept and raised once, by :meth:`raise_errors` (the integration
+    calls it at its next save and at teardown); an operation that failed is not
+    retried, and the ones after it still run (a later upload makes the store
+    current again)."""
+
+    def __init__(self, persist_to: str, local_root: str, options: Options):
+        store = for_path(persist_to)
+        if not store.is_remote:
+            raise ValueError(f"persist_to={persist_to!r}: expected an object store URL (s3://bucket/prefix): "
+                             f"the persistent tier is where the files survive the loss of this node")
+        self.url = store.normalize(persist_to).rstrip("/")
+        self.store = store
+        self.local_root = os.path.abspath(local_root)
+        self.options = options
+        store.check(self.url, options)              # credentials, the bucket: one clear error now
+        self._ops: Deque[Tuple[str, Callable[[], None]]] = collections.deque()
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._busy = False
+        self._errors: List[BaseException] = []
+        self._synced: Set[str] = set()
+        self._pool: Optional[cf.ThreadPoolExecutor] = None
+        self._limit = RateLimit(options.persist_bandwidth or 0)
+        #: Operations done (for tests and the note: proves the tier ran).
+        self.done = 0
+
+    # ------------------------------------------------------------------ names
+
+    def key(self, local: str) -> str:
+        """The object URL that mirrors the local path ``local`` (a file or a
+        directory under ``local_root``, or ``local_root`` itself)."""
+        rel = os.path.relpath(os.path.abspath(local), self.local_root)
+        if rel.startswith(os.pardir + os.sep) or rel == os.pardir:
+            raise ValueError(f"{local}: outside local_root={self.local_root!r}; persist_to mirrors the files under "
+                             f"it (pass local_root= a directory that holds every checkpoint directory)")
+        return self.url if rel == os.curdir else self.store.join(self.url, *rel.split(os.sep))
+
+    # ------------------------------------------------------------------ operations (queued in order)
+
+    def uploaded(self, local: str) -> None:
+        """``local`` was just committed: upload it (the file as it is when the upload runs)."""
+        remote = self.key(local)
+        self._queue(f"upload {local}", lambda: self._upload(local, remote))
+
+    def copied(self, source: str, dest: str) -> None:
+        """``dest`` now names the same checkpoint as ``source`` (a last.ckpt link or stand-in)."""
+        src, dst = self.key(source), self.key(dest)
+
+        def copy() -> None:
+            try:
+                self.store.copy_file(src, dst, self.options)
+            except CheckpointNotFoundError:
+                # ``source`` was removed locally before its upload's turn (rotation):
+                # ``dest`` is a file of its own there (a hard link or a copy); send it.
+                self._upload(dest, dst)
+        self._queue(f"copy {source} -> {dest}", copy)
+
+    def removed(self, local: str) -> None:
+        """The framework removed ``local`` (rotation): remove its object."""
+        remote = self.key(local)
+        self._queue(f"delete {local}", lambda: self.store.delete_file(remote, self.options))
+
+    def sync(self, directory: str, is_checkpoint: Callable[[str], bool]) -> None:
+        """Once per directory and process, before its first new file: bring the
+        store's copy of ``directory`` level with it (see the module docstring)."""
+        directory = os.path.abspath(directory)
+        if directory in self._synced:
+            return
+        self._synced.add(directory)
+        try:
+            local = {n for n in os.listdir(directory) if is_checkpoint(n)}
+        except FileNotFoundError:
+            local = set()
+        if not local:
+            return                                  # nothing here (new, or lost): the store keeps its files
+        remote = set(self.names(directory))
+        for name in sorted(local - remote):
+            self.uploaded(os.path.join(directory, name))
+
+    # ------------------------------------------------------------------ the read side
+
+    def names(self, directory: str) -> List[str]:
+        """The files the store holds for ``directory`` (one listing)."""
+        return self.store.list_files(self.key(directory), self.options)
+
+    def fetch(self, local: str) -> None:
+        """Download the object that mirrors ``local`` to ``local`` (whole, then
+        renamed into place and fsynced): a resume from the store after the local
+        copy was lost."""
+        data = self.store.read_whole(self.key(local), self.options, limit=1 << 62)
+        for_path(local).write_whole(local, data, self.options)
+
+    # ------------------------------------------------------------------ waiting, errors, closing
+
+    def wait(self) -> None:
+        """Block until every operation queued so far ran."""
+        with self._cond:
+            while self._ops or self._busy:
+                self._cond.wait()
+
+    def raise_errors(self) -> None:
+        with self._cond:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread."""
+        self.wait()
+        with self._cond:
+            thread, self._thread = self._thread, None
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _upload(self, local: str, remote: str) -> None:
+        if not os.path.isfile(local):
+            return                                  # removed before its turn: its removal follows
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(max(1, self.options.writer_threads),
+                                               thread_name_prefix="lazyckpt-mirror")
+        upload_file(local, remote, self.options, max(self.options.chunk_bytes, 8 << 20), self._pool, self._limit)
+
+    def _queue(self, what: str, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._ops.append((what, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lazyckpt-mirror", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ops and self._thread is threading.current_thread():
+                    self._cond.wait()
+                if not self._ops:
+                    return                          # closed
+                what, fn = self._ops.popleft()
+                self._busy = True
+            try:
+                fn()
+                self.done += 1
+            except BaseException as exc:
+                error = exc if isinstance(exc, CheckpointError) else CheckpointWriteError(
+                    f"{self.url}: persistent tier: {what} failed: {type(exc).__name__}: {exc}", path=self.url)
+                log.warning("lazyckpt: %s", error)
+                with self._cond:
+                    self._errors.append(error)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+def check_mirror_target(path: str) -> None:
+    """A file that ``persist_to`` would mirror must be local."""
+    if for_path(path).is_remote:
+        raise ValueError(f"{path}: already on an object store; persist_to mirrors local files (drop persist_to, "
+                         f"or write locally)")
+
+
+__all__ = ["FileMirror", "check_mirror_target"]
