@@ -43,10 +43,9 @@ WHOLE_FILE_REFUSED = {
     "incremental": "each checkpoint file must stand alone: the framework deletes older files itself "
                    "(save_top_k, save_total_limit), so a file cannot refer to bytes of an earlier one",
     "full_every": "it only applies to incremental saves, which whole framework files cannot be",
-    "storage_options": "this integration writes to a local directory (object storage is not supported here; "
-                       "Lightning's LazyCheckpointIO writes s3:// dirpaths)",
-    "persist_bandwidth": "it caps the drain of a persistent tier (persist_to=), which this integration does "
-                         "not have",
+    "storage_options": "this integration writes to a local directory and has no persistent tier here (give "
+                       "the persist_to option to mirror it to an object store)",
+    "persist_bandwidth": "it caps the drain of a persistent tier, and none was asked for (persist_to)",
     "advise_mtbf": "the framework schedules the checkpoints; `lazyckpt advise` gives the interval from "
                    "the manifests",
     "persist_to": "it is a Checkpointer argument, and " + _KEEPS_FILES,
@@ -63,7 +62,8 @@ def file_writer_options(integration: str, knobs: Dict[str, Any], object_stores: 
     reason) every knob that such a writer would ignore. ``object_stores``: the
     integration writes ``s3://`` paths too, so ``storage_options`` is used;
     ``persist``: it has a persistent tier (``persist_bandwidth`` caps it)."""
-    used = ({"storage_options"} if object_stores else set()) | ({"persist_bandwidth"} if persist else set())
+    used = ({"storage_options"} if object_stores or persist else set()) | \
+        ({"persist_bandwidth"} if persist else set())
     refused = {k: v for k, v in WHOLE_FILE_REFUSED.items() if k not in used}
     return resolve_for(integration, refused, **knobs)
 

@@ -78,7 +78,7 @@ __all__ = ["CommittedSaveEvents", "guard_in_place_changes", "last_complete_check
 
 #: transformers' JIT checkpoint marker (trainer_jit_checkpoint.py).
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
-_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
 # --------------------------------------------------------------------------- on_save after the commit
@@ -223,9 +223,28 @@ def _may_set_control_flags(callback: Any) -> bool:
 def rotate(trainer: Any, run_dir: str, limit: Optional[int], best: Optional[str],
            hidden: AbstractSet[str] = frozenset()) -> None:
     """The plain Trainer's ``save_total_limit`` rotation of ``run_dir``, without the
-    checkpoints in ``hidden`` (absolute paths): neither counted nor deleted."""
+    checkpoints in ``hidden`` (absolute paths): neither counted nor deleted. What it
+    removed is removed from the persistent tier too (``lazyckpt_persist_to``)."""
     if not trainer.args.should_save:
         return
+    before = _checkpoint_dirs(run_dir)
+    try:
+        _rotate(trainer, run_dir, limit, best, hidden)
+    finally:
+        rotated = getattr(trainer, "_lazyckpt_rotated", None)
+        if rotated is not None:
+            rotated(run_dir, before - _checkpoint_dirs(run_dir), limit, best)
+
+
+def _checkpoint_dirs(run_dir: str) -> set:
+    try:
+        return {n for n in os.listdir(run_dir) if CHECKPOINT_DIR.match(n)}
+    except FileNotFoundError:
+        return set()
+
+
+def _rotate(trainer: Any, run_dir: str, limit: Optional[int], best: Optional[str],
+            hidden: AbstractSet[str]) -> None:
     try:
         from transformers.trainer_utils import rotate_checkpoints, sort_checkpoints
     except ImportError:                             # transformers 4.x: a Trainer method
@@ -260,7 +279,7 @@ def last_complete_checkpoint(folder: str) -> Optional[str]:
         names = os.listdir(folder)
     except FileNotFoundError:
         return None
-    steps = sorted(((int(m.group(1)), n) for n in names if (m := _CHECKPOINT_DIR.match(n))
+    steps = sorted(((int(m.group(1)), n) for n in names if (m := CHECKPOINT_DIR.match(n))
                     and os.path.isdir(os.path.join(folder, n))), reverse=True)
     for _, name in steps:
         path = os.path.join(folder, name)

@@ -104,6 +104,8 @@ from lazyckpt import api
 from lazyckpt.errors import MissingKeyError
 from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
 from lazyckpt.storage.layout import clean_sibling_temps, sibling_temp
+from lazyckpt.storage.stores import for_path
+from lazyckpt.tiers.files import FileMirror
 from ._async import AsyncFileWriter, file_writer_options
 from .hf_layout import queue_hf_checkpoint, read_hf_checkpoint, rng_state
 from . import hf_callbacks
@@ -114,6 +116,11 @@ log = logging.getLogger("lazyckpt")
 __all__ = [  # noqa: F822 (LazyCheckpointTrainer: module __getattr__, needs transformers)
            "LazyCheckpointMixin", "LazyCheckpointTrainer", "CHECKPOINT_FILE", "load_model_state",
            "load_checkpoint_state"]
+
+#: What makes a checkpoint-<step> directory complete (lazyckpt renames the whole
+#: directory in; the plain Trainer writes it last): on the persistent tier, uploaded
+#: last and deleted first.
+_MARKER = "trainer_state.json"
 
 #: The lazyckpt file inside each ``checkpoint-<step>`` directory.
 CHECKPOINT_FILE = "lazyckpt.lzc"
@@ -158,13 +165,20 @@ class LazyCheckpointMixin:
     def __init__(self, *args: Any, lazyckpt_options: Optional[Dict[str, Any]] = None,
                  lazyckpt_allow_pickle: bool = False, lazyckpt_guard_buffers: bool = True,
                  lazyckpt_checkpoint_format: str = "hf", lazyckpt_max_shard_size: Any = "50GB",
-                 **kwargs: Any) -> None:
+                 lazyckpt_persist_to: Optional[str] = None, **kwargs: Any) -> None:
         check_format(lazyckpt_checkpoint_format)
         self.lazyckpt_checkpoint_format = lazyckpt_checkpoint_format
         self.lazyckpt_max_shard_size = lazyckpt_max_shard_size
         self.lazyckpt_options = dict(lazyckpt_options or {})
         # Unknown or invalid knobs, and those a file writer would ignore (issue 35, 6), fail here.
-        self._lazyckpt_resolved = file_writer_options("lazyckpt_options", self.lazyckpt_options)
+        self._lazyckpt_resolved = file_writer_options("lazyckpt_options", self.lazyckpt_options,
+                                                      persist=lazyckpt_persist_to is not None)
+        if lazyckpt_persist_to is not None and not for_path(lazyckpt_persist_to).is_remote:
+            raise ValueError(f"lazyckpt_persist_to={lazyckpt_persist_to!r}: expected an object store URL "
+                             f"(s3://bucket/prefix): the persistent tier is where the checkpoints survive the "
+                             f"loss of this node")
+        self.lazyckpt_persist_to = lazyckpt_persist_to
+        self._lazyckpt_mirror: Optional[FileMirror] = None
         self.lazyckpt_allow_pickle = lazyckpt_allow_pickle
         self.lazyckpt_guard_buffers = lazyckpt_guard_buffers
         self._lazyckpt_writer: Optional[AsyncFileWriter] = None
@@ -190,6 +204,15 @@ class LazyCheckpointMixin:
                                                     options=options)
         return self._lazyckpt_writer
 
+    @property
+    def lazyckpt_mirror(self) -> Optional[FileMirror]:
+        """The persistent tier (``lazyckpt_persist_to``): ``args.output_dir`` mirrored
+        under it; None without one."""
+        if getattr(self, "_lazyckpt_mirror", None) is None and getattr(self, "lazyckpt_persist_to", None):
+            self._lazyckpt_mirror = FileMirror(self.lazyckpt_persist_to, self.args.output_dir,
+                                               self.lazyckpt_writer.options)
+        return getattr(self, "_lazyckpt_mirror", None)
+
     def lazyckpt_wait(self) -> None:
         """Block until every queued checkpoint is committed and durable; raise a failure."""
         writer = getattr(self, "_lazyckpt_writer", None)
@@ -197,10 +220,18 @@ class LazyCheckpointMixin:
             writer.wait()
 
     def lazyckpt_close(self, raise_errors: bool = True) -> None:
-        """Drain, then release the host cache, the threads and the hooks."""
+        """Drain, then release the host cache, the threads and the hooks; with a
+        persistent tier, wait until every checkpoint and removal asked is on it."""
         writer, self._lazyckpt_writer = getattr(self, "_lazyckpt_writer", None), None
-        if writer is not None:
-            writer.close(raise_errors=raise_errors)
+        mirror = getattr(self, "_lazyckpt_mirror", None)
+        try:
+            if writer is not None:
+                writer.close(raise_errors=raise_errors)
+        finally:
+            if mirror is not None:
+                mirror.close()
+        if mirror is not None and raise_errors:
+            mirror.raise_errors()
 
     def lazyckpt_wait_for_snapshot(self) -> None:
         """Block until every queued checkpoint has copied the live state: call it
@@ -214,9 +245,13 @@ class LazyCheckpointMixin:
         # resume_from_checkpoint=True: the last *complete* checkpoint (a JIT or killed save
         # can leave a newer, incomplete checkpoint-<step>/ behind).
         if kwargs.get("resume_from_checkpoint") is True:
-            kwargs["resume_from_checkpoint"] = hf_callbacks.resolve_resume(self.args.output_dir)
+            kwargs["resume_from_checkpoint"] = self._lazyckpt_resume_path()
         elif args and args[0] is True:
-            args = (hf_callbacks.resolve_resume(self.args.output_dir),) + args[1:]
+            args = (self._lazyckpt_resume_path(),) + args[1:]
+        else:
+            given = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+            if isinstance(given, (str, os.PathLike)) and not os.path.isdir(given) and self.lazyckpt_mirror:
+                self._lazyckpt_fetch(os.fspath(given))      # the local copy is gone: the store's
         try:
             output = super().train(*args, **kwargs)
         except BaseException:
@@ -226,6 +261,46 @@ class LazyCheckpointMixin:
         self.lazyckpt_close()
         self._lazyckpt_events.flush()
         return output
+
+    def _lazyckpt_resume_path(self) -> str:
+        """``resume_from_checkpoint=True``: the newest complete local checkpoint; with
+        a persistent tier and none here (a lost node), the store's newest, fetched."""
+        mirror = self.lazyckpt_mirror
+        if mirror is not None and hf_callbacks.last_complete_checkpoint(self.args.output_dir) is None:
+            steps = {int(m.group(1)): n for n in mirror.complete_dirs(self.args.output_dir, _MARKER)
+                     if (m := hf_callbacks.CHECKPOINT_DIR.match(n))}
+            if steps:
+                return self._lazyckpt_fetch(os.path.join(self.args.output_dir, steps[max(steps)]))
+        return hf_callbacks.resolve_resume(self.args.output_dir)
+
+    def _lazyckpt_fetch(self, checkpoint_dir: str) -> str:
+        mirror = self.lazyckpt_mirror
+        checkpoint_dir = os.path.abspath(checkpoint_dir)
+        if os.path.basename(checkpoint_dir) not in mirror.complete_dirs(os.path.dirname(checkpoint_dir), _MARKER):
+            return checkpoint_dir           # not on the store either: Trainer's own error follows
+        mirror.fetch_dir(checkpoint_dir)
+        log.info("lazyckpt: %s: fetched from the persistent tier %s", checkpoint_dir, mirror.key(checkpoint_dir))
+        return checkpoint_dir
+
+    def _lazyckpt_rotated(self, run_dir: str, removed: set, limit: Optional[int], best: Optional[str]) -> None:
+        """Rotation removed ``removed`` from ``run_dir``: from the persistent tier too.
+        After a resume from the store, the store also holds checkpoints this
+        directory never had again (only the one resumed from was fetched): with
+        a ``save_total_limit``, those older than every checkpoint kept here (the
+        best one excepted) go too, as they would have gone here."""
+        mirror = getattr(self, "_lazyckpt_mirror", None)
+        if mirror is None:
+            return
+        for name in sorted(removed):
+            mirror.removed_dir(os.path.join(run_dir, name), _MARKER)
+        kept = [int(m.group(1)) for n in os.listdir(run_dir) if (m := hf_callbacks.CHECKPOINT_DIR.match(n))]
+        if limit and limit > 0 and kept:
+            oldest, best_name = min(kept), os.path.basename(best) if best else None
+
+            def doomed(name: str) -> bool:
+                m = hf_callbacks.CHECKPOINT_DIR.match(name)
+                return m is not None and int(m.group(1)) < oldest and name != best_name
+            mirror.removed_dirs_where(run_dir, _MARKER, doomed)
 
     # ------------------------------------------------------------------ saving
 
@@ -314,9 +389,16 @@ class LazyCheckpointMixin:
         best = state.best_model_checkpoint
         limit = args.save_total_limit
 
+        mirror = self.lazyckpt_mirror if args.should_save else None
+        if mirror is not None:
+            mirror.raise_errors()
+            mirror.sync_dirs(run_dir, _MARKER, hf_callbacks.CHECKPOINT_DIR.match)
+
         def on_commit(_pending: Any) -> None:
             # Rotation, push_to_hub and on_save run later, on the training thread (hf_callbacks).
             _commit_directory(staging, output_dir, files)
+            if mirror is not None:
+                mirror.uploaded_dir(output_dir, _MARKER)    # trainer_state.json last: complete there
 
         if hf_format:                           # every file of it through the engine but the small ones
             pending = queue_hf_checkpoint(self, writer, staging, output_dir, rngs,

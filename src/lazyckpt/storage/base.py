@@ -477,9 +477,10 @@ class Store(abc.ABC):
     # Whole files a framework names and rotates itself (Lightning's .ckpt files).
 
     @abc.abstractmethod
-    def list_files(self, directory: str, options: "Options") -> List[str]:
+    def list_files(self, directory: str, options: "Options", recursive: bool = False) -> List[str]:
         """Sorted names of the files directly in ``directory`` (a prefix's objects
-        one level down); empty if there is none. One listing."""
+        one level down; ``recursive``: every file below it, as relative paths with
+        ``/``); empty if there is none. One listing."""
 
     @abc.abstractmethod
     def exists(self, path: str, options: "Options") -> bool:

@@ -71,7 +71,10 @@ class LocalStore(Store):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_file_atomic(path, data)
 
-    def list_files(self, directory: str, options: Options) -> List[str]:
+    def list_files(self, directory: str, options: Options, recursive: bool = False) -> List[str]:
+        if recursive:
+            return sorted(os.path.relpath(os.path.join(top, name), directory).replace(os.sep, "/")
+                          for top, _, files in os.walk(directory) for name in files)
         try:
             return sorted(e.name for e in os.scandir(directory) if e.is_file(follow_symlinks=False)
                           or e.is_symlink())

@@ -65,10 +65,11 @@ class S3Store(Store):
         store, key = store_for(self.normalize(path), options.storage_options)
         store.put(key, data)
 
-    def list_files(self, directory: str, options: Options) -> List[str]:
+    def list_files(self, directory: str, options: Options, recursive: bool = False) -> List[str]:
         store, key = store_for(self.normalize(directory), options.storage_options)
         prefix = f"{key}/" if key else ""
-        return sorted(n for n in (o["Key"][len(prefix):] for o in store.list(prefix)) if n and "/" not in n)
+        return sorted(n for n in (o["Key"][len(prefix):] for o in store.list(prefix))
+                      if n and (recursive or "/" not in n))
 
     def exists(self, path: str, options: Options) -> bool:
         store, key = store_for(self.normalize(path), options.storage_options)

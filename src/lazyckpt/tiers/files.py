@@ -34,11 +34,13 @@ import collections
 import concurrent.futures as cf
 import logging
 import os
+import shutil
 import threading
 from typing import Callable, Deque, List, Optional, Set, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 from lazyckpt.knobs import Options
+from lazyckpt.storage.fileio import fsync_dir
 from lazyckpt.storage.stores import for_path
 from .drain import RateLimit
 from .persistent import upload_file
@@ -128,18 +130,88 @@ class FileMirror:
         for name in sorted(local - remote):
             self.uploaded(os.path.join(directory, name))
 
+    # Directories of files committed together (the HF Trainer's checkpoint-<step>): on the
+    # store such a directory is complete once its ``marker`` file is there, uploaded last
+    # and deleted first.
+
+    def uploaded_dir(self, local_dir: str, marker: str) -> None:
+        """Every file of the committed ``local_dir``, ``marker`` last."""
+        names = for_path(local_dir).list_files(local_dir, self.options, recursive=True)
+        for name in [n for n in names if n != marker] + ([marker] if marker in names else []):
+            self.uploaded(os.path.join(local_dir, *name.split("/")))
+
+    def sync_dirs(self, directory: str, marker: str, is_checkpoint: Callable[[str], object]) -> None:
+        """Once per ``directory`` and process, before its first new checkpoint: the
+        complete local checkpoint directories the store lacks are uploaded."""
+        directory = os.path.abspath(directory)
+        if directory in self._synced:
+            return
+        self._synced.add(directory)
+        try:
+            local = {n for n in os.listdir(directory) if is_checkpoint(n)
+                     and os.path.isfile(os.path.join(directory, n, marker))}
+        except FileNotFoundError:
+            return
+        if local:
+            for name in sorted(local - set(self.complete_dirs(directory, marker))):
+                self.uploaded_dir(os.path.join(directory, name), marker)
+
+    def removed_dir(self, local_dir: str, marker: str) -> None:
+        """The framework removed ``local_dir``: its objects, ``marker`` first."""
+        remote_dir = self.key(local_dir)
+        self._queue(f"delete {local_dir}", lambda: self._delete_dir(remote_dir, marker))
+
+    def removed_dirs_where(self, directory: str, marker: str, doomed: Callable[[str], bool]) -> None:
+        """Remove from the store every complete subdirectory of ``directory`` whose
+        name ``doomed`` accepts (listed when its turn comes, on the tier's thread):
+        the framework's rotation applied to what only the store still has."""
+        def delete() -> None:
+            for name in self.complete_dirs(directory, marker):
+                if doomed(name):
+                    self._delete_dir(self.key(os.path.join(directory, name)), marker)
+        self._queue(f"rotate {directory}", delete)
+
+    def _delete_dir(self, remote_dir: str, marker: str) -> None:
+        names = self.store.list_files(remote_dir, self.options, recursive=True)
+        if marker in names:                 # first: an interrupted deletion leaves it incomplete
+            self.store.delete_file(self.store.join(remote_dir, marker), self.options)
+        for name in names:
+            if name != marker:
+                self.store.delete_file(self.store.join(remote_dir, *name.split("/")), self.options)
+
+    def complete_dirs(self, directory: str, marker: str) -> List[str]:
+        """Names of the subdirectories of ``directory`` that are complete on the store (one listing)."""
+        names = self.store.list_files(self.key(directory), self.options, recursive=True)
+        return sorted(n[:-len(marker) - 1] for n in names if n.endswith("/" + marker) and n.count("/") == 1)
+
+    def fetch_dir(self, local_dir: str) -> None:
+        """Download the store's copy of ``local_dir`` into a hidden sibling, then
+        rename it into place (a complete directory or none)."""
+        remote_dir = self.key(local_dir)
+        names = self.store.list_files(remote_dir, self.options, recursive=True)
+        staging = os.path.join(os.path.dirname(local_dir), f".{os.path.basename(local_dir)}.fetch-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            for name in names:
+                self.fetch(os.path.join(local_dir, *name.split("/")), into=os.path.join(staging, *name.split("/")))
+            os.rename(staging, local_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        fsync_dir(os.path.dirname(os.path.abspath(local_dir)))
+
     # ------------------------------------------------------------------ the read side
 
     def names(self, directory: str) -> List[str]:
         """The files the store holds for ``directory`` (one listing)."""
         return self.store.list_files(self.key(directory), self.options)
 
-    def fetch(self, local: str) -> None:
-        """Download the object that mirrors ``local`` to ``local`` (whole, then
-        renamed into place and fsynced): a resume from the store after the local
-        copy was lost."""
+    def fetch(self, local: str, into: Optional[str] = None) -> None:
+        """Download the object that mirrors ``local`` to ``local`` (or ``into``):
+        whole, then renamed into place and fsynced. A resume from the store after
+        the local copy was lost."""
         data = self.store.read_whole(self.key(local), self.options, limit=1 << 62)
-        for_path(local).write_whole(local, data, self.options)
+        target = into or local
+        for_path(target).write_whole(target, data, self.options)
 
     # ------------------------------------------------------------------ waiting, errors, closing
 

@@ -1,0 +1,105 @@
+"""The Hugging Face Trainer with a persistent tier (issue 35, 8):
+``LazyCheckpointTrainer(..., lazyckpt_persist_to="s3://...")`` uploads every
+committed ``checkpoint-<step>`` (``trainer_state.json`` last: complete there
+only then), applies ``save_total_limit`` rotation to the store, and
+``train(resume_from_checkpoint=True)`` with ``output_dir`` deleted fetches the
+newest complete checkpoint back and resumes bit-exact. Against SeaweedFS."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from _frameworks import require  # noqa: E402
+
+transformers = require("transformers")
+require("accelerate")
+
+from test_huggingface import _Data, _Record, _Trainer, _assert_same, _model, _snapshot  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def store(s3_server, s3_bucket):
+    options = {"endpoint_url": s3_server.endpoint, "access_key_id": s3_server.access_key,
+               "secret_access_key": s3_server.secret_key, "region": s3_server.region}
+    return s3_server, s3_bucket, options
+
+
+class _StopAt(transformers.TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True       # the run "dies" after this step's save
+
+
+def _train(out, store, seed=0, resume=None, stop_at=None, fmt="hf", persist=True):
+    server, bucket, options = store
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=8, per_device_train_batch_size=4, learning_rate=3e-3,
+        lr_scheduler_type="linear", warmup_steps=2, save_strategy="steps", save_steps=2, save_total_limit=2,
+        logging_steps=1, report_to=[], dataloader_num_workers=0, seed=42, use_cpu=True, disable_tqdm=True)
+    record = _Record()
+    callbacks = [record] + ([_StopAt(stop_at)] if stop_at else [])
+    trainer = _Trainer(model=_model(seed), args=args, train_dataset=_Data(), callbacks=callbacks,
+                       lazyckpt_options={"host_cache_bytes": 1 << 20, "storage_options": options} if persist
+                       else {"host_cache_bytes": 1 << 20},
+                       lazyckpt_checkpoint_format=fmt,
+                       lazyckpt_persist_to=f"s3://{bucket}/tier" if persist else None)
+    trainer.losses = []
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, record
+
+
+def _store_files(store, prefix):
+    server, bucket, _ = store
+    client = server.client()
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for o in page.get("Contents", []):
+            out[o["Key"][len(prefix) + 1:]] = client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+    return out
+
+
+def _local_files(root):
+    out = {}
+    for top, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(top, name)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = f.read()
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["hf", "lazyckpt"])
+def test_persist_to_mirrors_checkpoints_and_rotation_and_resumes_with_output_dir_gone(fmt, store, tmp_path):
+    full, rec_full = _train(tmp_path / "full", store, fmt=fmt, persist=False)
+
+    out = tmp_path / "out"
+    stopped, _ = _train(out, store, stop_at=4, fmt=fmt)
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
+    # train() returned: every file of every checkpoint is on the store, byte for byte.
+    assert _store_files(store, "tier") == _local_files(out)
+    assert stopped.lazyckpt_mirror is None or stopped.lazyckpt_mirror.done > 0
+
+    shutil.rmtree(out)                                       # the node is lost
+    resumed, rec = _train(out, store, seed=1, resume=True, fmt=fmt)
+    _assert_same(rec.at["begin"], rec_full.at[4])            # the store's checkpoint-4, fetched
+    assert resumed.losses == full.losses[4:]                 # steps 5..8, bit for bit
+    _assert_same(_snapshot(resumed.model, resumed.optimizer), _snapshot(full.model, full.optimizer))
+    # Rotation (save_total_limit=2) applied to the store as to the directory.
+    assert sorted(os.listdir(out)) == ["checkpoint-6", "checkpoint-8"]
+    assert _store_files(store, "tier") == _local_files(out)
+
+
+def test_persist_to_must_be_an_object_store(tmp_path):
+    with pytest.raises(ValueError, match="expected an object store URL"):
+        _Trainer(model=_model(0), args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                                      report_to=[]),
+                 lazyckpt_persist_to=str(tmp_path / "elsewhere"))
