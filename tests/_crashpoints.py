@@ -788,6 +788,8 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
         return _check_file(ctx, program)
     if program.kind == "objects":
         return _check_objects(ctx, program)
+    if program.kind == "hf":
+        return _check_hf(ctx, program)
     problems: List[str] = []
     directory = os.path.join(ctx.case, "run")
     problems += index_problems(directory, "after the crash, before any open")
@@ -982,6 +984,63 @@ def _check_objects(ctx: Ctx, program: Program) -> List[str]:
                 problems.append(f"restart: files not on the store after the first save: {sorted(missing)}")
     except Exception as exc:
         problems.append(f"restart: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def _check_hf(ctx: Ctx, program: Program) -> List[str]:
+    """The HF Trainer's checkpoint-<step> directories, locally and on the store
+    (``kind="hf"``, the worlds' latest steps the allowed ones): the newest complete
+    one on each side loads and is an allowed step, every complete one on the
+    store is whole, and with the local directory gone a restart resumes from the
+    store and finishes."""
+    import lazyckpt
+    from _crashprograms import hf_trainer
+    from lazyckpt.integrations.hf_callbacks import CHECKPOINT_DIR, last_complete_checkpoint
+    from lazyckpt.storage.stores import for_path
+    from lazyckpt.knobs import resolve
+    allowed = {w.latest for w in program.worlds}
+    out, problems = os.path.join(ctx.case, "out"), []
+    local = last_complete_checkpoint(out)
+    if local is None:
+        problems.append(f"local: no complete checkpoint ({os.listdir(out) if os.path.isdir(out) else 'no dir'})")
+    else:
+        step = int(CHECKPOINT_DIR.match(os.path.basename(local)).group(1))
+        try:
+            saved = lazyckpt.load(os.path.join(local, "lazyckpt.lzc"))
+            if step not in allowed or saved["global_step"] != step:
+                problems.append(f"local: {os.path.basename(local)} holds step {saved['global_step']}")
+        except Exception as exc:
+            problems.append(f"local: {os.path.basename(local)}: {type(exc).__name__}: {exc}")
+    options = resolve(storage_options=ctx.storage_options)
+    store, tier = for_path(ctx.persist_to), ctx.persist_to
+    names = store.list_files(tier, options, recursive=True)
+    complete = sorted({n.split("/")[0] for n in names if n.endswith("/trainer_state.json")})
+    if not complete:
+        problems.append(f"store: no complete checkpoint ({names})")
+    for name in complete:
+        files = sorted(n.split("/", 1)[1] for n in names if n.startswith(name + "/"))
+        if files != ["config.json", "lazyckpt.lzc", "trainer_state.json"]:
+            problems.append(f"store: {name} is marked complete but holds {files}")
+            continue
+        m = CHECKPOINT_DIR.match(name)
+        try:
+            saved = lazyckpt.load(f"{tier}/{name}/lazyckpt.lzc", storage_options=ctx.storage_options)
+            if m is None or int(m.group(1)) not in allowed or saved["global_step"] != int(m.group(1)):
+                problems.append(f"store: {name} holds step {saved['global_step']}")
+        except Exception as exc:
+            problems.append(f"store: {name}: {type(exc).__name__}: {exc}")
+    shutil.rmtree(out, ignore_errors=True)                  # the node is lost: resume from the store
+    try:
+        trainer = hf_trainer(ctx)
+        path = trainer._lazyckpt_resume_path()              # what resume_from_checkpoint=True takes
+        if complete and os.path.basename(path) != max(complete, key=lambda n: int(n.split("-")[1])):
+            problems.append(f"restart from the store: resumes from {os.path.basename(path)}, not the newest "
+                            f"complete one ({complete})")
+        trainer.train(resume_from_checkpoint=path)
+        if trainer.state.global_step < 4:                   # (at max_steps, a resume still trains one step)
+            problems.append(f"restart from the store: ended at step {trainer.state.global_step}")
+    except Exception as exc:
+        problems.append(f"restart from the store: {type(exc).__name__}: {exc}")
     return problems
 
 

@@ -219,6 +219,75 @@ def lightning_persist_program() -> Program:
                    kind="objects", persist=True, preload=_import_lightning, mirror_dir="ck")
 
 
+def hf_persist_program() -> Program:
+    """The HF Trainer with ``lazyckpt_persist_to``: resumed from checkpoint-2, it
+    trains steps 3-4, saves checkpoint-4 (the local commit, then its files
+    uploaded, trainer_state.json last) and rotates checkpoint-2 away
+    (save_total_limit=1: locally, then on the store, trainer_state.json first).
+    ``kind="hf"`` (``_check_hf``): each side's newest complete checkpoint loads
+    and is step 2 or 4, every complete one on the store is whole, and a restart
+    with the local directory deleted resumes from the store."""
+    def prepare(ctx: Ctx) -> None:
+        hf_train(ctx, stop_at=2)
+
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        trainer = hf_trainer(ctx)
+        with icp.operation():
+            trainer.train(resume_from_checkpoint=True)
+    return Program("hf-persist-rotation", prepare, run, [World("old", 2, {}), World("new", 4, {})],
+                   kind="hf", persist=True, preload=_import_transformers)
+
+
+def hf_trainer(ctx: Ctx, stop_at: Optional[int] = None) -> Any:
+    """A tiny Llama on CPU, checkpoints every 2 steps into ``ctx.case/out``, kept 1,
+    mirrored to ``ctx.persist_to`` (its lazyckpt format: three files a checkpoint)."""
+    import torch
+    import transformers
+    from lazyckpt.integrations.huggingface import LazyCheckpointTrainer
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int) -> Dict[str, Any]:
+            ids = torch.arange(i, i + 8) % 64
+            return {"input_ids": ids, "labels": ids}
+
+    class StopAt(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if stop_at is not None and state.global_step == stop_at:
+                control.should_training_stop = True
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=32, vocab_size=64, max_position_embeddings=8)
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(ctx.case, "out"), max_steps=4, per_device_train_batch_size=4, save_strategy="steps",
+        save_steps=2, save_total_limit=1, report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        dataloader_num_workers=0, logging_strategy="no")
+    return LazyCheckpointTrainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=Data(),
+                                 callbacks=[StopAt()], lazyckpt_checkpoint_format="lazyckpt",
+                                 lazyckpt_persist_to=ctx.persist_to,
+                                 lazyckpt_options=dict(KNOBS, chunk_bytes=1 << 20, host_cache_bytes=2 << 20,
+                                                       storage_options=ctx.storage_options))
+
+
+def hf_train(ctx: Ctx, stop_at: Optional[int] = None, resume: Any = None) -> Any:
+    trainer = hf_trainer(ctx, stop_at)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _import_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from _frameworks import require
+    require("transformers")
+    require("accelerate")
+    import transformers  # noqa: F401
+    from transformers import LlamaForCausalLM, Trainer  # noqa: F401  (lazy submodules, imported now)
+    import lazyckpt.integrations.huggingface  # noqa: F401
+
+
 def _import_lightning() -> None:
     from lazyckpt.integrations.lightning import LazyCheckpointIO  # noqa: F401  (imports lightning.pytorch)
 
@@ -235,7 +304,7 @@ def local_programs() -> List[Program]:
 
 def persist_programs() -> List[Program]:
     return [save_program(None, persist=True), rollback_program(None, persist=True), lightning_s3_program(),
-            lightning_persist_program()]
+            lightning_persist_program(), hf_persist_program()]
 
 
 def all_programs() -> List[Program]:

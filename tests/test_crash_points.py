@@ -49,9 +49,11 @@ def _cases():
     for name, program in PROGRAMS.items():
         for mode in cp.MODES:
             marks = []
-            if program.persist and mode == "power" and program.kind == "dir":
+            if program.persist and mode == "power" and program.kind in ("dir", "hf"):
                 # ~2 min each (1.6 s a point: ~40 requests to the server per check); the power
                 # model changes only the local directory, which the local programs cover in CI.
+                # hf: 78 s (a Trainer per check); its local commit (a staged directory renamed
+                # in) is unchanged by the persistent tier, whose requests the kill mode covers.
                 marks.append(pytest.mark.slow)
             yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
 
