@@ -78,6 +78,8 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 INFINITY = 1 << 62
+#: The power-loss point after an operation's last call (``Interceptor._Armed``).
+END_POINT = "#end"
 MODES = ("kill", "power")
 
 # ----------------------------------------------------------------------------- the interceptor
@@ -465,7 +467,12 @@ class Interceptor:
             self.owner.armed = True
 
         def __exit__(self, *exc: Any) -> None:
-            self.owner.armed = False
+            owner = self.owner
+            owner.armed = False
+            if owner.mode == "power" and exc[0] is None and owner.crash_at == owner.count + 1:
+                # The point after the last: the operation returned, then the power went.
+                # What it promised durable on return must survive (run_case: the last world).
+                owner._crash(f"{END_POINT} (the operation returned)")
 
     def operation(self) -> "Interceptor._Armed":
         """``with icp.operation(): ...``: the calls made inside (by any thread) count."""
@@ -790,6 +797,8 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
         return _check_objects(ctx, program)
     if program.kind == "hf":
         return _check_hf(ctx, program)
+    if program.kind == "dcp":
+        return _check_dcp(ctx, program)
     problems: List[str] = []
     directory = os.path.join(ctx.case, "run")
     problems += index_problems(directory, "after the crash, before any open")
@@ -1044,6 +1053,56 @@ def _check_hf(ctx: Ctx, program: Program) -> List[str]:
     return problems
 
 
+def _check_dcp(ctx: Ctx, program: Program) -> List[str]:
+    """DCP checkpoints ``step1`` (before the operation) and ``step2`` (its save):
+    step1 loads its exact values; step2 loads the new values whole (with
+    LazyStorageReader, and DCP's own FileSystemReader for its layout) or is
+    refused as no checkpoint; then saving step2 again works."""
+    import torch.distributed.checkpoint as dcp
+    from lazyckpt.errors import CheckpointError
+    from lazyckpt.integrations.dcp import LazyStorageReader
+    place, save, fmt = program.kwargs["place"], program.kwargs["save"], program.kwargs["file_format"]
+    problems: List[str] = []
+    options = {"storage_options": ctx.storage_options} if ctx.storage_options else {}
+
+    def load(name: str, values: Any, plain: bool = False) -> Any:
+        into = make_state(0)
+        reader = dcp.FileSystemReader(place(ctx, name)) if plain else LazyStorageReader(place(ctx, name), **options)
+        dcp.load(into, storage_reader=reader, no_dist=True)
+        return differs(values, into)
+
+    try:
+        bad = load("step1", program.kwargs["old"])
+        if bad:
+            problems.append(f"step1 (before the operation) changed: {bad[:3]}")
+    except BaseException as exc:
+        problems.append(f"step1: {type(exc).__name__}: {exc}")
+    new = program.worlds[-1].allowed[2]
+    try:
+        bad = load("step2", new)
+        if bad:
+            problems.append(f"step2 loads, but not the saved values: {bad[:3]}")
+        elif fmt == "dcp" and not program.persist and load("step2", new, plain=True):
+            problems.append("step2: DCP's own FileSystemReader reads other values")
+    except BaseException as exc:            # DCP's CheckpointException is a BaseException
+        # DCP (torch 2.13, no_dist) re-raises the reader's error as an AssertionError
+        # inside a CheckpointException: lazyckpt's refusal, by its words.
+        causes = [exc] + list(getattr(exc, "failures", {}).values())
+        if len(program.worlds) == 1:            # the save returned: it must be there
+            problems.append(f"step2: the save returned, then it is gone: {type(exc).__name__}: {exc}")
+        elif not any(isinstance(c, (FileNotFoundError, CheckpointError))
+                     or "no committed DCP checkpoint" in str(c) for c in causes):
+            problems.append(f"step2: neither whole nor refused as no checkpoint: {type(exc).__name__}: {exc}")
+    try:
+        values = make_state(999)
+        save(ctx, values, "step2")
+        if load("step2", values):
+            problems.append("restart: saving step2 again, then loading it, differs")
+    except BaseException as exc:
+        problems.append(f"restart: {type(exc).__name__}: {exc}")
+    return problems
+
+
 def _storage_options_key(options: Optional[Dict[str, Any]]) -> Any:
     from lazyckpt.knobs import resolve
     return resolve(storage_options=options).storage_options
@@ -1161,6 +1220,11 @@ def run_case(program: Program, work: str, k: int, mode: str, s3: Optional[Dict[s
         tag = out["tag"] = record.get("tag")
         if mode == "power":
             out["dropped"] = apply_power_loss(record["journal"], ctx.case)
+        if out["op"].startswith(END_POINT):
+            # Returned, then the power went: only the world after the operation (the
+            # programs list it last) is allowed; what it reported done must be there.
+            program = dataclasses.replace(program, worlds=program.worlds[-1:], worlds_at=None)
+            seen = None                     # other rules than the points before: checked anew
     elif status == "ok":
         out["op"] = f"(no point {k}: the program made {value['count']} calls this time)"
         tag = value.get("tag")
@@ -1230,7 +1294,8 @@ def enumerate_program(program: Program, mode: str, work: str, s3: Optional[Dict[
     n, descriptions = dry_run(program, work, s3)
     seen: Dict[str, List[str]] = {}
     violations, errors, checked = [], [], 0
-    for k in (points if points is not None else range(1, n + 1)):
+    # Power loss also right after the operation returned (point n + 1, END_POINT).
+    for k in (points if points is not None else range(1, n + 1 + (mode == "power"))):
         result = run_case(program, work, k, mode, s3, seen)
         checked += not result["duplicate"]
         if result["problems"]:

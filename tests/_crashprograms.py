@@ -144,6 +144,19 @@ def file_program() -> Program:
                    kind="file")
 
 
+def first_save_program() -> Program:
+    """A Checkpointer made on a directory that does not exist yet, its first save
+    waited for: after it returns, a power loss must leave the step (the new
+    directory's entry in its parent made durable too, not only its contents)."""
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        with icp.operation():
+            ck = _ck(ctx)
+            ck.save(S[1], step=1).wait()
+            ck.close()
+    return Program("first-save-new-directory", lambda ctx: None, run,
+                   [World("nothing", None, {}), World("first", 1, {1: S[1]}, (1,))])
+
+
 def takeover_program() -> Program:
     """``Checkpointer(takeover=True)`` saves step 3 into a directory whose
     ``.writer`` names another holder (left by a process that died): the
@@ -288,6 +301,37 @@ def _import_transformers() -> None:
     import lazyckpt.integrations.huggingface  # noqa: F401
 
 
+def dcp_program(file_format: str, on_store: bool = False) -> Program:
+    """``dcp.save`` through ``LazyStorageWriter`` (``file_format`` "lazyckpt" or
+    "dcp", DCP's own layout) of a new checkpoint next to an older one, locally
+    or on the object store (``on_store``). A DCP checkpoint exists once its
+    ``.metadata`` is written, last. ``kind="dcp"`` (``_check_dcp``): the old one
+    loads as it was; the new one loads whole or is not a checkpoint at all."""
+    def place(ctx: Ctx, name: str) -> str:
+        return f"{ctx.persist_to}/{name}" if on_store else os.path.join(ctx.case, name)
+
+    def save(ctx: Ctx, values: Any, name: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from lazyckpt.integrations.dcp import LazyStorageWriter
+        writer = LazyStorageWriter(place(ctx, name), file_format=file_format,
+                                   **dict(KNOBS, storage_options=ctx.storage_options) if on_store else KNOBS)
+        dcp.save(values, storage_writer=writer, no_dist=True)
+
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        with icp.operation():
+            save(ctx, NEW, "step2")
+    program = Program(f"dcp-{file_format}{'-s3' if on_store else ''}", lambda ctx: save(ctx, S[1], "step1"), run,
+                      [World("old", 1, {1: S[1]}), World("new", 2, {2: NEW})], kind="dcp", persist=on_store,
+                      preload=_import_dcp)
+    program.kwargs = {"place": place, "save": save, "file_format": file_format, "old": S[1]}
+    return program
+
+
+def _import_dcp() -> None:
+    import torch.distributed.checkpoint  # noqa: F401
+    import lazyckpt.integrations.dcp  # noqa: F401
+
+
 def _import_lightning() -> None:
     from lazyckpt.integrations.lightning import LazyCheckpointIO  # noqa: F401  (imports lightning.pytorch)
 
@@ -299,12 +343,12 @@ TOPK = "epoch=0-step={}.ckpt"
 def local_programs() -> List[Program]:
     return [save_program(None), save_program(2), rollback_program(None), rollback_program(2),
             incremental_program(None), incremental_program(1), prune_program(2), leftovers_program(),
-            file_program(), takeover_program()]
+            file_program(), takeover_program(), first_save_program(), dcp_program("lazyckpt"), dcp_program("dcp")]
 
 
 def persist_programs() -> List[Program]:
     return [save_program(None, persist=True), rollback_program(None, persist=True), lightning_s3_program(),
-            lightning_persist_program(), hf_persist_program()]
+            lightning_persist_program(), hf_persist_program(), dcp_program("lazyckpt", on_store=True)]
 
 
 def all_programs() -> List[Program]:

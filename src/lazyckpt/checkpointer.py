@@ -32,6 +32,7 @@ from lazyckpt.saving.jobcommit import JobCommit, resolve_prepared
 from lazyckpt.saving.planner import StepPlanner
 from lazyckpt.state.plancache import PlanCache
 from lazyckpt.storage.base import WriterLease
+from lazyckpt.storage.fileio import make_dirs_durable
 from lazyckpt.storage.stores import for_path
 from lazyckpt.tiers.persistent import PersistentTier
 from lazyckpt.tiers.replicas import (ReplicaTier, node_group, restore as restore_replicas,
@@ -112,7 +113,7 @@ class Checkpointer:
             store.check(self.directory, self.options)   # wrong credentials, a missing bucket: one clear error, now
         else:
             try:
-                os.makedirs(self.directory, exist_ok=True)
+                make_dirs_durable(self.directory)     # its entry survives a power loss after a commit
             except OSError as exc:
                 raise CheckpointError(f"{self.directory}: cannot create checkpoint directory: {exc}",
                                       path=self.directory) from exc

@@ -68,7 +68,7 @@ from lazyckpt.loading.loader import _find_pickle, load_file
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.engine import CommitStrategy, FilePart, Job, SaveEngine
 from lazyckpt.state.providers import flatten, register_provider
-from lazyckpt.storage.fileio import fsync_dir, remove_quietly, write_file_atomic
+from lazyckpt.storage.fileio import fsync_dir, make_dirs_durable, remove_quietly, write_file_atomic
 from lazyckpt.storage.layout import sibling_temp
 from ._async import is_lazyckpt_file
 from .deepspeed_files import ClonedTorchZipLayout
@@ -96,7 +96,7 @@ class TagCommit(CommitStrategy):
 
     def part_path(self, job: Job, part: FilePart) -> str:
         tmp = sibling_temp(part.final_path)
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        make_dirs_durable(os.path.dirname(tmp))
         job.lease(tmp, self.heartbeat_s)
         return tmp
 
@@ -258,7 +258,7 @@ class LazyCheckpointEngine(CheckpointEngine):
     def _torch_save(self, state_dict: Any, path: str) -> None:
         """torch.save under a hidden sibling, fsync, rename: never a torn export."""
         tmp = sibling_temp(path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        make_dirs_durable(os.path.dirname(path))
         try:
             with open(tmp, "wb") as f:
                 torch.save(state_dict, f)

@@ -102,7 +102,7 @@ import torch
 
 from lazyckpt import api
 from lazyckpt.errors import MissingKeyError
-from lazyckpt.storage.fileio import fsync_dir, write_file_atomic
+from lazyckpt.storage.fileio import fsync_dir, make_dirs_durable, write_file_atomic
 from lazyckpt.storage.layout import clean_sibling_temps, sibling_temp
 from lazyckpt.storage.stores import for_path
 from lazyckpt.tiers.files import FileMirror
@@ -380,7 +380,7 @@ class LazyCheckpointMixin:
             if config is not None and hasattr(config, "to_json_string"):
                 files["config.json"] = config.to_json_string()
 
-        os.makedirs(run_dir, exist_ok=True)
+        make_dirs_durable(run_dir)             # output_dir's own entry survives a power loss too
         if run_dir not in getattr(self, "_lazyckpt_cleaned", set()):
             self._lazyckpt_cleaned = getattr(self, "_lazyckpt_cleaned", set()) | {run_dir}
             clean_sibling_temps(run_dir, writer.options.lease_expiry_s)

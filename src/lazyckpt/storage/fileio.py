@@ -133,6 +133,31 @@ def a_load_ended() -> None:
     _loaded_before = True
 
 
+def make_dirs_durable(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, and each directory it creates made
+    durable in its parent (the parent fsynced): a file later published in
+    ``path`` and its directory fsynced is then durable whole, not lost with a
+    directory entry that a power loss takes back."""
+    path = os.path.abspath(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
+    missing = []
+    while not os.path.lexists(path):        # a file in the way: mkdir below says "Not a directory"
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+            continue                    # made by someone else meanwhile: theirs to make durable
+        fsync_dir(os.path.dirname(directory))
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:

@@ -31,7 +31,7 @@ from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MA
 from lazyckpt.history import Committing, Event, LocalRecord, event_problem, manifest_event
 from .scan import BackgroundScan
 from .base import Leftover, StepRecord
-from .fileio import fsync_dir, read_small_file, remove_quietly, write_file_atomic
+from .fileio import fsync_dir, make_dirs_durable, read_small_file, remove_quietly, write_file_atomic
 from . import locks
 from .locks import DEFAULT_EXPIRY_S, Lease, WriterLease, holder_died_here, holder_token, is_live, lock_for_delete, new_token
 
@@ -789,7 +789,7 @@ class PendingSiblingFile:
         self.final = os.path.abspath(os.fspath(final))
         near = os.path.abspath(os.fspath(beside)) if beside else self.final
         if make_parents:
-            os.makedirs(os.path.dirname(near), exist_ok=True)
+            make_dirs_durable(os.path.dirname(near))
         elif not os.path.isdir(os.path.dirname(self.final)):
             raise CheckpointNotFoundError(f"{final}: directory {os.path.dirname(self.final)} does not exist",
                                           path=final)

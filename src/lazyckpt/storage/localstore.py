@@ -14,8 +14,8 @@ from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
 from .base import HeldStep, Located, Store
-from .fileio import (InputFile, NotARegularFile, OutputFile, open_regular, read_small_file, replace_with_link,
-                     write_file_atomic)
+from .fileio import (InputFile, NotARegularFile, OutputFile, make_dirs_durable, open_regular, read_small_file,
+                     replace_with_link, write_file_atomic)
 from .iomode import use_o_direct
 from .layout import CheckpointDir, PendingSiblingFile
 from .locks import StepDir, deleted_while_reading
@@ -68,7 +68,7 @@ class LocalStore(Store):
         return PendingSiblingFile(final, make_parents, beside)
 
     def write_whole(self, path: str, data: bytes, options: Options) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        make_dirs_durable(os.path.dirname(os.path.abspath(path)))
         write_file_atomic(path, data)
 
     def list_files(self, directory: str, options: Options, recursive: bool = False) -> List[str]:
