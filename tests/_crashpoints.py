@@ -1287,15 +1287,21 @@ def preload(program: Program) -> None:
 
 
 def enumerate_program(program: Program, mode: str, work: str, s3: Optional[Dict[str, Any]] = None,
-                      points: Optional[List[int]] = None, log: Optional[Callable[[str], None]] = None) -> Outcome:
-    """Dry run, then a crash at every point (or at ``points``) and the checks."""
+                      points: Optional[List[int]] = None, log: Optional[Callable[[str], None]] = None,
+                      every: int = 1, always_last: int = 0) -> Outcome:
+    """Dry run, then a crash at every point (or at ``points``; ``every``: every
+    ``every``-th from 1, plus the last ``always_last``) and the checks."""
     t0 = time.monotonic()
     preload(program)
     n, descriptions = dry_run(program, work, s3)
     seen: Dict[str, List[str]] = {}
     violations, errors, checked = [], [], 0
     # Power loss also right after the operation returned (point n + 1, END_POINT).
-    for k in (points if points is not None else range(1, n + 1 + (mode == "power"))):
+    last = n + (mode == "power")
+    if points is None:
+        points = sorted(set(range(1, last + 1, every)) | set(range(max(1, last - always_last + 1), last + 1))) \
+            if every > 1 else list(range(1, last + 1))
+    for k in points:
         result = run_case(program, work, k, mode, s3, seen)
         checked += not result["duplicate"]
         if result["problems"]:
