@@ -103,3 +103,40 @@ def test_persist_to_must_be_an_object_store(tmp_path):
         _Trainer(model=_model(0), args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                                                       report_to=[]),
                  lazyckpt_persist_to=str(tmp_path / "elsewhere"))
+
+
+def test_every_rank_of_a_node_may_fetch_the_same_checkpoint_at_once(store, tmp_path):
+    """With DDP every rank resumes: on one node they fetch the same checkpoint-<step>
+    at once. One rename wins; the others drop their copy; no error, no leftover."""
+    import threading
+    from lazyckpt.knobs import resolve
+    from lazyckpt.tiers.files import FileMirror
+    server, bucket, options = store
+    src = tmp_path / "src" / "checkpoint-2"
+    src.mkdir(parents=True)
+    for name, data in {"model.bin": os.urandom(300_000), "sub/extra.json": b"{}", "trainer_state.json": b"{1}"}.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    opts = resolve(storage_options=options)
+    up = FileMirror(f"s3://{bucket}/t", str(tmp_path / "src"), opts)
+    up.uploaded_dir(str(src), "trainer_state.json")
+    up.close()
+    up.raise_errors()
+    assert up.complete_dirs(str(tmp_path / "src"), "trainer_state.json") == ["checkpoint-2"]
+
+    down = FileMirror(f"s3://{bucket}/t", str(tmp_path / "dst"), opts)
+    target, errors = str(tmp_path / "dst" / "checkpoint-2"), []
+
+    def fetch():
+        try:
+            down.fetch_dir(target)
+        except BaseException as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=fetch) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert _local_files(target) == _local_files(src)
+    assert os.listdir(tmp_path / "dst") == ["checkpoint-2"]        # no hidden copy left behind

@@ -41,6 +41,7 @@ from typing import Callable, Deque, List, Optional, Set, Tuple
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 from lazyckpt.knobs import Options
 from lazyckpt.storage.fileio import fsync_dir
+from lazyckpt.storage.layout import sibling_temp
 from lazyckpt.storage.stores import for_path
 from .drain import RateLimit
 from .persistent import upload_file
@@ -185,16 +186,25 @@ class FileMirror:
         return sorted(n[:-len(marker) - 1] for n in names if n.endswith("/" + marker) and n.count("/") == 1)
 
     def fetch_dir(self, local_dir: str) -> None:
-        """Download the store's copy of ``local_dir`` into a hidden sibling, then
-        rename it into place (a complete directory or none)."""
+        """Download the store's copy of ``local_dir`` into a hidden sibling (the
+        name leftover cleanup knows), then rename it into place: a complete
+        directory or none. Several processes of one node may fetch the same
+        directory at once (every rank resuming): the first rename wins, the
+        others find it there and drop their copy."""
         remote_dir = self.key(local_dir)
         names = self.store.list_files(remote_dir, self.options, recursive=True)
-        staging = os.path.join(os.path.dirname(local_dir), f".{os.path.basename(local_dir)}.fetch-{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
+        if not names:
+            raise CheckpointNotFoundError(f"{remote_dir}: nothing on the persistent tier", path=remote_dir)
+        staging = sibling_temp(local_dir)
         try:
             for name in names:
                 self.fetch(os.path.join(local_dir, *name.split("/")), into=os.path.join(staging, *name.split("/")))
-            os.rename(staging, local_dir)
+            try:
+                os.rename(staging, local_dir)
+            except OSError:
+                if not os.path.isdir(local_dir):
+                    raise
+                log.info("lazyckpt: %s: fetched by another process meanwhile", local_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         fsync_dir(os.path.dirname(os.path.abspath(local_dir)))
