@@ -541,3 +541,35 @@ def test_fsdp2_state_on_the_object_store_reshards_on_load(s3env, s3_bucket):
     full = lazyckpt.load(url)
     assert all(torch.equal(full["model"][k], v) for k, v in ref[0].items())
     assert torch.equal(full["rep"], torch.arange(6.0))
+
+
+@pytest.mark.parametrize("file_format", ["lazyckpt", "safetensors", "torch"])
+def test_a_file_ending_in_the_last_page_of_a_part_is_not_padded_on_the_store(s3env, s3_bucket, tmp_path,
+                                                                             file_format):
+    """The writer padded its last write to a whole 4 KiB page (what O_DIRECT needs):
+    a file ending in the last page of a 5 MiB part made that part look complete,
+    it was uploaded with the padding, and the object came out longer than the
+    file (its footer no longer at the end; safetensors: "incomplete metadata")."""
+    import io
+    knobs = dict(chunk_bytes=MiB, host_cache_bytes=4 * MiB, file_format=file_format)
+    target = 10 * MiB - 1000                           # 2 parts of 5 MiB; the file ends in the last page
+    n = target - 20_000 if file_format != "lazyckpt" else 10 * MiB - 8192 - 100    # its footer: the last page
+    for _ in range(4):                                  # the metadata's size moves a little with n
+        state = {"w": torch.arange(n, dtype=torch.uint8)}
+        size = lazyckpt.save(state, str(tmp_path / "probe"), **knobs)
+        if 10 * MiB - 4096 < size < 10 * MiB:
+            break
+        n += target - size
+    assert 10 * MiB - 4096 < size < 10 * MiB, size
+    url = f"s3://{s3_bucket}/edge.{file_format}"
+    assert lazyckpt.save(state, url, **knobs) == size
+    raw = s3env.client().get_object(Bucket=s3_bucket, Key=url.split("/", 3)[3])["Body"].read()
+    assert len(raw) == size
+    if file_format == "lazyckpt":
+        got = lazyckpt.load(url)
+    elif file_format == "torch":
+        got = torch.load(io.BytesIO(raw), weights_only=True)
+    else:
+        from safetensors.torch import load as load_safetensors
+        got = load_safetensors(raw)
+    assert torch.equal(got["w"], state["w"])

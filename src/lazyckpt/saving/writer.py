@@ -205,7 +205,9 @@ class FileWriteJob:
         in_place = self._file.rewrites_in_place
         self._keep = layout.kept_blocks(in_place)
         self._file.will_rewrite(self._keep)
-        self._stream_region(0, fmt.align_up(size), items)
+        # Whole pages for O_DIRECT (finish() cuts the file); an output without it gets the
+        # exact bytes: an object's last part must not be uploaded with the padding.
+        self._stream_region(0, fmt.align_up(size) if self._file.direct else size, items)
         self.copier.synchronize()
         self.stats.capture_s = time.perf_counter() - self._start
         self.snapshot_done.set()
@@ -215,7 +217,7 @@ class FileWriteJob:
         if self._cancel.is_set():
             raise Aborted("cancelled")
         for offset, data in layout.patches(self._sums, self._kept, self.block, in_place):
-            self._write_bytes(offset, data)
+            self._write_bytes(offset, data if self._file.direct else data[:max(0, size - offset)])
         self._file.finish(size)
         self.stats.file_bytes = size
         self.stats.flush_s = time.perf_counter() - self._start
@@ -350,7 +352,9 @@ class FileWriteJob:
                 n = min(len(view), self.cache.chunk_bytes)
                 memory = self.cache.chunk_memory(chunk)
                 memory[:n] = view[:n]
-                padded = fmt.align_up(n)
+                # Padded to whole pages for O_DIRECT only: an object store would otherwise
+                # upload the padding as part of the object (a last part completed by it).
+                padded = fmt.align_up(n) if self._file.direct else n
                 memory[n:padded] = bytes(padded - n)
                 self._file.pwrite_all(memory[:padded], offset)
             finally:
