@@ -140,3 +140,37 @@ def test_every_rank_of_a_node_may_fetch_the_same_checkpoint_at_once(store, tmp_p
     assert not errors, errors
     assert _local_files(target) == _local_files(src)
     assert os.listdir(tmp_path / "dst") == ["checkpoint-2"]        # no hidden copy left behind
+
+
+def test_after_a_failed_upload_the_tier_deletes_nothing_and_marks_nothing_complete(store, tmp_path):
+    """The store refuses an upload (wrong credentials for that one operation): the
+    directory it was for is not marked complete there, the removal of the older
+    checkpoint that followed is skipped (an older complete checkpoint beats none),
+    and the failure is raised (found by review: the marker went up anyway, and
+    the older checkpoint was deleted)."""
+    import dataclasses
+    from lazyckpt.errors import CheckpointError
+    from lazyckpt.knobs import resolve
+    from lazyckpt.tiers.files import FileMirror
+    server, bucket, options = store
+    root = tmp_path / "out"
+    for step in (2, 4):
+        d = root / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        (d / "model.bin").write_bytes(os.urandom(1000))
+        (d / "trainer_state.json").write_bytes(b"{}")
+    good = resolve(storage_options=options)
+    bad = dataclasses.replace(good, storage_options=resolve(storage_options=dict(options, secret_access_key="wrong"))
+                              .storage_options)
+    mirror = FileMirror(f"s3://{bucket}/t", str(root), good)
+    mirror.uploaded_dir(str(root / "checkpoint-2"), "trainer_state.json")
+    mirror.wait()
+    mirror.options = bad                                   # the next operation is refused by the store
+    mirror.uploaded_dir(str(root / "checkpoint-4"), "trainer_state.json")
+    mirror.wait()
+    mirror.options = good
+    mirror.removed_dir(str(root / "checkpoint-2"), "trainer_state.json")
+    mirror.close()
+    with pytest.raises(CheckpointError):
+        mirror.raise_errors()
+    assert mirror.complete_dirs(str(root), "trainer_state.json") == ["checkpoint-2"]

@@ -222,16 +222,22 @@ class LazyCheckpointMixin:
     def lazyckpt_close(self, raise_errors: bool = True) -> None:
         """Drain, then release the host cache, the threads and the hooks; with a
         persistent tier, wait until every checkpoint and removal asked is on it."""
-        writer, self._lazyckpt_writer = getattr(self, "_lazyckpt_writer", None), None
-        mirror = getattr(self, "_lazyckpt_mirror", None)
         try:
-            if writer is not None:
-                writer.close(raise_errors=raise_errors)
+            self._lazyckpt_close_writer(raise_errors)
         finally:
-            if mirror is not None:
-                mirror.close()
-        if mirror is not None and raise_errors:
-            mirror.raise_errors()
+            self._lazyckpt_close_mirror(raise_errors)
+
+    def _lazyckpt_close_writer(self, raise_errors: bool) -> None:
+        writer, self._lazyckpt_writer = getattr(self, "_lazyckpt_writer", None), None
+        if writer is not None:
+            writer.close(raise_errors=raise_errors)
+
+    def _lazyckpt_close_mirror(self, raise_errors: bool) -> None:
+        mirror = getattr(self, "_lazyckpt_mirror", None)
+        if mirror is not None:
+            mirror.close()
+            if raise_errors:
+                mirror.raise_errors()
 
     def lazyckpt_wait_for_snapshot(self) -> None:
         """Block until every queued checkpoint has copied the live state: call it
@@ -255,11 +261,19 @@ class LazyCheckpointMixin:
         try:
             output = super().train(*args, **kwargs)
         except BaseException:
-            self.lazyckpt_close(raise_errors=False)     # drain, but keep the original error
+            self._lazyckpt_close_writer(raise_errors=False)     # drain, but keep the original error
             self._lazyckpt_events.flush_after_error()   # the committed ones' on_save, as plain ran them
+            self._lazyckpt_close_mirror(raise_errors=False)     # after the rotation it may delete
             raise
-        self.lazyckpt_close()
-        self._lazyckpt_events.flush()
+        failed = True
+        try:
+            self._lazyckpt_close_writer(raise_errors=True)
+            self._lazyckpt_events.flush()
+            failed = False
+        finally:
+            # Last: the final rotation's removals go to the persistent tier before it closes
+            # (its own failure is raised unless another one is on its way already).
+            self._lazyckpt_close_mirror(raise_errors=not failed)
         return output
 
     def _lazyckpt_resume_path(self) -> str:

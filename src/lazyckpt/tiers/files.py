@@ -24,6 +24,11 @@ one a resume did not fetch back, and deleting the second would lose a
 checkpoint the framework still tracks; such a leftover is a complete, older
 checkpoint.
 
+A failed operation is raised at the integration's next save; from then on this
+mirror skips deletions (an older complete checkpoint on the store beats none
+when the upload that was to replace it failed), and a directory's marker is
+sent only if every other file of it was.
+
 Cost: one listing of a directory's prefix at its first save in a process, then
 O(1) requests per operation, whatever the run's length.
 """
@@ -67,7 +72,9 @@ class FileMirror:
         self.local_root = os.path.abspath(local_root)
         self.options = options
         store.check(self.url, options)              # credentials, the bucket: one clear error now
-        self._ops: Deque[Tuple[str, Callable[[], None]]] = collections.deque()
+        self._ops: Deque[Tuple[str, Callable[[], None], bool]] = collections.deque()
+        #: An operation failed: deletions are skipped from then on (module docstring).
+        self._failed = False
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._busy = False
@@ -112,7 +119,7 @@ class FileMirror:
     def removed(self, local: str) -> None:
         """The framework removed ``local`` (rotation): remove its object."""
         remote = self.key(local)
-        self._queue(f"delete {local}", lambda: self.store.delete_file(remote, self.options))
+        self._queue(f"delete {local}", lambda: self.store.delete_file(remote, self.options), deletes=True)
 
     def sync(self, directory: str, is_checkpoint: Callable[[str], bool]) -> None:
         """Once per directory and process, before its first new file: bring the
@@ -136,10 +143,20 @@ class FileMirror:
     # and deleted first.
 
     def uploaded_dir(self, local_dir: str, marker: str) -> None:
-        """Every file of the committed ``local_dir``, ``marker`` last."""
+        """Every file of the committed ``local_dir``, ``marker`` last, as one
+        operation: the marker is not sent unless every other file was (a failed
+        upload must not leave a checkpoint marked complete there). An earlier
+        copy of the same directory (a step saved again) loses its marker first."""
+        remote_dir = self.key(local_dir)
         names = for_path(local_dir).list_files(local_dir, self.options, recursive=True)
-        for name in [n for n in names if n != marker] + ([marker] if marker in names else []):
-            self.uploaded(os.path.join(local_dir, *name.split("/")))
+
+        def upload() -> None:
+            old = self.store.list_files(remote_dir, self.options, recursive=True)
+            if old:
+                self._delete_dir(remote_dir, marker)
+            for name in [n for n in names if n != marker] + ([marker] if marker in names else []):
+                self._upload(os.path.join(local_dir, *name.split("/")), self.store.join(remote_dir, *name.split("/")))
+        self._queue(f"upload {local_dir}", upload)
 
     def sync_dirs(self, directory: str, marker: str, is_checkpoint: Callable[[str], object]) -> None:
         """Once per ``directory`` and process, before its first new checkpoint: the
@@ -160,7 +177,7 @@ class FileMirror:
     def removed_dir(self, local_dir: str, marker: str) -> None:
         """The framework removed ``local_dir``: its objects, ``marker`` first."""
         remote_dir = self.key(local_dir)
-        self._queue(f"delete {local_dir}", lambda: self._delete_dir(remote_dir, marker))
+        self._queue(f"delete {local_dir}", lambda: self._delete_dir(remote_dir, marker), deletes=True)
 
     def removed_dirs_where(self, directory: str, marker: str, doomed: Callable[[str], bool]) -> None:
         """Remove from the store every complete subdirectory of ``directory`` whose
@@ -170,7 +187,7 @@ class FileMirror:
             for name in self.complete_dirs(directory, marker):
                 if doomed(name):
                     self._delete_dir(self.key(os.path.join(directory, name)), marker)
-        self._queue(f"rotate {directory}", delete)
+        self._queue(f"rotate {directory}", delete, deletes=True)
 
     def _delete_dir(self, remote_dir: str, marker: str) -> None:
         names = self.store.list_files(remote_dir, self.options, recursive=True)
@@ -257,11 +274,15 @@ class FileMirror:
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(max(1, self.options.writer_threads),
                                                thread_name_prefix="lazyckpt-mirror")
-        upload_file(local, remote, self.options, max(self.options.chunk_bytes, 8 << 20), self._pool, self._limit)
+        try:
+            upload_file(local, remote, self.options, max(self.options.chunk_bytes, 8 << 20), self._pool,
+                        self._limit)
+        except FileNotFoundError:
+            return                                  # removed since the check: its removal follows
 
-    def _queue(self, what: str, fn: Callable[[], None]) -> None:
+    def _queue(self, what: str, fn: Callable[[], None], deletes: bool = False) -> None:
         with self._cond:
-            self._ops.append((what, fn))
+            self._ops.append((what, fn, deletes))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lazyckpt-mirror", daemon=True)
                 self._thread.start()
@@ -274,9 +295,15 @@ class FileMirror:
                     self._cond.wait()
                 if not self._ops:
                     return                          # closed
-                what, fn = self._ops.popleft()
+                what, fn, deletes = self._ops.popleft()
                 self._busy = True
             try:
+                if deletes and self._failed:
+                    # An upload failed: what it would have replaced stays (an older complete
+                    # checkpoint on the store beats none); the error is raised at the next save.
+                    log.warning("lazyckpt: %s: persistent tier: not running '%s' after a failed operation",
+                                self.url, what)
+                    continue
                 fn()
                 self.done += 1
             except BaseException as exc:
@@ -285,6 +312,7 @@ class FileMirror:
                 log.warning("lazyckpt: %s", error)
                 with self._cond:
                     self._errors.append(error)
+                    self._failed = True
             finally:
                 with self._cond:
                     self._busy = False

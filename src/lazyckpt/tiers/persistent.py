@@ -34,9 +34,13 @@ def upload_file(path: str, url: str, options: Options, part_bytes: int, pool: cf
     (at least the store's smallest part), parts read and sent in parallel on
     ``pool`` (memory: one part buffer per thread); returns the bytes
     uploaded. A failure aborts the upload: no object appears."""
-    size = os.path.getsize(path)
-    out = for_path(url).open_output(url, options, part_bytes)
     fd, _ = open_for_read(path, False)
+    size = os.fstat(fd).st_size             # of the file opened (a path may be replaced meanwhile)
+    try:
+        out = for_path(url).open_output(url, options, part_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
     slots = threading.Semaphore(max(1, options.writer_threads))
 
     def send(offset: int) -> None:
