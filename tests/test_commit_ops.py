@@ -112,6 +112,9 @@ def _many_saves(rank, world, directory, schedule):
             elapsed.append(time.monotonic() - t0)
             dist.barrier()
             keys.append(base.num_keys())
+            # No rank moves on before both counted: after the last call the other one would
+            # close, and its departure key (distributed.depart) raced this count (CI: 3 > 2).
+            dist.barrier()
         steps = ckpt.steps()
     dist.barrier()
     return {"before": before, "keys": keys, "after": base.num_keys(), "outcomes": outcomes,
