@@ -99,7 +99,11 @@ def build_local(path: str, steps: int) -> None:
     # The record as the tree being measured keeps it: the events of every step
     # present (before issue 34), or the newest RECENT_EVENTS (since).
     from lazyckpt import history
-    if "present_steps" not in inspect.signature(history.LocalRecord.add).parameters:
+    try:
+        from lazyckpt.storage.record import LocalRecord
+    except ImportError:             # a tree from before the record moved out of history.py
+        LocalRecord = history.LocalRecord
+    if "present_steps" not in inspect.signature(LocalRecord.add).parameters:
         events = events[-history.RECENT_EVENTS:]
     record = {"seq": steps, "events": events,
               "commit": [steps, doc["save_id"], steps, ".tmp-step_%010d-000000000000" % steps]}

@@ -391,7 +391,7 @@ def test_an_out_of_range_seq_in_the_record_never_numbers_a_commit(tmp_path, capl
     {"seq": 10 ** 12},
 ])
 def test_an_out_of_range_record_is_read_as_damaged(tmp_path, caplog, bad):
-    from lazyckpt.history import LocalRecord
+    from lazyckpt.storage.record import LocalRecord
     directory = str(tmp_path / "run")
     os.makedirs(directory)
     doc = {"seq": 1, "events": [[1, "abc", 1]]}

@@ -182,6 +182,44 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def _folder(mod: str) -> str:
+    """The layer a module belongs to: its folder under the package
+    (``lazyckpt.storage.s3`` and ``lazyckpt.storage`` are "storage"), or the
+    top-level module itself (``history``, ``knobs``: each a layer of one)."""
+    return mod.split(".")[1]
+
+
+def test_no_cycle_between_folders():
+    # Issue 36: the layers (formats < storage < saving, loading < tiers < the facade < ...)
+    # hold only if no folder reaches back into one that imports it, even through a
+    # top-level module (storage -> history -> storage.fileio was one such loop).
+    graph: Dict[str, Set[str]] = {}
+    why: Dict[Tuple[str, str], str] = {}
+    for mod in MODULES:
+        if mod == "lazyckpt":
+            continue
+        for target in _edges(mod):
+            a, b = _folder(mod), _folder(target)
+            if a != b:
+                graph.setdefault(a, set()).add(b)
+                why.setdefault((a, b), f"{mod} -> {target}")
+    cycle = _cycle(graph)
+    assert cycle is None, "folder cycle: " + "; ".join(why[(a, b)] for a, b in zip(cycle, cycle[1:]))
+
+
+def test_formats_does_no_io_and_no_distribution():
+    # The format modules are pure (bytes in, structures out): they import nothing
+    # of the package that touches files, stores or process groups.
+    allowed = {"formats", "errors"}
+    bad = sorted(f"{mod} -> {target}" for mod in MODULES if _folder_or_none(mod) == "formats"
+                 for target in _edges(mod) if _folder(target) not in allowed)
+    assert not bad, bad
+
+
+def _folder_or_none(mod: str) -> Optional[str]:
+    return _folder(mod) if mod != "lazyckpt" else None
+
+
 def test_function_level_imports_say_why():
     problems = []
     for mod in sorted(MODULES):

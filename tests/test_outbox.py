@@ -55,7 +55,7 @@ def _store_alone_is_on_the_line(tmp_path, url, opts, live):
 
 _KILLED_ROLLBACK = """
 import json, os, signal, sys, torch, lazyckpt
-from lazyckpt import history
+from lazyckpt.storage import record
 from lazyckpt.storage import s3layout
 local, url, opts, where = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 
@@ -63,12 +63,12 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 if where == "after-the-record":          # history.json says step 3 committed; nothing else happened
-    add = history.LocalRecord.add
+    add = record.LocalRecord.add
     def add_then_die(self, event, *args, **kwargs):
         add(self, event, *args, **kwargs)
         if event.step == 3:
             die()
-    history.LocalRecord.add = add_then_die
+    record.LocalRecord.add = add_then_die
 else:                                    # committed locally; its event never reached the store
     put = s3layout.ObjectCheckpointDir.put_event
     def die_instead(self, event):

@@ -39,7 +39,8 @@ from lazyckpt.tiers.replicas import (ReplicaTier, node_group, restore as restore
                                      topology as replica_topology)
 from .distributed import depart, rank_info, refuse
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
-from .history import Event, History, abandoned, line
+from .history import Event, abandoned, line
+from .tiers.line import History
 from .knobs import Options, resolve
 
 log = logging.getLogger("lazyckpt")
@@ -170,7 +171,7 @@ class Checkpointer:
         #: The persistent tier committed steps drain to (persist_to=), or None.
         self.persistent = PersistentTier(persist_to, self.options, self._dist, persist_keep_last) \
             if persist_to is not None else None
-        #: The line of history (lazyckpt/history.py): numbers commits, tells live from abandoned
+        #: The line of history (lazyckpt/tiers/line.py): numbers commits, tells live from abandoned
         #: saves across the local record, the manifests and the persistent tier's events.
         self.history = History(None if self.on_object_store else self.layout,
                                self.layout if self.on_object_store else

@@ -321,19 +321,3 @@ def rank_info(directory: str, process_group: Any = None, timeout_s: float = 600.
         info.delete(["run_id"], after="*")      # every rank has read it once any call agreed
     return info
 
-
-def shard_index(done: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
-    """Merge every rank's DTensor shards into the manifest's global index:
-    logical tensor (its key path as JSON) -> global shape, dtype, pieces."""
-    index: Dict[str, Any] = {}
-    for rank in sorted(done):
-        for shard in done[rank].get("shards", []):
-            key = json.dumps(shard["path"])
-            local = shard["local"]
-            entry = index.setdefault(key, {"global_shape": shard["global_shape"],
-                                           "dtype": local["dtype"], "pieces": []})
-            if entry["global_shape"] != shard["global_shape"]:
-                raise CheckpointError(f"DTensor {key} has global shape {entry['global_shape']} on one rank "
-                                      f"and {shard['global_shape']} on rank {rank}")
-            entry["pieces"].append({"rank": rank, "offsets": shard["offsets"], "tensor": local})
-    return index

@@ -16,7 +16,7 @@ by step before every numbered event: their directories were already one line.
 
 Where the events live:
 
-* local tier: ``DIR/history.json`` (:class:`LocalRecord`), written atomically
+* local tier: ``DIR/history.json`` (``lazyckpt.storage.record.LocalRecord``), written atomically
   by the coordinator once the new step is complete in its temporary
   directory. That write is the local commit's **commit point**: it also
   names the temporary directory (``"commit"``), so the renames that follow
@@ -35,13 +35,11 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import os
 import re
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
-from lazyckpt.errors import CheckpointError, CorruptCheckpointError
-from lazyckpt.formats.names import MANIFEST, MAX_SEQ, MAX_STEP, SAVE_ID
-from lazyckpt.storage.fileio import read_small_file, write_file_atomic
+from lazyckpt.errors import CorruptCheckpointError
+from lazyckpt.formats.names import MAX_SEQ, MAX_STEP, SAVE_ID
 
 log = logging.getLogger("lazyckpt")
 
@@ -187,196 +185,6 @@ class Committing(NamedTuple):
     tmp: str
 
 
-class LocalRecord:
-    """``DIR/history.json``: ``{"seq": <largest>, "events": [[step, save_id, seq], ...],
-    "commit": [step, save_id, seq, tmp]}`` (``commit``: the last commit, whose
-    renames a crash may have interrupted; readers of older versions ignore it)."""
-
-    def __init__(self, directory: str):
-        self.path = os.path.join(directory, RECORD)
-
-    def _doc(self) -> Optional[Dict[str, Any]]:
-        raw = read_small_file(self.path, 16 << 20)
-        if raw is None:
-            return None
-        try:
-            doc = json.loads(raw.decode("utf-8"))
-            if not isinstance(doc, dict):
-                raise ValueError("not an object")
-            return doc
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            return {}
-
-    def read(self) -> Tuple[int, List[Event]]:
-        doc = self._doc()
-        if doc is None:
-            return 0, []
-        try:
-            events = [Event(s, sid, q) for s, sid, q in doc["events"]]
-            top = doc["seq"]
-            # Range-checked, not trusted: a number an event key cannot hold would number
-            # the next commit into a key that does not parse back (FORMAT.md §11).
-            problem = next((f"event {list(e)}: {p}" for e in events
-                            for p in [event_problem(e.step, e.save_id, e.seq, seq_optional=False)] if p), None)
-            if problem is None and (type(top) is not int or not 0 <= top <= MAX_SEQ):
-                problem = f"seq {top!r} is not an integer in 0..{MAX_SEQ}"
-            if problem is not None:
-                raise ValueError(problem)
-            return max(top, max_seq(events)), events
-        except (ValueError, KeyError, TypeError) as exc:
-            # Damaged: the manifests still carry every present step's seq.
-            log.warning("lazyckpt: %s is unreadable (%s); the line of history is taken from the manifests",
-                        self.path, exc)
-            return 0, []
-
-    def committing(self) -> Optional[Committing]:
-        """The last commit recorded with its temporary directory, or None (no
-        record, a record of an older version, or a damaged one)."""
-        doc = self._doc()
-        entry = doc.get("commit") if doc else None
-        try:
-            step, sid, seq, tmp = entry
-            if event_problem(step, sid, seq, seq_optional=False) or not isinstance(tmp, str) or os.sep in tmp \
-                    or not tmp.startswith(".tmp-step_"):
-                raise ValueError(entry)
-        except (TypeError, ValueError):
-            return None
-        return Committing(Event(step, sid, seq), tmp)
-
-    def add(self, event: Event, tmp: Optional[str] = None) -> None:
-        """Record a commit (coordinator, once the step is complete in ``tmp``:
-        this atomic write is the commit point). Keeps the newest
-        ``RECENT_EVENTS`` events, whatever the number of steps kept: every
-        present step's event is also in its manifest, so the record's size,
-        and the cost of rewriting it at every commit, do not grow with the run."""
-        top, events = self.read()
-        events = [e for e in events if (e.step, e.save_id) != (event.step, event.save_id)] + [event]
-        events.sort(key=lambda e: e.seq)
-        doc: Dict[str, Any] = {"seq": max(top, event.seq or 0),
-                               "events": [[e.step, e.save_id, e.seq] for e in events[-RECENT_EVENTS:]]}
-        if tmp is not None:
-            doc["commit"] = [event.step, event.save_id, event.seq, tmp]
-        write_file_atomic(self.path, json.dumps(doc, separators=(",", ":")).encode())
-
-
-class History:
-    """The line of history of one Checkpointer: numbers its commits and
-    answers which saves are live, from the local record, the local manifests
-    and (``remote``) the persistent tier's events."""
-
-    def __init__(self, layout: Any, remote: Any = None):
-        #: A local CheckpointDir (None: the directory is itself on an object store).
-        self.layout = layout
-        #: An ObjectCheckpointDir whose events count too (persist_to=, or the directory itself).
-        self.remote = remote
-        self.record = LocalRecord(layout.path) if layout is not None else None
-        self._top: Optional[int] = None
-
-    # ------------------------------------------------------------ numbering
-
-    def next_seq(self) -> int:
-        """1 + the largest seq known (read once, then counted here)."""
-        if self._top is None:
-            top = 0
-            if self.record is not None:
-                top = self.record.read()[0]
-                tail = self.layout.tail() if top else None
-                if tail is not None:
-                    # The record holds the largest seq; the newest step's manifest too, in
-                    # case a copy brought it in without the record (no listing either way).
-                    e = manifest_event(read_small_file(os.path.join(tail[1], MANIFEST), 1 << 30))
-                    top = max(top, e.seq or 0) if e is not None else top
-                else:
-                    top = max(top, max_seq(self.local_events()))     # no record, or no index: every manifest
-            if self.remote is not None:
-                try:
-                    top = max(top, self.remote.top_seq())
-                except Exception as exc:        # unreachable now: local numbering still orders locally
-                    log.warning("lazyckpt: %s: its history cannot be read (%s); numbering commits from the "
-                                "local tier", getattr(self.remote, "url", self.remote), exc)
-            self._top = top
-        if self._top >= MAX_SEQ:
-            where = self.record.path if self.record is not None else getattr(self.remote, "url", "its history")
-            raise CorruptCheckpointError(
-                f"{where}: the line of history is numbered up to seq {self._top} (history.json, a manifest or an "
-                f"event says so), the largest an event key holds is {MAX_SEQ}: no commit can be numbered after "
-                f"it. A damaged or hand-edited record? Fix or remove the field that says so",
-                path=where if isinstance(where, str) else None)
-        self._top += 1
-        return self._top
-
-    def saw(self, seq: Optional[int]) -> None:
-        """A save numbered elsewhere (a replica restored here) keeps the numbering above it."""
-        if seq is not None and self._top is not None:
-            self._top = max(self._top, seq)
-
-    # ------------------------------------------------------------ the indexes of both tiers
-
-    def local_tail(self) -> Any:
-        """The local tier's newest commit as an Event, from its index (a few
-        ``stat`` calls and its manifest); None when the tier holds no step;
-        False when its index cannot tell (then only every manifest can)."""
-        tail = self.layout.tail()
-        if tail is None:
-            return None if not self.layout.step_paths() else False
-        e = manifest_event(read_small_file(os.path.join(tail[1], MANIFEST), 1 << 30))
-        return e if e is not None and e.step == tail[0] and e.seq is not None else False
-
-    def newest_save(self) -> Optional[Tuple[Optional[Event], Event, Event]]:
-        """(the local tail or None, the persistent tail, the newest live save) from
-        the two tiers' indexes alone, without reading every manifest or listing
-        the store (issue 34); None when either cannot tell -- the caller builds
-        the whole line. Why the newest commit by ``seq`` is the newest live save:
-        a commit of S supersedes every save >= S, so after the last one nothing
-        is above it; each tier's tail is its own newest commit."""
-        local = self.local_tail()
-        if local is False:
-            return None
-        try:
-            remote = self.remote.tail()
-        except CheckpointError:
-            return None
-        if remote is None or remote.seq is None:
-            return None             # no index there (an empty store, one from before it): list it
-        if local is not None and local.seq == remote.seq and local != remote:
-            return None             # two saves numbered alike: not one line, let the line decide
-        newest = local if local is not None and local.seq > remote.seq else remote
-        return local, remote, newest
-
-    def local_events_above(self, seq: int) -> Optional[List[Event]]:
-        """The local events numbered above ``seq``, from the record alone (it
-        keeps the newest ones), or None when it may not hold them all."""
-        events = self.record.read()[1] if self.record is not None else []
-        if not events:
-            return None if self.layout.step_paths() else []     # (no record, no step: nothing here)
-        if min(e.seq for e in events) > seq + 1:
-            return None
-        return [e for e in events if e.seq > seq]
-
-    # ------------------------------------------------------------ the local tier
-
-    def local_saves(self) -> Dict[int, Event]:
-        """step -> its event, for every step present locally (from its manifest,
-        else from the record; save_id None where neither tells)."""
-        out: Dict[int, Event] = {}
-        recorded: Dict[int, Event] = {}
-        if self.record is not None:
-            for e in sorted(self.record.read()[1], key=lambda e: e.seq):
-                recorded[e.step] = e
-        for step, path in self.layout.step_paths().items():
-            e = manifest_event(read_small_file(os.path.join(path, MANIFEST), 1 << 30))
-            if e is None or e.step != step:
-                e = recorded.get(step, Event(step, None, None))     # type: ignore[arg-type]
-            out[step] = e
-        return out
-
-    def local_events(self) -> List[Event]:
-        events = [e for e in self.local_saves().values() if e.save_id is not None]
-        if self.record is not None:
-            events += self.record.read()[1]
-        return events
-
-
-__all__ = ["Event", "Committing", "line", "abandoned", "max_seq", "History", "LocalRecord", "RECORD",
+__all__ = ["Event", "Committing", "line", "abandoned", "max_seq", "RECORD",
            "EVENTS_PREFIX", "event_key", "parse_event_key", "prunable", "manifest_event", "event_problem", "MAX_SEQ",
            "MAX_STEP", "SAVE_ID"]

@@ -8,11 +8,11 @@ code path (O_DIRECT on/off, one writer thread or several).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
-from typing import Any, Dict, Optional, Union
-from lazyckpt.storage.s3 import normalize_options
+from typing import Any, Dict, Optional, Tuple, Union
 
 MiB = 1 << 20
 #: "content" (True) compares the bytes; "version-counters" trusts torch's version
@@ -21,6 +21,25 @@ INCREMENTAL_MODES = ("off", "content", "version-counters")
 #: Bounds of the automatically sized host cache.
 AUTO_CACHE_MIN = 64 * MiB
 AUTO_CACHE_MAX = 4096 * MiB
+
+
+#: storage_options keys the object store understands (besides these, nothing: a typo is an error).
+OPTION_KEYS = ("endpoint_url", "access_key_id", "secret_access_key", "session_token", "region",
+               "profile", "max_attempts", "connect_timeout", "read_timeout", "max_pool_connections",
+               "addressing_style", "checksums")
+
+
+def normalize_options(storage_options: Any) -> Tuple[Tuple[str, Any], ...]:
+    """``storage_options`` as a sorted tuple (hashable, for Options), checked."""
+    if storage_options is None or storage_options == ():
+        return ()
+    if isinstance(storage_options, str):        # LAZYCKPT_STORAGE_OPTIONS='{"endpoint_url": ...}'
+        storage_options = json.loads(storage_options)
+    items = dict(storage_options)
+    unknown = sorted(set(items) - set(OPTION_KEYS))
+    if unknown:
+        raise ValueError(f"unknown storage_options {unknown}; known: {list(OPTION_KEYS)}")
+    return tuple(sorted(items.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +89,7 @@ class Options:
     lease_expiry_s: float = 60.0
     #: Object stores (s3:// paths, persist_to=): overrides of the standard AWS
     #: configuration (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-    #: AWS_REGION, profiles), as a dict; see lazyckpt/storage/s3.py for the keys.
+    #: AWS_REGION, profiles), as a dict; OPTION_KEYS above names the keys.
     #: LAZYCKPT_STORAGE_OPTIONS takes it as JSON.
     storage_options: Any = ()
     #: Upload bandwidth cap of the persistent tier's background drain, bytes/s

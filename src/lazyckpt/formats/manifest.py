@@ -8,7 +8,6 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
-from lazyckpt.distributed import shard_index
 from lazyckpt.errors import CheckpointError, CorruptCheckpointError
 from . import datafile as fmt
 from .names import MAX_SEQ, MAX_STEP, MAX_WORLD, SAVE_ID, STEP_DIR, rank_filename
@@ -16,6 +15,23 @@ from .names import MAX_SEQ, MAX_STEP, MAX_WORLD, SAVE_ID, STEP_DIR, rank_filenam
 #: A reader refuses larger manifests (hostile-file guard); writers refuse to commit them.
 MAX_MANIFEST_BYTES = 1 << 30
 
+
+
+def shard_index(done: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
+    """Merge every rank's DTensor shards into the manifest's global index:
+    logical tensor (its key path as JSON) -> global shape, dtype, pieces."""
+    index: Dict[str, Any] = {}
+    for rank in sorted(done):
+        for shard in done[rank].get("shards", []):
+            key = json.dumps(shard["path"])
+            local = shard["local"]
+            entry = index.setdefault(key, {"global_shape": shard["global_shape"],
+                                           "dtype": local["dtype"], "pieces": []})
+            if entry["global_shape"] != shard["global_shape"]:
+                raise CheckpointError(f"DTensor {key} has global shape {entry['global_shape']} on one rank "
+                                      f"and {shard['global_shape']} on rank {rank}")
+            entry["pieces"].append({"rank": rank, "offsets": shard["offsets"], "tensor": local})
+    return index
 
 def check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """User metadata goes into the footer and manifest as JSON: refuse what would

@@ -102,7 +102,7 @@ class StepCommit(CommitStrategy):
                  job_round: bool = False):
         self.layout = layout
         self.options = options or resolve()
-        #: The Checkpointer's line of history (lazyckpt/history.py): numbers the commit.
+        #: The Checkpointer's line of history (lazyckpt/tiers/line.py): numbers the commit.
         self.history = history
         #: This commit's seq (set by the coordinator at commit).
         self.seq: Optional[int] = None

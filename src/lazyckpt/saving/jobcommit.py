@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Optional
 
 from lazyckpt.distributed import RankInfo
 from lazyckpt.errors import CheckpointError, CorruptCheckpointError
-from lazyckpt.history import LocalRecord
+from lazyckpt.storage.record import LocalRecord
 
 log = logging.getLogger("lazyckpt")
 

@@ -28,7 +28,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, PREPARED, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
-from lazyckpt.history import Committing, Event, LocalRecord, event_problem, manifest_event
+from lazyckpt.history import Committing, Event, event_problem, manifest_event
+from lazyckpt.storage.record import LocalRecord
 from .scan import BackgroundScan
 from .base import Leftover, StepRecord
 from .fileio import fsync_dir, make_dirs_durable, read_small_file, remove_quietly, write_file_atomic

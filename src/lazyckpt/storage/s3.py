@@ -44,12 +44,6 @@ MiB = 1 << 20
 MIN_PART_BYTES = 5 * MiB
 SCHEME = "s3://"
 
-#: storage_options keys understood (besides these, nothing: a typo is an error).
-OPTION_KEYS = ("endpoint_url", "access_key_id", "secret_access_key", "session_token", "region",
-               "profile", "max_attempts", "connect_timeout", "read_timeout", "max_pool_connections",
-               "addressing_style", "checksums")
-
-
 class StorageConfigError(CheckpointError):
     """The object store refuses us for a reason no retry fixes: wrong
     credentials, a missing bucket, no permission, a malformed URL."""
@@ -118,20 +112,6 @@ class ObjectURL:
 
 def join(url: str, *names: str) -> str:
     return str(ObjectURL.parse(url).join(*names))
-
-
-def normalize_options(storage_options: Any) -> Tuple[Tuple[str, Any], ...]:
-    """``storage_options`` as a sorted tuple (hashable, for Options), checked."""
-    if storage_options is None or storage_options == ():
-        return ()
-    if isinstance(storage_options, str):        # LAZYCKPT_STORAGE_OPTIONS='{"endpoint_url": ...}'
-        import json
-        storage_options = json.loads(storage_options)
-    items = dict(storage_options)
-    unknown = sorted(set(items) - set(OPTION_KEYS))
-    if unknown:
-        raise ValueError(f"unknown storage_options {unknown}; known: {list(OPTION_KEYS)}")
-    return tuple(sorted(items.items()))
 
 
 # ---------------------------------------------------------------------- client

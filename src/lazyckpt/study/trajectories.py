@@ -22,7 +22,8 @@ import torch
 
 from lazyckpt.storage.stores import for_path
 from ..errors import CheckpointNotFoundError, MissingKeyError
-from ..history import Event, History, line
+from ..history import Event, line
+from ..tiers.line import History
 from ..knobs import Options, resolve as resolve_options
 from .pieces import (BoxReader, ReadCounter, StepView, TensorInfo, bounded_map, box_elements, boxes,
                            key_matches, key_patterns)
