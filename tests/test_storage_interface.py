@@ -181,7 +181,7 @@ def test_nothing_outside_storage_reaches_object_stores_but_through_the_interface
     assert not found, "reach object stores through storage.stores.for_path: " + "; ".join(found)
 
 
-def test_local_store_locates_and_holds_steps(tmp_path):
+def test_local_store_locates_and_holds_steps(tmp_path, monkeypatch):
     """The one resolver on the local file system: a file, a step, a directory
     (its latest step), an empty directory (refused unless empty_ok)."""
     import lazyckpt
@@ -195,9 +195,17 @@ def test_local_store_locates_and_holds_steps(tmp_path):
     with lazyckpt.Checkpointer(str(tmp_path)) as ckpt:
         for step in (1, 2):
             ckpt.save({"x": step}, step=step).wait()
-    located = store.locate(str(tmp_path), options)
+    located = store.locate(str(tmp_path), options, all_steps=True)
     assert (located.kind, located.steps, located.step) == ("directory", [1, 2], 2)
     step_path = located.step_path
+    # Without all_steps the latest step comes from the index, the directory unlisted.
+    listed = []
+    for name in ("listdir", "scandir"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda p=".", real=real: listed.append(p) or real(p))
+    latest = store.locate(str(tmp_path), options)
+    monkeypatch.undo()
+    assert (latest.kind, latest.step, latest.step_path, latest.steps, listed) == ("directory", 2, step_path, [], [])
     assert store.locate(step_path, options).kind == "step"
     directory = store.checkpoint_dir(str(tmp_path), options)
     assert directory.step_paths() == {1: directory.step_path(1), 2: step_path}

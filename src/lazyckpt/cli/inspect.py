@@ -74,7 +74,7 @@ def leaf_info(leaf: Leaf, entries: List[fmt.Entry]) -> Dict[str, Any]:
 def describe(path: str, options: Optional[Options] = None) -> Dict[str, Any]:
     """Everything ``lazyckpt inspect`` shows, as JSON-able data."""
     options = options or resolve_options()
-    target = resolve(path, options)
+    target = resolve(path, options, all_steps=True)
     out: Dict[str, Any] = {"path": target.path, "kind": target.kind}
     if target.step_dir is not None:
         out["step_dir"] = target.step_dir

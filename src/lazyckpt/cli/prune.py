@@ -62,9 +62,9 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
         # The library's own retention: newest first, a step being read stays and
         # so does every step it refers to.
         try:
-            deleted, _kept = layout.retire_old(keep)
+            deleted = set(layout.retire_old(keep)[0])       # (a set: one lookup per step)
         except CheckpointError as exc:
-            deleted = []
+            deleted = set()
             for action in actions:
                 if action.what == "step":
                     action.error = str(exc)

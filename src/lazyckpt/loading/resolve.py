@@ -34,12 +34,12 @@ def read_manifest(step_dir: str, options: Optional[Options] = None) -> Dict[str,
     return for_path(step_dir).read_manifest(step_dir, options or resolve_options())
 
 
-def resolve(path: str, options: Optional[Options] = None) -> Target:
+def resolve(path: str, options: Optional[Options] = None, all_steps: bool = False) -> Target:
     """Resolve a file, a step or a Checkpointer directory (-> its latest step),
-    local or on an object store."""
+    local or on an object store (``all_steps``: a directory's steps listed too)."""
     options = options or resolve_options()
     store = for_path(path)
-    located = store.locate(path, options)
+    located = store.locate(path, options, all_steps=all_steps)
     if located.kind == "file":
         return Target(located.path, "file", [(None, located.path)])
     manifest = store.read_manifest(located.step_path, options)

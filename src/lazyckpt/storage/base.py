@@ -184,7 +184,8 @@ class Located:
     step_path: Optional[str] = None
     #: That step's number where its name says it, else None.
     step: Optional[int] = None
-    #: Committed steps, oldest first ("directory" only).
+    #: Committed steps, oldest first ("directory" with ``all_steps`` only, or
+    #: where the index could not tell and the directory was listed).
     steps: List[int] = field(default_factory=list)
     #: The step is read where its commit left it before its last rename (a local
     #: commit between its record and its rename): it may move under the reader,
@@ -505,11 +506,14 @@ class Store(abc.ABC):
     # The read side: the one resolver (what a path means), a step's manifest, a held step.
 
     @abc.abstractmethod
-    def locate(self, path: str, options: "Options", empty_ok: bool = False) -> Located:
+    def locate(self, path: str, options: "Options", empty_ok: bool = False, all_steps: bool = False) -> Located:
         """What ``path`` designates: one data file, a committed step, or a
         Checkpointer directory (and its latest step). Raises
         ``CheckpointNotFoundError`` if nothing is there, or (unless ``empty_ok``)
-        a directory without a committed step. Reads no manifest."""
+        a directory without a committed step. Reads no manifest. A directory's
+        latest step comes from its index (a few ``stat`` calls or requests
+        whatever the steps kept, issue 34); ``all_steps``: list them too
+        (``Located.steps``, a listing)."""
 
     @abc.abstractmethod
     def read_manifest(self, step_path: str, options: "Options") -> Dict[str, Any]:

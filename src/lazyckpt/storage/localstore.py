@@ -108,7 +108,7 @@ class LocalStore(Store):
 
     # ---------------------------------------------------------------- the read side
 
-    def locate(self, path: str, options: Options, empty_ok: bool = False) -> Located:
+    def locate(self, path: str, options: Options, empty_ok: bool = False, all_steps: bool = False) -> Located:
         path = self.normalize(path)
         # One stat decides what the path is: `lazyckpt prune` (or retention) may rename a
         # step away between two looks, and a path that vanished is "not found", never
@@ -133,6 +133,11 @@ class LocalStore(Store):
         if m and not _still(path, st):
             raise deleted_while_reading(path, int(m.group(1)))
         directory = self.checkpoint_dir(path, options)
+        if not all_steps:
+            found = directory.locate_step(None)     # the index: a few stat calls (issue 34)
+            if found is not None:
+                return Located("directory", path, found[1], found[0],
+                               moving=found[1] != directory.step_path(found[0]))
         paths = directory.step_paths()
         steps = list(paths)
         if not steps:

@@ -402,7 +402,7 @@ class ObjectCheckpointDir:
         # Counted on the line of history: an abandoned save left here (its
         # superseding step still uploading) is no kept step; it goes too.
         live = dict(line(events + [Event(s, sid, None) for s, sid in committed.items()]))
-        kept = [s for s in sorted(committed) if live.get(s) == committed[s]][-keep_last:]
+        kept = set([s for s in sorted(committed) if live.get(s) == committed[s]][-keep_last:])
         old = [s for s in sorted(committed) if s not in kept]
         # A step being read (a live reader lease) stays until a later pass.
         busy = [s for s in old if not self._drop(s, committed[s], even_if_read=False)]
@@ -561,19 +561,20 @@ class ObjectCheckpointDir:
                 out[lo.name] = "written to since it was listed (a save may be in progress); kept"
         return out
 
-    def retention_plan(self, keep: int) -> Tuple[List[int], List[int]]:
+    def retention_plan(self, keep: int, committed: Optional[Dict[int, str]] = None) -> Tuple[List[int], List[int]]:
         """No references here (incremental steps are local only): the older steps, newest first."""
-        steps = self.steps()
+        steps = sorted(self.committed() if committed is None else committed)
         return list(reversed(steps[:-keep] if keep else steps)), []
 
     def retire_old(self, keep: int) -> Tuple[List[int], List[int]]:
         """Each step's manifest first, then its data; a step with a live reader
         lease stays, as a locked one does locally. Then the history events of
         the deleted steps (FORMAT.md §11.10)."""
-        doomed, _ = self.retention_plan(keep)
+        committed = self.committed()        # one listing for every step (one per step made
+        doomed, _ = self.retention_plan(keep, committed)     # a prune of N steps list N times)
         deleted, kept = [], []
         for step in doomed:
-            if self.delete_step(step) or step not in self.committed():
+            if self._drop(step, committed[step], even_if_read=False) or step not in self.committed():
                 deleted.append(step)        # (or deleted concurrently: the outcome wanted)
             else:
                 log.info("lazyckpt: %s: step %d is being read; deleting it later", self.url, step)

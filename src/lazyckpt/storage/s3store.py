@@ -97,7 +97,7 @@ class S3Store(Store):
 
     # ---------------------------------------------------------------- the read side
 
-    def locate(self, path: str, options: Options, empty_ok: bool = False) -> Located:
+    def locate(self, path: str, options: Options, empty_ok: bool = False, all_steps: bool = False) -> Located:
         """An object, a committed save prefix (``.../step_X/<save_id>`` or
         ``.../step_X``) or a Checkpointer directory prefix (-> its latest step).
         Objects and prefixes: nothing to stat, so a HEAD per candidate."""
@@ -116,6 +116,10 @@ class S3Store(Store):
             if int(m.group(1)) in committed:
                 return Located("step", url, f"{url}/{committed[int(m.group(1))]}", int(m.group(1)))
         directory = ObjectCheckpointDir(url, options)
+        if not all_steps:
+            found = directory.locate_step(None)     # head.json and one page of events (issue 34)
+            if found is not None:
+                return Located("directory", url, found[1], found[0])
         paths = directory.step_paths()
         if not paths:
             if empty_ok and (not key or next(iter(store.list(f"{key}/")), None) is not None):

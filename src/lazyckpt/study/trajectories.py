@@ -210,7 +210,8 @@ class Trajectory:
                 raise CheckpointNotFoundError(f"{run}: no kept step {missing[0]} (kept: "
                                               f"{', '.join(str(s) for s in sorted(have)[-10:]) or 'none'})",
                                               path=run, step=missing[0])
-            located = [x for x in located if x[0] in set(wanted)]
+            wanted_steps = set(wanted)      # once (built per step, it cost located x wanted)
+            located = [x for x in located if x[0] in wanted_steps]
         if not located:
             raise CheckpointNotFoundError(f"{run}: no committed step", path=run)
         self.steps = [(s, tier) for s, tier, _ in located]
