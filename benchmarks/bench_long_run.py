@@ -17,6 +17,7 @@ opened, timed, and saves ``--commits`` more steps of a 4 KB state
     .venv/bin/python benchmarks/bench_long_run.py                 # local, 10..100,000
     .venv/bin/python benchmarks/bench_long_run.py --s3            # SeaweedFS too (10..10,000)
     .venv/bin/python benchmarks/bench_long_run.py --persist       # local + persist_to SeaweedFS
+    .venv/bin/python benchmarks/bench_long_run.py --retain --sizes 10 1000   # keep_last= the size: retention at every commit
     .venv/bin/python benchmarks/bench_long_run.py --sizes 10 1000 --baseline-src /work/wt/orig/src
 
 Each size runs in a fresh process (``--baseline-src``: the same with another
@@ -186,7 +187,8 @@ class RequestCounter:
         return out
 
 
-def measure(url: str, steps: int, commits: int, counter=None, storage_options=None, persist_to=None) -> dict:
+def measure(url: str, steps: int, commits: int, counter=None, storage_options=None, persist_to=None,
+            keep_last=None) -> dict:
     import torch
     import lazyckpt
 
@@ -196,7 +198,7 @@ def measure(url: str, steps: int, commits: int, counter=None, storage_options=No
         kw["persist_to"] = persist_to
     requests = {}
     t0 = time.perf_counter()
-    ckpt = lazyckpt.Checkpointer(url, keep_last=None, **kw)
+    ckpt = lazyckpt.Checkpointer(url, keep_last=keep_last, **kw)
     got = ckpt.load()
     open_load = time.perf_counter() - t0
     assert got["w"].shape == (1024,)
@@ -271,7 +273,7 @@ def child(args: argparse.Namespace) -> None:
         built_s = time.perf_counter() - t
         if not args.s3 and not args.persist:
             os.system("sync")
-            out = measure(path, args.child, args.commits)
+            out = measure(path, args.child, args.commits, keep_last=args.child if args.retain else None)
             out["records"] = record_bytes(path)
         else:
             sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -304,6 +306,8 @@ def main() -> None:
                     help="a local directory with persist_to= on SeaweedFS (both tiers hold the run)")
     ap.add_argument("--baseline-src", help="another tree's src, measured interleaved")
     ap.add_argument("--dir", default=None, help="where the synthetic directories go (default: $TMPDIR)")
+    ap.add_argument("--retain", action="store_true",
+                    help="keep_last= the size (local): every commit retires the oldest step, the size stays kept")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -321,6 +325,8 @@ def main() -> None:
                     cmd.append("--s3")
                 if args.persist:
                     cmd.append("--persist")
+                if args.retain:
+                    cmd.append("--retain")
                 if args.dir:
                     cmd += ["--dir", args.dir]
                 done = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=trees[name]), check=True,
@@ -338,7 +344,7 @@ def main() -> None:
     where = "SeaweedFS (s3://)" if args.s3 else \
         "local directory + persist_to SeaweedFS" if args.persist else "local directory"
     for name, by_size in results.items():
-        print(f"\n{name} ({trees[name]}), {where}, keep_last=None, 4 KB state; medians over {args.runs} run(s)")
+        print(f"\n{name} ({trees[name]}), {where}, {'keep_last=<steps kept>' if args.retain else 'keep_last=None'}, 4 KB state; medians over {args.runs} run(s)")
         print(f"{'steps kept':>10}" + "".join(f"{m:>15}" for m in metrics) + f"{'commit/10':>11}")
         base = None
         for n in args.sizes:

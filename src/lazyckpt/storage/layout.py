@@ -134,6 +134,10 @@ class CheckpointDir:
     def __init__(self, path: str, lease_expiry_s: float = DEFAULT_EXPIRY_S):
         self.path = os.path.abspath(os.fspath(path))
         self.lease_expiry_s = lease_expiry_s
+        #: (step, the manifest's inode, mtime, size) -> its references: a committed
+        #: manifest never changes in place, so retention parses each one once, not
+        #: every kept step's at every commit (keep_last=K cost K parses a commit).
+        self._references: Dict[Tuple[int, int, int, int], Optional[List[int]]] = {}
         #: The writer lease this process holds here (``WriterLease``), checked at every commit.
         self.writer: Optional["WriterLease"] = None
         self._lock_depth = 0
@@ -445,25 +449,42 @@ class CheckpointDir:
     def references(self, step: int) -> Optional[List[int]]:
         """The earlier steps whose files hold bytes of ``step`` (its manifest);
         None if the manifest cannot be read (then it may need any of them)."""
-        raw = read_small_file(os.path.join(self.step_path(step), MANIFEST), manifests.MAX_MANIFEST_BYTES)
-        if raw is None:
-            return []                                  # gone meanwhile: needs nothing
+        path = os.path.join(self.step_path(step), MANIFEST)
         try:
-            return manifests.references(manifests.parse(raw, self.step_path(step)))
+            st = os.stat(path)
+        except FileNotFoundError:
+            return []                                  # gone meanwhile: needs nothing
+        key = (step, st.st_ino, st.st_mtime_ns, st.st_size)
+        if key in self._references:
+            return self._references[key]
+        raw = read_small_file(path, manifests.MAX_MANIFEST_BYTES)
+        if raw is None:
+            return []
+        try:
+            refs: Optional[List[int]] = manifests.references(manifests.parse(raw, self.step_path(step)))
         except Exception:                              # unreadable: assume it needs everything older
-            return None
+            refs = None
+        self._references[key] = refs
+        return refs
 
     def retention_plan(self, keep: int) -> Tuple[List[int], List[int]]:
         """(steps to delete, newest first; older steps kept because a kept step
         refers to them). Deleting newest first never leaves a remaining step
         referring to a deleted one, whatever instant a crash hits."""
+        return self._plan(keep)[1:]
+
+    def _plan(self, keep: int) -> Tuple[List[int], List[int], List[int]]:
+        """(every step, from one listing; then :meth:`retention_plan`'s answer)."""
         steps = self.steps()
+        present = set(steps)
+        for key in [k for k in list(self._references) if k[0] not in present]:
+            del self._references[key]                  # bounded by the steps present
         kept = steps[-keep:]
         needed = set(kept)
         for step in sorted(kept, reverse=True):
             self._need(step, needed, steps)
         doomed = [s for s in reversed(steps) if s not in needed]
-        return doomed, sorted(needed - set(kept))
+        return steps, doomed, sorted(needed - set(kept))
 
     def _need(self, step: int, needed: set, steps: List[int]) -> None:
         todo = [step]
@@ -478,8 +499,7 @@ class CheckpointDir:
     def retire_old(self, keep: int) -> Tuple[List[int], List[int]]:
         """Apply ``retention_plan``: returns (deleted, kept because referred to
         or being read)."""
-        doomed, referred = self.retention_plan(keep)
-        steps = self.steps()
+        steps, doomed, referred = self._plan(keep)
         needed = set(steps) - set(doomed)
         deleted, kept = [], list(referred)
         for step in doomed:                            # newest first
