@@ -237,7 +237,7 @@ def measure(url: str, steps: int, commits: int, counter=None, storage_options=No
     latest_s = time.perf_counter() - t
     if counter is not None:
         counter.take()
-    assert latest == step and len(listed) == steps + commits, (latest, step, len(listed))
+    assert latest == step and len(listed) == (keep_last or steps + commits), (latest, step, len(listed))
     if persist_to:
         ckpt.wait()
         ckpt.close()                    # (the old process is gone when a node is replaced)

@@ -161,6 +161,7 @@ def child(ranks: int, steps: int, full_ranks: int, threads: int, data_mb: int = 
             if data_mb:
                 place.info = RankInfo()
                 out["data"] = data_reads(lazyckpt, client, bucket, so, data_mb, min(full_ranks, ranks), place)
+                out["data_processes"] = data_reads_processes(server, bucket, so, min(full_ranks, ranks))
             return out
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -185,6 +186,18 @@ def data_reads(lazyckpt, client, bucket: str, so: dict, data_mb: int, readers: i
         with lazyckpt.Checkpointer(url, storage_options=so) as c:
             assert c.load()["w"].numel() == data_mb * 2 ** 20 // 4
 
+    def lazy_opened(_r: int) -> float:
+        """The data read alone: every rank's Checkpointer opened first (a barrier),
+        then the loads timed from one instant, then the closes (untimed)."""
+        place.info = RankInfo()
+        with lazyckpt.Checkpointer(url, storage_options=so) as c:
+            opened.wait()
+            t = time.perf_counter()
+            assert c.load()["w"].numel() == data_mb * 2 ** 20 // 4
+            done = time.perf_counter() - t
+            loaded.wait()
+        return done
+
     def raw_whole(_r: int) -> None:
         assert len(client.get_object(Bucket=bucket, Key=key)["Body"].read()) == size
 
@@ -197,19 +210,78 @@ def data_reads(lazyckpt, client, bucket: str, so: dict, data_mb: int, readers: i
         with ThreadPoolExecutor(4) as pool:
             assert sum(pool.map(one, range(0, size, part))) == size
 
-    times = {"lazyckpt": [], "raw boto3, one GET": [], "raw boto3, 8 MiB ranges x 4": []}
-    fns = dict(zip(times, (lazy, raw_whole, raw_ranged)))
+    times = {"lazyckpt": [], "lazyckpt load() alone": [], "raw boto3, one GET": [], "raw boto3, 8 MiB ranges x 4": []}
+    fns = dict(zip(times, (lazy, lazy_opened, raw_whole, raw_ranged)))
     for rep in range(3):
         for name in (list(times) if rep % 2 == 0 else list(reversed(times))):
+            opened, loaded = threading.Barrier(readers), threading.Barrier(readers)
             t = time.perf_counter()
             with ThreadPoolExecutor(readers) as pool:
-                list(pool.map(fns[name], range(readers)))
-            times[name].append(time.perf_counter() - t)
+                got = list(pool.map(fns[name], range(readers)))
+            # The loads alone: from the first start to the last end (they start together).
+            times[name].append(max(got) if name == "lazyckpt load() alone" else time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
-    best_raw = min(v for k, v in med.items() if k != "lazyckpt")
+    best_raw = min(v for k, v in med.items() if k.startswith("raw"))
     return {"readers": readers, "file_mb": size / 2 ** 20, "seconds": med,
             "gb_s": {k: readers * size / v / 1e9 for k, v in med.items()},
-            "of_best_raw": best_raw / med["lazyckpt"]}
+            "of_best_raw": best_raw / med["lazyckpt"], "load_alone_of_best_raw": best_raw / med["lazyckpt load() alone"]}
+
+
+def _process_load(args) -> float:
+    """One rank as its own process: open a Checkpointer, wait for the others,
+    time ``load()`` (ranged GETs, checksums verified), close."""
+    url, so, barrier = args
+    import lazyckpt
+    with lazyckpt.Checkpointer(url, storage_options=so) as c:
+        barrier.wait()
+        t = time.perf_counter()
+        c.load()
+        return time.perf_counter() - t
+
+
+def _process_raw(args) -> float:
+    """The best raw boto3 read measured above (8 MiB ranged GETs on 4 threads), in its own process."""
+    (endpoint, access, secret, region, bucket, key, size), barrier = args
+    import boto3
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access, aws_secret_access_key=secret,
+                          region_name=region)
+    part = 8 * 2 ** 20
+
+    def one(off: int) -> int:
+        rng = f"bytes={off}-{min(size, off + part) - 1}"
+        return len(client.get_object(Bucket=bucket, Key=key, Range=rng)["Body"].read())
+    barrier.wait()
+    t = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        assert sum(pool.map(one, range(0, size, part))) == size
+    return time.perf_counter() - t
+
+
+def data_reads_processes(server, bucket: str, so: dict, readers: int, reps: int = 5) -> dict:
+    """The same restore with each rank a process of its own, as real ranks are
+    (the threads above share one interpreter's lock): ``readers`` processes
+    start their reads at one instant (a barrier after opening); the figure is
+    the slowest one's read; ``reps`` interleaved repetitions, medians."""
+    import multiprocessing
+    client = server.client()
+    key = next(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="data/step_")["Contents"]
+               if o["Key"].endswith("/rank_00000.lzc"))
+    size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+    raw_args = (server.endpoint, server.access_key, server.secret_key, server.region, bucket, key, size)
+    ctx = multiprocessing.get_context("forkserver")
+    times = {"lazyckpt load()": [], "raw boto3, 8 MiB ranges x 4": []}
+    with ctx.Manager() as manager:
+        for rep in range(reps):
+            for name in (list(times) if rep % 2 == 0 else list(reversed(times))):
+                barrier = manager.Barrier(readers)
+                fn, arg = (_process_load, (f"s3://{bucket}/data", so, barrier)) if name.startswith("lazy") \
+                    else (_process_raw, (raw_args, barrier))
+                with ctx.Pool(readers) as pool:
+                    times[name].append(max(pool.map(fn, [arg] * readers)))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"readers": readers, "file_mb": size / 2 ** 20, "seconds": med,
+            "spread": {k: [min(v), max(v)] for k, v in times.items()},
+            "of_raw": med["raw boto3, 8 MiB ranges x 4"] / med["lazyckpt load()"]}
 
 
 def main() -> None:
@@ -259,7 +331,14 @@ def main() -> None:
             d = f["data"]
             print(f"\n{name}, {f['ranks']} ranks: {d['readers']} ranks restoring {d['file_mb']:.0f} MiB each at once: "
                   + ", ".join(f"{k} {d['seconds'][k]:.2f} s ({d['gb_s'][k]:.2f} GB/s)" for k in d["seconds"])
-                  + f"; lazyckpt = {d['of_best_raw']:.2f} of the best raw method")
+                  + f"; lazyckpt = {d['of_best_raw']:.2f} of the best raw method (open + load + close), its load() alone "
+                  + f"{d['load_alone_of_best_raw']:.2f}")
+        if "data_processes" in f:
+            d = f["data_processes"]
+            print(f"{name}, {d['readers']} ranks as processes, {d['file_mb']:.0f} MiB each, reads from one instant "
+                  f"(medians of 5, [min, max]): "
+                  + ", ".join(f"{k} {d['seconds'][k]:.2f} s {[round(x, 2) for x in d['spread'][k]]}" for k in d["seconds"])
+                  + f"; lazyckpt = {d['of_raw']:.2f} of raw")
 
 
 if __name__ == "__main__":
