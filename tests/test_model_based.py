@@ -255,6 +255,24 @@ def test_one_rank_follows_the_line_of_history(cfg, model_store, tmp_path):
     machine.TestCase().runTest()
 
 
+MEM_CONFIGS = [c for c in ONE_RANK if c.persist]
+
+
+@pytest.mark.parametrize("cfg", MEM_CONFIGS, ids=[c.id for c in MEM_CONFIGS])
+def test_one_rank_follows_the_line_of_history_with_persist_to_on_mem(cfg, tmp_path):
+    """The same machine with the persistent tier on ``mem://`` (issue 36: a new store
+    joins the model): the object layout through another client, no server. The
+    rules that start processes are off here as in CI (a mem:// bucket is this
+    process's), and so are the proxy's store faults (tests/test_memstore.py fails
+    a mem:// store's uploads instead)."""
+    machine = machine_for(cfg, str(tmp_path), f"mem://model{uuid.uuid4().hex[:8]}/run")
+    machine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+                                         print_blob=True, database=None,
+                                         phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                                         suppress_health_check=list(HealthCheck))
+    machine.TestCase().runTest()
+
+
 # ----------------------------------------------------------------- two ranks: seeded programs
 
 def _two_rank_program(rank, world, cfg, base, persist_url, program, knobs=None):

@@ -103,17 +103,24 @@ def test_one_place_decides_which_store_a_path_belongs_to(tmp_path):
     assert stores.join(str(tmp_path), "a") == str(tmp_path / "a")
 
 
-def test_a_new_store_is_one_registration(monkeypatch):
+def test_a_new_store_is_one_registration():
+    from lazyckpt.storage import base
+
     class Fake(S3Store):
         name, scheme = "fake", "fake://"
 
         def claims(self, path):
             return path.startswith(self.scheme)
-    fake = Fake()
-    monkeypatch.setattr(stores, "REMOTE", stores.REMOTE + [fake])
-    assert stores.for_path("fake://x/y") is fake
-    with pytest.raises(InvalidURLError, match=r"only s3:// or fake:// URLs"):
-        stores.for_path("gs://b/x")
+    saved = list(base.URL_STORES)
+    try:
+        fake = base.register_store(Fake())
+        assert stores.for_path("fake://x/y") is fake
+        with pytest.raises(InvalidURLError, match=r"only s3:// or mem:// or fake:// URLs"):
+            stores.for_path("gs://b/x")
+    finally:
+        base.URL_STORES[:] = saved
+    with pytest.raises(InvalidURLError, match=r"only s3:// or mem:// URLs"):
+        stores.for_path("fake://x/y")
 
 
 def test_no_module_outside_storage_decides_by_a_path_s_spelling():

@@ -259,7 +259,7 @@ def step_named_by(path: str) -> Optional[int]:
     parts = str(path).replace("\\", "/").rstrip("/").split("/")
     if parts and parts[-1] == "manifest.json":
         parts.pop()
-    if str(path).startswith("s3://") and len(parts) >= 2 and not STEP_DIR.match(parts[-1]):
+    if "://" in str(path) and len(parts) >= 2 and not STEP_DIR.match(parts[-1]):     # an object store's URL
         parts.pop()                     # the save id under the step's prefix
     m = STEP_DIR.match(parts[-1]) if parts else None
     return int(m.group(1)) if m else None

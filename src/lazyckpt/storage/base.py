@@ -527,3 +527,17 @@ class Store(abc.ABC):
         lock, a reader lease): ``with store.reading_step(p, options) as held``.
         Raises ``CheckpointNotFoundError`` if it is not (or no longer) committed
         where the store can tell at once."""
+
+
+#: The stores named by a URL scheme, asked in registration order
+#: (``stores.for_path``). A store module registers its instance when imported.
+URL_STORES: List[Store] = []
+
+
+def register_store(store: Store) -> Store:
+    """Make ``store`` claim the paths of its ``scheme`` (a new one, or replacing
+    the store registered for it). Returns it."""
+    if not store.scheme:
+        raise ValueError(f"{type(store).__name__}: a registered store names its URL scheme")
+    URL_STORES[:] = [s for s in URL_STORES if s.scheme != store.scheme] + [store]
+    return store

@@ -35,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 
@@ -43,6 +43,8 @@ MiB = 1 << 20
 #: S3 refuses parts smaller than this, except the last.
 MIN_PART_BYTES = 5 * MiB
 SCHEME = "s3://"
+#: URL scheme -> the factory of its clients (register_client): S3's, and what registers.
+_CLIENTS: Dict[str, Callable[[str, Tuple[Tuple[str, Any], ...]], Any]] = {}
 
 class StorageConfigError(CheckpointError):
     """The object store refuses us for a reason no retry fixes: wrong
@@ -63,6 +65,8 @@ _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{1,253}[A-Za-z0-9]$")
 class ObjectURL:
     bucket: str
     key: str            # no leading or trailing "/"
+    #: The object store's URL scheme (a registered client's, :func:`register_client`).
+    scheme: str = SCHEME
 
     @classmethod
     def parse(cls, url: str) -> "ObjectURL":
@@ -70,13 +74,14 @@ class ObjectURL:
         stores differ on ``a//b``, ``./..`` and backslashes (SeaweedFS rewrites
         them, so listings no longer find what was written): refused here, once,
         instead of losing every step later."""
-        if not isinstance(url, str) or not url.startswith(SCHEME):
-            raise InvalidURLError(f"{url!r}: not an s3:// URL", path=str(url))
-        bucket, _, key = url[len(SCHEME):].partition("/")
+        scheme = next((s for s in _CLIENTS if isinstance(url, str) and url.startswith(s)), None)
+        if scheme is None:
+            raise InvalidURLError(f"{url!r}: not an {' or '.join(_CLIENTS)} URL", path=str(url))
+        bucket, _, key = url[len(scheme):].partition("/")
         def malformed(reason: str) -> InvalidURLError:
-            return InvalidURLError(f"{url}: malformed s3:// URL: {reason}", path=url)
+            return InvalidURLError(f"{url}: malformed {scheme} URL: {reason}", path=url)
         if not bucket:
-            raise malformed("no bucket name (s3://BUCKET/PREFIX)")
+            raise malformed(f"no bucket name ({scheme}BUCKET/PREFIX)")
         if len(bucket) < 3:
             raise malformed(f"bucket name {bucket!r} is too short (S3 bucket names have 3 to 63 characters)")
         if not _BUCKET.match(bucket):
@@ -96,18 +101,18 @@ class ObjectURL:
             if bad:
                 raise malformed(f"the prefix holds {', '.join(map(repr, bad))} (a backslash or a control "
                                 f"character), which object stores rewrite or refuse")
-        return cls(bucket, key)
+        return cls(bucket, key, scheme)
 
     def join(self, *names: str) -> "ObjectURL":
         parts = [self.key] if self.key else []
-        return ObjectURL(self.bucket, "/".join(parts + [n.strip("/") for n in names]))
+        return ObjectURL(self.bucket, "/".join(parts + [n.strip("/") for n in names]), self.scheme)
 
     @property
     def name(self) -> str:
         return self.key.rsplit("/", 1)[-1]
 
     def __str__(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
+        return f"{self.scheme}{self.bucket}/{self.key}" if self.key else f"{self.scheme}{self.bucket}"
 
 
 def join(url: str, *names: str) -> str:
@@ -117,7 +122,14 @@ def join(url: str, *names: str) -> str:
 # ---------------------------------------------------------------------- client
 
 class ObjectStore:
-    """One bucket on an S3-compatible endpoint. Thread-safe (boto3 clients are)."""
+    """One bucket on an S3-compatible endpoint. Thread-safe (boto3 clients are).
+
+    What the object layout (``s3layout``), the leases and the files above ask
+    of an object store is this class's public methods; another object store
+    is a class with the same methods, registered for its URL scheme
+    (:func:`register_client`; ``storage/memstore.py`` is one)."""
+
+    scheme = SCHEME
 
     def __init__(self, bucket: str, storage_options: Tuple[Tuple[str, Any], ...] = ()):
         try:
@@ -146,7 +158,7 @@ class ObjectStore:
         self._checked = False
 
     def url(self, key: str) -> str:
-        return str(ObjectURL(self.bucket, key))
+        return str(ObjectURL(self.bucket, key, self.scheme))
 
     # ---------------------------------------------------------------- errors
 
@@ -320,6 +332,31 @@ class ObjectStore:
         except Exception as exc:
             raise self.error(exc, prefix, "listing uploads") from exc
 
+    # -- multipart uploads: an object visible only once complete (ObjectOutput)
+
+    def start_upload(self, key: str) -> str:
+        try:
+            return self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        except Exception as exc:
+            raise self.error(exc, key, "starting an upload") from exc
+
+    def put_part(self, key: str, upload_id: str, number: int, data: memoryview) -> str:
+        """Upload part ``number`` (from 1) straight from ``data``; its ETag."""
+        try:
+            return self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                                           Body=_ViewBody(data), ContentLength=len(data))["ETag"]
+        except Exception as exc:
+            raise self.error(exc, key, f"uploading part {number}") from exc
+
+    def complete_upload(self, key: str, upload_id: str, etags: List[str]) -> None:
+        """The object exists from here on: parts 1..len(etags), in order."""
+        parts = [{"PartNumber": n + 1, "ETag": etag} for n, etag in enumerate(etags)]
+        try:
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                  MultipartUpload={"Parts": parts})
+        except Exception as exc:
+            raise self.error(exc, key, "completing the upload") from exc
+
     def abort_upload(self, key: str, upload_id: str) -> None:
         try:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
@@ -347,8 +384,20 @@ def _error_code(exc: BaseException) -> Tuple[Optional[str], Optional[int]]:
     return code, status
 
 
-_stores: Dict[Tuple[str, Tuple], ObjectStore] = {}
+_stores: Dict[Tuple[str, str, Tuple], ObjectStore] = {}
 _stores_lock = threading.Lock()
+
+
+def register_client(scheme: str, factory: Callable[[str, Tuple[Tuple[str, Any], ...]], Any]) -> None:
+    """Make ``scheme`` URLs (``"mem://"``) name buckets of another object store:
+    ``factory(bucket, storage_options)`` returns its client, an object with
+    :class:`ObjectStore`'s public methods. The URL rules, the layout of a
+    Checkpointer directory, its leases and files are this module's and
+    ``s3layout``'s, the same for every object store."""
+    _CLIENTS[scheme] = factory
+
+
+register_client(SCHEME, ObjectStore)
 
 
 def store_for(url: str, storage_options: Tuple[Tuple[str, Any], ...] = ()) -> Tuple[ObjectStore, str]:
@@ -356,9 +405,9 @@ def store_for(url: str, storage_options: Tuple[Tuple[str, Any], ...] = ()) -> Tu
     and options, shared (its connection pool is)."""
     u = ObjectURL.parse(url)
     with _stores_lock:
-        store = _stores.get((u.bucket, storage_options))
+        store = _stores.get((u.scheme, u.bucket, storage_options))
         if store is None:
-            store = _stores[(u.bucket, storage_options)] = ObjectStore(u.bucket, storage_options)
+            store = _stores[(u.scheme, u.bucket, storage_options)] = _CLIENTS[u.scheme](u.bucket, storage_options)
     return store, u.key
 
 
@@ -457,23 +506,14 @@ class ObjectOutput:
     def _upload(self) -> str:
         with self._lock:
             if self._upload_id is None:
-                try:
-                    self._upload_id = self.store.client.create_multipart_upload(
-                        Bucket=self.store.bucket, Key=self.key)["UploadId"]
-                except Exception as exc:
-                    raise self.store.error(exc, self.key, "starting an upload") from exc
+                self._upload_id = self.store.start_upload(self.key)
             return self._upload_id
 
     def _put_part(self, number: int, data: memoryview) -> None:
         upload_id = self._upload()
-        try:
-            out = self.store.client.upload_part(Bucket=self.store.bucket, Key=self.key, UploadId=upload_id,
-                                                PartNumber=number + 1, Body=_ViewBody(data),
-                                                ContentLength=len(data))
-        except Exception as exc:
-            raise self.store.error(exc, self.key, f"uploading part {number + 1}") from exc
+        etag = self.store.put_part(self.key, upload_id, number + 1, data)
         with self._lock:
-            self._etags[number] = out["ETag"]
+            self._etags[number] = etag
             self.bytes_uploaded += len(data)
 
     def pwrite_all(self, data: memoryview, offset: int) -> None:
@@ -536,13 +576,7 @@ class ObjectOutput:
         missing = [n for n in range(last + 1) if n not in self._etags]
         if missing:
             raise CheckpointError(f"{self.path}: internal error: parts {missing[:5]} never written")
-        parts = [{"PartNumber": n + 1, "ETag": self._etags[n]} for n in range(last + 1)]
-        try:
-            self.store.client.complete_multipart_upload(Bucket=self.store.bucket, Key=self.key,
-                                                        UploadId=self._upload(),
-                                                        MultipartUpload={"Parts": parts})
-        except Exception as exc:
-            raise self.store.error(exc, self.key, "completing the upload") from exc
+        self.store.complete_upload(self.key, self._upload(), [self._etags[n] for n in range(last + 1)])
         self._finished = True
 
     def close(self) -> None:
@@ -553,8 +587,7 @@ class ObjectOutput:
         upload_id, self._upload_id = self._upload_id, None
         for attempt in range(3):
             try:
-                self.store.client.abort_multipart_upload(Bucket=self.store.bucket, Key=self.key,
-                                                         UploadId=upload_id)
+                self.store.abort_upload(self.key, upload_id)
                 return
             except Exception:           # the server may be gone; prune aborts leftovers later
                 time.sleep(0.2 * (attempt + 1))

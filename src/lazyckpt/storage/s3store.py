@@ -9,7 +9,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional
 from lazyckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
-from .base import HeldStep, Located, Store
+from .base import HeldStep, Located, Store, register_store
 from .s3 import SCHEME, ObjectInput, ObjectOutput, ObjectURL, store_for
 from .s3layout import ObjectCheckpointDir, PendingObject, read_manifest
 from .s3leases import reading_object_step
@@ -21,9 +21,9 @@ class S3Store(Store):
     is_remote = True
 
     def claims(self, path: str) -> bool:
-        if not path.startswith(SCHEME):
+        if not path.startswith(self.scheme):
             return False
-        ObjectURL.parse(path)           # a malformed s3:// URL is an error, never a local path
+        ObjectURL.parse(path)           # a malformed URL is an error, never a local path
         return True
 
     def normalize(self, path: str) -> str:
@@ -111,7 +111,7 @@ class S3Store(Store):
         if store.size(f"{key}/{MANIFEST}" if key else MANIFEST) is not None:
             return Located("step", url, url)
         if m is not None:                           # DIR/step_X: its committed save
-            parent = ObjectCheckpointDir(str(ObjectURL(u.bucket, u.key.rpartition("/")[0])), options)
+            parent = ObjectCheckpointDir(str(ObjectURL(u.bucket, u.key.rpartition("/")[0], u.scheme)), options)
             committed = parent.committed()
             if int(m.group(1)) in committed:
                 return Located("step", url, f"{url}/{committed[int(m.group(1))]}", int(m.group(1)))
@@ -138,3 +138,6 @@ class S3Store(Store):
                      step: Optional[int] = None) -> ContextManager[HeldStep]:
         """A reader lease under the save prefix (``s3leases.reading_object_step``)."""
         return reading_object_step(step_path, options)
+
+
+register_store(S3Store())

@@ -1,23 +1,26 @@
 """Which store a path belongs to: the one place that decides it.
 
 Every place that takes "a path or a URL" asks :func:`for_path`; nothing else
-looks at a path's spelling. A new store is a module implementing
-:class:`lazyckpt.storage.base.Store` and one line in ``REMOTE`` below.
+looks at a path's spelling. A new store is one module: it implements
+:class:`lazyckpt.storage.base.Store` and registers an instance for its URL
+scheme when imported (``base.register_store``); the built-in ones are
+imported below. An object store reuses the object layout and needs only a
+client (``s3.register_client``; ``memstore.py`` is the example).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, List
+from typing import Any
 
-from .base import Store
+from . import memstore, s3store
+from .base import URL_STORES, Store
 from .localstore import LocalStore
 from .s3 import InvalidURLError
-from .s3store import S3Store
 
-#: Stores named by a URL scheme, asked in this order. Register a new store here.
-REMOTE: List[Store] = [S3Store()]
+#: The built-in URL stores: importing their modules registered them.
+BUILT_IN = (s3store.S3Store, memstore.MemoryStore)
 #: Everything that does not look like a URL.
 LOCAL: Store = LocalStore()
 
@@ -36,12 +39,12 @@ def for_path(path: Any) -> Store:
     path = os.fspath(path) if isinstance(path, os.PathLike) else path
     if not isinstance(path, str):
         return LOCAL
-    for store in REMOTE:
+    for store in URL_STORES:
         if store.claims(path):
             return store
     if _URL_LIKE.match(path):
         scheme = path.partition(":")[0]
-        schemes = " or ".join(store.scheme for store in REMOTE)
+        schemes = " or ".join(store.scheme for store in URL_STORES)
         raise InvalidURLError(f"{path!r}: unsupported URL ({scheme + ':'!r}): only {schemes} URLs (lowercase, two "
                               f"slashes) name an object store; to mean a local directory of this name, "
                               f"write it as ./{path}", path=path)
