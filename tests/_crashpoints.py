@@ -749,13 +749,13 @@ def index_problems(directory: str, when: str) -> List[str]:
 
 def tiers_index_problems(ckpt: Any, when: str) -> List[str]:
     """With ``persist_to``: the copies the two tiers' indexes name as the newest
-    save's (``Checkpointer._newest_copies``: ``History.newest_save``) against
+    save's (``History._newest_copies``: ``History.newest_save``) against
     the line over both tiers built from every manifest and a listing of the
     store: where the indexes answer, they name the line's newest save's
     copies, local first (issue 34)."""
     for _attempt in range(5):
-        line = ckpt._line_candidates(None)
-        fast = ckpt._newest_copies()
+        line = ckpt.history._line_candidates(None)
+        fast = ckpt.history._newest_copies()
         if not fast:
             return []
         newest = [c for c in line if c[0] == line[0][0]] if line else []
@@ -763,7 +763,7 @@ def tiers_index_problems(ckpt: Any, when: str) -> List[str]:
         same = [(s, t, ckpt.step_path(s) if t == "local" else p) for s, t, p in fast] == newest
         if same:
             return []
-        if ckpt._line_candidates(None) == line:
+        if ckpt.history._line_candidates(None) == line:
             return [f"{when}: the two tiers' indexes name {fast} as the newest save's copies, the line {newest}"]
     return []
 

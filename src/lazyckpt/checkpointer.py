@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
@@ -39,7 +39,7 @@ from lazyckpt.tiers.replicas import (ReplicaTier, node_group, restore as restore
                                      topology as replica_topology)
 from .distributed import depart, rank_info, refuse
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
-from .history import Event, abandoned, line
+from .history import abandoned
 from .tiers.line import History
 from .knobs import Options, resolve
 
@@ -508,29 +508,12 @@ class Checkpointer:
     def _line(self) -> Any:
         """(the live saves [(step, save_id)], oldest first; local step -> Event;
         persistent step -> save_id): one line of history over both tiers."""
-        return self._line_and_listing()[:3]
+        return self.history.line_and_listing()[:3]
 
     def _line_and_listing(self) -> Any:
-        """:meth:`_line`, and the persistent tier's listing ``(steps, events)`` it
-        came from (None: the store could not be listed)."""
-        local = self.history.local_saves()
-        events = self.history.local_events()
-        remote: Dict[int, str] = {}
-        listing = None
-        try:
-            listing = self.persistent.dir.listing()
-            remote, remote_events = listing
-            events += remote_events + [Event(s, sid, None) for s, sid in remote.items()]
-        except CheckpointError as exc:
-            if not local:
-                raise
-            log.warning("lazyckpt: the persistent tier %s cannot be listed (%s); loading from the local "
-                        "tier only", self.persistent.url, exc)
-        # A local step whose manifest and record say nothing still counts (its load reports the damage).
-        events += [Event(s, f"?unreadable-{s}", None) for s, e in local.items() if e.save_id is None]
-        return line(events), local, remote, listing
+        return self.history.line_and_listing()
 
-    def _candidates(self, step: Optional[int]) -> List[Any]:
+    def _candidates(self, step: Optional[int]) -> Iterable[Any]:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""
         if self.persistent is None:
             # One tier: its steps are one line by construction (committing S removes every step >= S).
@@ -539,50 +522,7 @@ class Checkpointer:
                 found = self.layout.locate_step(step)   # the index: no listing (issue 34)
             tier = "local" if not self.on_object_store else "object store"
             return [] if found is None else [(found[0], tier, found[1])]
-        if step is None:
-            newest = self._newest_copies()
-            if newest:
-                # Both copies of the newest save first; the whole line only if neither loads.
-                return _then(newest, lambda: [c for c in self._line_candidates(None) if c not in newest])
-        return self._line_candidates(step)
-
-    def _newest_copies(self) -> List[Any]:
-        """(step, tier, path) of the newest live save's copies, local first, from
-        the two tiers' indexes (a few requests whatever the run's length, issue
-        34); [] when they cannot tell."""
-        found = self.history.newest_save()
-        if found is None:
-            return []
-        local, remote, newest = found
-        out = []
-        here = self.layout.locate_step(newest.step)     # (its temporary directory: renames pending)
-        if local == newest and here is not None:
-            out.append((newest.step, "local", here[1]))
-        elif here is not None:
-            return []               # that step here, another save of it: the line tells
-        if remote == newest:
-            out.append((newest.step, "persistent", self.persistent.dir.save_path(newest.step, newest.save_id)))
-        return out
-
-    def _line_candidates(self, step: Optional[int]) -> List[Any]:
-        # Two tiers: a copy counts only if it is the live save of its step (the same save_id), so
-        # neither an abandoned step nor another run's save of the same step number is ever loaded.
-        live, local, remote = self._line()
-        if step is not None:
-            live = [(s, sid) for s, sid in live if s == step]
-            if not live and (step in local or step in remote):
-                raise CheckpointNotFoundError(
-                    f"{self.directory}: step {step} was abandoned (a later save of an older step superseded it: "
-                    f"a run resumed from an earlier step); it is not loaded", path=self.directory, step=step)
-        out = []
-        for s, sid in reversed(live):
-            if s in local and local[s].save_id in (sid, None):
-                out.append((s, "local", self.layout.step_path(s)))
-            elif s in local and sid.startswith("?unreadable-"):
-                out.append((s, "local", self.layout.step_path(s)))
-            if remote.get(s) == sid:
-                out.append((s, "persistent", self.persistent.dir.save_path(s, sid)))
-        return out
+        return self.history.candidates(step)      # the choice among two tiers' copies: the tier's
 
     def load_async(self, step: Optional[int] = None, map_location: MapLocation = None,
                    keys: Optional[List[KeySpec]] = None, into: Any = None, allow_pickle: bool = False,
@@ -668,12 +608,6 @@ def _refuse_options_that_do_not_apply(*, object_store: bool, persist_to: Optiona
         if value is not None and value != defaults.get(name) and not applies:
             shown = "{...}" if name == "storage_options" else repr(value)     # it may hold credentials
             raise ValueError(f"{name}={shown} does not apply here: {why}")
-
-
-def _then(first: List[Any], rest: Any) -> Any:
-    """``first``, then what ``rest()`` returns (computed only if asked for)."""
-    yield from first
-    yield from rest()
 
 
 def _release_when_idle(engine: SaveEngine, writer: WriterLease) -> None:

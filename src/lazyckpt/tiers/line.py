@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from lazyckpt.errors import CheckpointError, CorruptCheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, MAX_SEQ
-from lazyckpt.history import Event, manifest_event, max_seq
+from lazyckpt.history import Event, line, manifest_event, max_seq
 from lazyckpt.storage.fileio import read_small_file
 from lazyckpt.storage.record import LocalRecord
 
@@ -133,3 +133,83 @@ class History:
         if self.record is not None:
             events += self.record.read()[1]
         return events
+
+    # ------------------------------------------------------------ which copy to load (both tiers)
+
+    def line_and_listing(self) -> Any:
+        """(the live saves [(step, save_id)], oldest first; local step -> Event;
+        persistent step -> save_id; the persistent tier's listing ``(steps,
+        events)`` they came from, None where it could not be listed): one line
+        of history over both tiers."""
+        local = self.local_saves()
+        events = self.local_events()
+        remote: Dict[int, str] = {}
+        listing = None
+        try:
+            listing = self.remote.listing()
+            remote, remote_events = listing
+            events += remote_events + [Event(s, sid, None) for s, sid in remote.items()]
+        except CheckpointError as exc:
+            if not local:
+                raise
+            log.warning("lazyckpt: the persistent tier %s cannot be listed (%s); loading from the local "
+                        "tier only", getattr(self.remote, "url", self.remote), exc)
+        # A local step whose manifest and record say nothing still counts (its load reports the damage).
+        events += [Event(s, f"?unreadable-{s}", None) for s, e in local.items() if e.save_id is None]
+        return line(events), local, remote, listing
+
+    def candidates(self, step: Optional[int]) -> Iterable[Tuple[int, str, str]]:
+        """(step, "local" | "persistent", path) of the copies to try for ``step``
+        (None: the newest), best first: newer steps first, the local copy
+        before the persistent one. Only the live save of a step is a copy of it
+        (the same save id), so neither an abandoned step nor another run's save
+        of the same number is ever offered; asking for an abandoned step raises
+        ``CheckpointNotFoundError``. For the newest step the two indexes answer
+        first (a few requests, issue 34); the whole line only if neither copy
+        loads or they cannot tell. Lazy: the line is built when asked for."""
+        if step is None:
+            newest = self._newest_copies()
+            if newest:
+                return _then(newest, lambda: [c for c in self._line_candidates(None) if c not in newest])
+        return self._line_candidates(step)
+
+    def _newest_copies(self) -> List[Tuple[int, str, str]]:
+        """The newest live save's copies, local first, from the two tiers'
+        indexes; [] when they cannot tell."""
+        found = self.newest_save()
+        if found is None:
+            return []
+        local, remote, newest = found
+        out = []
+        here = self.layout.locate_step(newest.step)     # (its temporary directory: renames pending)
+        if local == newest and here is not None:
+            out.append((newest.step, "local", here[1]))
+        elif here is not None:
+            return []               # that step here, another save of it: the line tells
+        if remote == newest:
+            out.append((newest.step, "persistent", self.remote.save_path(newest.step, newest.save_id)))
+        return out
+
+    def _line_candidates(self, step: Optional[int]) -> List[Tuple[int, str, str]]:
+        live, local, remote, _ = self.line_and_listing()
+        if step is not None:
+            live = [(s, sid) for s, sid in live if s == step]
+            if not live and (step in local or step in remote):
+                raise CheckpointNotFoundError(
+                    f"{self.layout.path}: step {step} was abandoned (a later save of an older step superseded "
+                    f"it: a run resumed from an earlier step); it is not loaded", path=self.layout.path, step=step)
+        out = []
+        for s, sid in reversed(live):
+            if s in local and local[s].save_id in (sid, None):
+                out.append((s, "local", self.layout.step_path(s)))
+            elif s in local and sid.startswith("?unreadable-"):
+                out.append((s, "local", self.layout.step_path(s)))
+            if remote.get(s) == sid:
+                out.append((s, "persistent", self.remote.save_path(s, sid)))
+        return out
+
+
+def _then(first: List[Any], rest: Any) -> Any:
+    """``first``, then what ``rest()`` returns (computed only if asked for)."""
+    yield from first
+    yield from rest()

@@ -1,0 +1,90 @@
+"""Which copy to load, decided by the tiers without a Checkpointer (issue 36):
+``lazyckpt.tiers.line.History.candidates`` over a local directory and a
+persistent tier on ``mem://`` (an object store in memory: no server).
+
+The directories are made by real saves; the choice is then asked of the
+tier object alone, as the Checkpointer asks it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt.errors import CheckpointNotFoundError
+from lazyckpt.knobs import resolve
+from lazyckpt.storage.layout import CheckpointDir
+from lazyckpt.storage.s3layout import ObjectCheckpointDir
+from lazyckpt.tiers.line import History
+
+
+def _state(step: int):
+    return {"w": torch.full((100,), float(step)), "step": step}
+
+
+def _run(tmp_path, steps=(1, 2, 3)):
+    local, url = str(tmp_path / "run"), f"mem://line{uuid.uuid4().hex[:8]}/run"
+    with lazyckpt.Checkpointer(local, keep_last=None, persist_to=url) as ckpt:
+        for step in steps:
+            ckpt.save(_state(step), step=step).wait()
+        ckpt.wait()                         # every step on both tiers
+    return local, url
+
+
+def _history(local, url):
+    return History(CheckpointDir(local), ObjectCheckpointDir(url, resolve()))
+
+
+def _tiers(candidates):
+    return [(step, tier) for step, tier, _ in candidates]
+
+
+def test_the_newest_save_first_local_before_persistent_then_the_line(tmp_path):
+    local, url = _run(tmp_path)
+    got = list(_history(local, url).candidates(None))
+    assert _tiers(got) == [(3, "local"), (3, "persistent"), (2, "local"), (2, "persistent"),
+                           (1, "local"), (1, "persistent")]
+    assert got[0][2] == CheckpointDir(local).step_path(3)
+    assert got[1][2].startswith(url + "/step_0000000003/")
+    assert _tiers(_history(local, url).candidates(2)) == [(2, "local"), (2, "persistent")]
+
+
+def test_a_step_lost_locally_is_offered_from_the_store_alone(tmp_path):
+    local, url = _run(tmp_path)
+    shutil.rmtree(CheckpointDir(local).step_path(3))
+    assert _tiers(_history(local, url).candidates(None))[:2] == [(3, "persistent"), (2, "local")]
+    shutil.rmtree(local)                    # a replaced node: an empty local directory
+    os.makedirs(local)
+    assert _tiers(_history(local, url).candidates(None)) == [(3, "persistent"), (2, "persistent"),
+                                                            (1, "persistent")]
+
+
+def test_a_rollback_not_yet_persisted_abandons_the_store_s_newer_steps(tmp_path):
+    local, url = _run(tmp_path)
+    # The run resumes from step 1 and saves step 2 again, locally only (its upload
+    # has not happened): the store still holds the abandoned run's steps 2 and 3.
+    with lazyckpt.Checkpointer(local, keep_last=None) as ckpt:
+        ckpt.save(_state(20), step=2).wait()
+    history = _history(local, url)
+    got = list(history.candidates(None))
+    assert _tiers(got) == [(2, "local"), (1, "local"), (1, "persistent")]
+    assert lazyckpt.load(got[0][2])["step"] == 20
+    with pytest.raises(CheckpointNotFoundError, match="step 3 was abandoned"):
+        list(history.candidates(3))
+    # Step 2 is offered only as the resumed run's save: the store's is another save.
+    assert _tiers(history.candidates(2)) == [(2, "local")]
+
+
+def test_the_line_is_built_only_when_the_newest_copies_are_not_enough(tmp_path):
+    local, url = _run(tmp_path)
+    history = _history(local, url)
+    built = []
+    real = history.line_and_listing
+    history.line_and_listing = lambda: built.append(1) or real()
+    got = history.candidates(None)
+    assert [next(got)[0], next(got)[0]] == [3, 3] and not built      # the indexes alone
+    assert next(got)[0] == 2 and built == [1]                        # then the line, once
