@@ -158,3 +158,28 @@ def test_a_save_whose_upload_fails_commits_nothing_and_keeps_the_previous_step()
     finally:
         _FailingClient.fail = False
         base.URL_STORES[:] = saved
+
+
+def test_the_client_keeps_the_object_store_semantics_the_layout_relies_on():
+    client, _ = store_for(_url())
+    for key in ("p/b", "p/a", "p/c/d", "q/x"):
+        client.put(key, key.encode())
+    assert [o["Key"] for o in client.list("p/")] == ["p/a", "p/b", "p/c/d"]          # ordered by key
+    assert [o["Key"] for o in client.list("p/", start_after="p/a")] == ["p/b", "p/c/d"]
+    assert [o["Key"] for o in client.list("p/", start_after="a")] == ["p/a", "p/b", "p/c/d"]
+    assert client.get("p/c/d", limit=2) == b"p/c" and client.get("nope") is None and client.size("q/x") == 3
+    # A multipart upload is invisible until complete, listed as open until then.
+    upload = client.start_upload("p/big")
+    etags = [client.put_part("p/big", upload, n, memoryview(bytes([n]) * 10)) for n in (1, 2)]
+    assert client.size("p/big") is None and [u["Key"] for u in client.uploads("p/")] == ["p/big"]
+    client.complete_upload("p/big", upload, etags)
+    assert client.get("p/big") == bytes([1]) * 10 + bytes([2]) * 10 and not list(client.uploads("p/"))
+    view = memoryview(bytearray(8))
+    assert client.read_into("p/big", view, 6) == 8 and bytes(view) == bytes([1]) * 4 + bytes([2]) * 4
+    aborted = client.start_upload("p/gone")
+    client.abort_upload("p/gone", aborted)
+    assert client.size("p/gone") is None and not list(client.uploads("p/"))
+    client.delete(["p/a", "p/missing"])
+    assert [o["Key"] for o in client.list("p/")] == ["p/b", "p/big", "p/c/d"]
+    stamps = [o["LastModified"] for o in client.list("p/")]
+    assert all(s <= client.server_time("p") for s in stamps)

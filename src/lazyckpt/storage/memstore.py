@@ -51,7 +51,7 @@ class _Bucket:
             self.objects[key] = (data, _now())
 
 
-_buckets: Dict[str, _Bucket] = {}
+_buckets: Dict[Tuple[str, str], _Bucket] = {}
 _buckets_lock = threading.Lock()
 
 
@@ -59,11 +59,11 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _bucket(name: str) -> _Bucket:
+def _bucket(scheme: str, name: str) -> _Bucket:
     with _buckets_lock:
-        if name not in _buckets:
-            _buckets[name] = _Bucket()
-        return _buckets[name]
+        if (scheme, name) not in _buckets:
+            _buckets[(scheme, name)] = _Bucket()
+        return _buckets[(scheme, name)]
 
 
 def clear() -> None:
@@ -79,7 +79,7 @@ class MemoryObjectStore:
 
     def __init__(self, bucket: str, storage_options: Tuple[Tuple[str, Any], ...] = ()):
         self.bucket = bucket
-        self._b = _bucket(bucket)
+        self._b = _bucket(self.scheme, bucket)
 
     def url(self, key: str) -> str:
         return str(ObjectURL(self.bucket, key, self.scheme))
@@ -139,10 +139,11 @@ class MemoryObjectStore:
     # ---------------------------------------------------------------- changes
 
     def copy(self, source_bucket: str, source_key: str, key: str) -> None:
-        data = MemoryObjectStore(source_bucket).get(source_key)
+        source = type(self)(source_bucket)
+        data = source.get(source_key)
         if data is None:
-            raise CheckpointNotFoundError(f"{SCHEME}{source_bucket}/{source_key}: not found (copying to "
-                                          f"{self.url(key)})", path=f"{SCHEME}{source_bucket}/{source_key}")
+            raise CheckpointNotFoundError(f"{source.url(source_key)}: not found (copying to {self.url(key)})",
+                                          path=source.url(source_key))
         self.put(key, data)
 
     def delete(self, keys: List[str]) -> None:
