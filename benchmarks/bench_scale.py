@@ -20,7 +20,7 @@ Parts, each optional (``--parts``; default scale,throughput,merge,store):
 ``merge``       In-process, no ranks: the coordinator's JSON work for a
                 DTensor-sharded state of R ranks x T tensors (Llama-7B-like
                 names and shapes, FSDP Shard(0)): parsing the done values,
-                ``lazyckpt.distributed.shard_index``, dumping the manifest, and
+                ``lazyckpt.formats.manifest.shard_index``, dumping the manifest, and
                 parsing it again (what every rank does to load).
 ``store``       One real TCPStore (server + one client, in-process): wait,
                 multi_get and N delete_key calls for N done values of the sizes
@@ -704,7 +704,10 @@ def part_merge(args) -> None:
     from lazyckpt.formats.manifest import MAX_MANIFEST_BYTES
     from lazyckpt.formats.manifest import checksum as manifest_checksum
     from lazyckpt.formats.manifest import parse as parse_manifest
-    from lazyckpt.distributed import shard_index
+    try:
+        from lazyckpt.formats.manifest import shard_index
+    except ImportError:             # a tree from before it moved out of distributed.py
+        from lazyckpt.distributed import shard_index
     print("\n## coordinator merge cost, in-process, synthetic Llama-7B-like FSDP Shard(0) state "
           f"(simulated: no ranks, no store). CPU seconds of this thread, best of {args.merge_reps} "
           f"below 100k pieces, else 1 run")

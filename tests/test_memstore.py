@@ -183,3 +183,13 @@ def test_the_client_keeps_the_object_store_semantics_the_layout_relies_on():
     assert [o["Key"] for o in client.list("p/")] == ["p/b", "p/big", "p/c/d"]
     stamps = [o["LastModified"] for o in client.list("p/")]
     assert all(s <= client.server_time("p") for s in stamps)
+    # clear() empties what every client sees, cached ones included (s3.store_for caches them).
+    client.copy(client.bucket, "p/b", "p/b2")
+    assert client.get("p/b2") == b"p/b"
+    memstore.clear()
+    assert client.get("p/b") is None and not list(client.list(""))
+    client.put("p/n", b"new")
+    fresh = memstore.MemoryObjectStore(client.bucket)
+    assert fresh.get("p/n") == b"new"
+    client.copy(client.bucket, "p/n", "p/n2")
+    assert fresh.get("p/n2") == b"new"

@@ -134,10 +134,10 @@ class CheckpointDir:
     def __init__(self, path: str, lease_expiry_s: float = DEFAULT_EXPIRY_S):
         self.path = os.path.abspath(os.fspath(path))
         self.lease_expiry_s = lease_expiry_s
-        #: (step, the manifest's inode, mtime, size) -> its references: a committed
+        #: (step, the manifest's inode, mtime, ctime, size) -> its references: a committed
         #: manifest never changes in place, so retention parses each one once, not
         #: every kept step's at every commit (keep_last=K cost K parses a commit).
-        self._references: Dict[Tuple[int, int, int, int], Optional[List[int]]] = {}
+        self._references: Dict[Tuple[int, int, int, int, int], Optional[List[int]]] = {}
         #: The writer lease this process holds here (``WriterLease``), checked at every commit.
         self.writer: Optional["WriterLease"] = None
         self._lock_depth = 0
@@ -454,7 +454,7 @@ class CheckpointDir:
             st = os.stat(path)
         except FileNotFoundError:
             return []                                  # gone meanwhile: needs nothing
-        key = (step, st.st_ino, st.st_mtime_ns, st.st_size)
+        key = (step, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
         if key in self._references:
             return self._references[key]
         raw = read_small_file(path, manifests.MAX_MANIFEST_BYTES)
@@ -540,6 +540,8 @@ class CheckpointDir:
         finally:
             if fd is not None:
                 os.close(fd)
+        for key in [k for k in list(self._references) if k[0] == step]:
+            del self._references[key]   # a step committed again under this number is parsed anew
         return trash
 
     def _remove_trash(self, trash: str) -> None:

@@ -79,7 +79,12 @@ class MemoryObjectStore:
 
     def __init__(self, bucket: str, storage_options: Tuple[Tuple[str, Any], ...] = ()):
         self.bucket = bucket
-        self._b = _bucket(self.scheme, bucket)
+
+    @property
+    def _b(self) -> _Bucket:
+        # Looked up at every call, not kept: clients are cached (s3.store_for) and
+        # clear() must empty what they see too.
+        return _bucket(self.scheme, self.bucket)
 
     def url(self, key: str) -> str:
         return str(ObjectURL(self.bucket, key, self.scheme))
