@@ -124,19 +124,26 @@ class FileMirror:
     def sync(self, directory: str, is_checkpoint: Callable[[str], bool]) -> None:
         """Once per directory and process, before its first new file: bring the
         store's copy of ``directory`` level with it (see the module docstring)."""
+        self._sync_once(directory, lambda d, name: is_checkpoint(name), self.names, self.uploaded)
+
+    def _sync_once(self, directory: str, is_complete: Callable[[str, str], object],
+                   on_store: Callable[[str], List[str]], upload: Callable[[str], None]) -> None:
+        """What :meth:`sync` and :meth:`sync_dirs` share: once per directory and
+        process, upload the complete local entries (``is_complete(directory,
+        name)``) the store lacks (``on_store(directory)``: their names there).
+        An empty or missing directory uploads nothing (new, or lost: the store
+        keeps its files) and asks the store nothing."""
         directory = os.path.abspath(directory)
         if directory in self._synced:
             return
         self._synced.add(directory)
         try:
-            local = {n for n in os.listdir(directory) if is_checkpoint(n)}
+            local = {n for n in os.listdir(directory) if is_complete(directory, n)}
         except FileNotFoundError:
-            local = set()
-        if not local:
-            return                                  # nothing here (new, or lost): the store keeps its files
-        remote = set(self.names(directory))
-        for name in sorted(local - remote):
-            self.uploaded(os.path.join(directory, name))
+            return
+        if local:
+            for name in sorted(local - set(on_store(directory))):
+                upload(os.path.join(directory, name))
 
     # Directories of files committed together (the HF Trainer's checkpoint-<step>): on the
     # store such a directory is complete once its ``marker`` file is there, uploaded last
@@ -161,18 +168,9 @@ class FileMirror:
     def sync_dirs(self, directory: str, marker: str, is_checkpoint: Callable[[str], object]) -> None:
         """Once per ``directory`` and process, before its first new checkpoint: the
         complete local checkpoint directories the store lacks are uploaded."""
-        directory = os.path.abspath(directory)
-        if directory in self._synced:
-            return
-        self._synced.add(directory)
-        try:
-            local = {n for n in os.listdir(directory) if is_checkpoint(n)
-                     and os.path.isfile(os.path.join(directory, n, marker))}
-        except FileNotFoundError:
-            return
-        if local:
-            for name in sorted(local - set(self.complete_dirs(directory, marker))):
-                self.uploaded_dir(os.path.join(directory, name), marker)
+        self._sync_once(directory,
+                        lambda d, name: is_checkpoint(name) and os.path.isfile(os.path.join(d, name, marker)),
+                        lambda d: self.complete_dirs(d, marker), lambda path: self.uploaded_dir(path, marker))
 
     def removed_dir(self, local_dir: str, marker: str) -> None:
         """The framework removed ``local_dir``: its objects, ``marker`` first."""
