@@ -317,7 +317,7 @@ class Checkpointer:
                 self.persistent.open_outbox()       # (from the index and the record, when they tell)
             return
         try:
-            live, local, remote, listing = self._line_and_listing()
+            live, local, remote, listing = self.history.line_and_listing()
         except CheckpointError as exc:
             log.warning("lazyckpt: %s: cannot tell whether the latest step is persisted (%s)",
                         self.persistent.url, exc)
@@ -473,7 +473,7 @@ class Checkpointer:
         persisted: List[int] = []
         if self.persistent is not None:
             try:
-                live, _local, remote = self._line()
+                live, _local, remote, _listing = self.history.line_and_listing()
                 persisted = sorted(s for s, sid in live if remote.get(s) == sid)
             except CheckpointError as exc:
                 log.warning("lazyckpt: the persistent tier %s cannot be listed: %s", self.persistent.url, exc)
@@ -504,14 +504,6 @@ class Checkpointer:
         pool = self._engine.resources.readers
         # Any tier, any store: the manifest is read under the step's hold.
         return load_step(path, None, self.options, pool, self._dist.rank, **kwargs)
-
-    def _line(self) -> Any:
-        """(the live saves [(step, save_id)], oldest first; local step -> Event;
-        persistent step -> save_id): one line of history over both tiers."""
-        return self.history.line_and_listing()[:3]
-
-    def _line_and_listing(self) -> Any:
-        return self.history.line_and_listing()
 
     def _candidates(self, step: Optional[int]) -> Iterable[Any]:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""

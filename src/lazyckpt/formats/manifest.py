@@ -16,7 +16,6 @@ from .names import MAX_SEQ, MAX_STEP, MAX_WORLD, SAVE_ID, STEP_DIR, rank_filenam
 MAX_MANIFEST_BYTES = 1 << 30
 
 
-
 def shard_index(done: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
     """Merge every rank's DTensor shards into the manifest's global index:
     logical tensor (its key path as JSON) -> global shape, dtype, pieces."""
@@ -32,6 +31,7 @@ def shard_index(done: Dict[int, Dict[str, Any]]) -> Dict[str, Any]:
                                       f"and {shard['global_shape']} on rank {rank}")
             entry["pieces"].append({"rank": rank, "offsets": shard["offsets"], "tensor": local})
     return index
+
 
 def check_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """User metadata goes into the footer and manifest as JSON: refuse what would

@@ -133,12 +133,16 @@ class LocalStore(Store):
         if m and not _still(path, st):
             raise deleted_while_reading(path, int(m.group(1)))
         directory = self.checkpoint_dir(path, options)
-        if not all_steps:
-            found = directory.locate_step(None)     # the index: a few stat calls (issue 34)
+        if all_steps:
+            paths = directory.step_paths()
+        else:
+            # The index: a few stat calls (issue 34); where it cannot tell, locate_step
+            # lists the directory itself, so None means no committed step.
+            found = directory.locate_step(None)
             if found is not None:
                 return Located("directory", path, found[1], found[0],
                                moving=found[1] != directory.step_path(found[0]))
-        paths = directory.step_paths()
+            paths = {}
         steps = list(paths)
         if not steps:
             if empty_ok:

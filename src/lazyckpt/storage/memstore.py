@@ -94,24 +94,26 @@ class MemoryObjectStore:
 
     # ---------------------------------------------------------------- small objects
 
+    def _object(self, key: str) -> Optional[Tuple[bytes, datetime]]:
+        bucket = self._b
+        with bucket.lock:
+            return bucket.objects.get(key)
+
     def put(self, key: str, data: bytes) -> None:
         self._b.store(key, bytes(data))
 
     def get(self, key: str, limit: Optional[int] = None) -> Optional[bytes]:
-        with self._b.lock:
-            found = self._b.objects.get(key)
+        found = self._object(key)
         if found is None:
             return None
         return found[0] if limit is None else found[0][:limit + 1]
 
     def size(self, key: str) -> Optional[int]:
-        with self._b.lock:
-            found = self._b.objects.get(key)
+        found = self._object(key)
         return None if found is None else len(found[0])
 
     def read_into(self, key: str, view: memoryview, offset: int) -> int:
-        with self._b.lock:
-            found = self._b.objects.get(key)
+        found = self._object(key)
         if found is None:
             raise CheckpointNotFoundError(f"{self.url(key)}: not found (reading bytes at {offset})",
                                           path=self.url(key))
@@ -122,15 +124,15 @@ class MemoryObjectStore:
     # ---------------------------------------------------------------- listings
 
     def list(self, prefix: str, start_after: Optional[str] = None) -> Iterator[Dict[str, Any]]:
-        with self._b.lock:
-            keys = self._b.keys
-            i = bisect.bisect_right(keys, start_after) if start_after and start_after >= prefix \
-                else bisect.bisect_left(keys, prefix)
+        bucket = self._b
+        with bucket.lock:
+            i = bisect.bisect_right(bucket.keys, start_after) if start_after and start_after >= prefix \
+                else bisect.bisect_left(bucket.keys, prefix)
             out = []
-            for key in keys[i:]:
+            for key in bucket.keys[i:]:
                 if not key.startswith(prefix):
                     break
-                data, stamp = self._b.objects[key]
+                data, stamp = bucket.objects[key]
                 out.append({"Key": key, "Size": len(data), "LastModified": stamp})
         yield from out
 
@@ -152,50 +154,57 @@ class MemoryObjectStore:
         self.put(key, data)
 
     def delete(self, keys: List[str]) -> None:
-        with self._b.lock:
+        bucket = self._b
+        with bucket.lock:
             for key in keys:
-                if self._b.objects.pop(key, None) is not None:
-                    self._b.keys.pop(bisect.bisect_left(self._b.keys, key))
+                if bucket.objects.pop(key, None) is not None:
+                    bucket.keys.pop(bisect.bisect_left(bucket.keys, key))
 
     # ---------------------------------------------------------------- multipart uploads
 
     def uploads(self, prefix: str) -> Iterator[Dict[str, Any]]:
-        with self._b.lock:
+        bucket = self._b
+        with bucket.lock:
             found = [{"Key": key, "UploadId": upload_id, "Initiated": started}
-                     for upload_id, (key, started, _) in self._b.uploads.items() if key.startswith(prefix)]
+                     for upload_id, (key, started, _) in bucket.uploads.items() if key.startswith(prefix)]
         yield from sorted(found, key=lambda u: (u["Key"], u["Initiated"]))
 
     def start_upload(self, key: str) -> str:
         upload_id = uuid.uuid4().hex
-        with self._b.lock:
-            self._b.uploads[upload_id] = (key, _now(), {})
+        bucket = self._b
+        with bucket.lock:
+            bucket.uploads[upload_id] = (key, _now(), {})
         return upload_id
 
-    def _upload(self, key: str, upload_id: str) -> Dict[int, bytes]:
-        found = self._b.uploads.get(upload_id)
+    def _parts(self, bucket: _Bucket, key: str, upload_id: str) -> Dict[int, bytes]:
+        """The parts of an open upload of ``key`` (under ``bucket.lock``)."""
+        found = bucket.uploads.get(upload_id)
         if found is None or found[0] != key:
             raise CheckpointNotFoundError(f"{self.url(key)}: no such upload {upload_id}", path=self.url(key))
         return found[2]
 
     def put_part(self, key: str, upload_id: str, number: int, data: memoryview) -> str:
         part = bytes(data)
-        with self._b.lock:
-            self._upload(key, upload_id)[number] = part
+        bucket = self._b
+        with bucket.lock:
+            self._parts(bucket, key, upload_id)[number] = part
         return f'"{number}-{len(part)}"'
 
     def complete_upload(self, key: str, upload_id: str, etags: List[str]) -> None:
-        with self._b.lock:
-            parts = self._upload(key, upload_id)
+        bucket = self._b
+        with bucket.lock:
+            parts = self._parts(bucket, key, upload_id)
             if sorted(parts) != list(range(1, len(etags) + 1)):
                 raise CheckpointError(f"{self.url(key)}: upload {upload_id} completed with parts "
                                       f"{sorted(parts)[:8]}, not 1..{len(etags)}", path=self.url(key))
             data = b"".join(parts[n] for n in range(1, len(etags) + 1))
-            del self._b.uploads[upload_id]
-        self._b.store(key, data)
+            del bucket.uploads[upload_id]
+        bucket.store(key, data)
 
     def abort_upload(self, key: str, upload_id: str) -> None:
-        with self._b.lock:
-            self._b.uploads.pop(upload_id, None)
+        bucket = self._b
+        with bucket.lock:
+            bucket.uploads.pop(upload_id, None)
 
 
 class MemoryStore(S3Store):

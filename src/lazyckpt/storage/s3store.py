@@ -116,11 +116,15 @@ class S3Store(Store):
             if int(m.group(1)) in committed:
                 return Located("step", url, f"{url}/{committed[int(m.group(1))]}", int(m.group(1)))
         directory = ObjectCheckpointDir(url, options)
-        if not all_steps:
-            found = directory.locate_step(None)     # head.json and one page of events (issue 34)
+        if all_steps:
+            paths = directory.step_paths()
+        else:
+            # head.json and one page of events (issue 34); where they cannot tell,
+            # locate_step lists the prefix itself, so None means no committed step.
+            found = directory.locate_step(None)
             if found is not None:
                 return Located("directory", url, found[1], found[0])
-        paths = directory.step_paths()
+            paths = {}
         if not paths:
             if empty_ok and (not key or next(iter(store.list(f"{key}/")), None) is not None):
                 return Located("directory", url)
