@@ -55,6 +55,13 @@ def _cases():
                 # hf: 78 s (a Trainer per check); its local commit (a staged directory renamed
                 # in) is unchanged by the persistent tier, whose requests the kill mode covers.
                 marks.append(pytest.mark.slow)
+            if name == "lightning-persist-rotation" and mode == "power":
+                # Open finding (RELIABILITY.md §6, 23): once in CI (2026-12-04) point 25 (last.ckpt's
+                # replace) left the store's epoch=0-step=2.ckpt unloadable (EOFError); passed in the
+                # other runs that session and at once when rerun. Still run and reported
+                # (XPASS/XFAIL); not strict until it is understood.
+                marks.append(pytest.mark.xfail(strict=False, reason="intermittent violation under "
+                                               "investigation: RELIABILITY.md finding 23"))
             if program.kind == "hf" and not marks:
                 # 112 s in full (a Trainer per point, 34 points): every point is slow; CI runs
                 # every other one and the last 8 (the persistent tier's requests).
@@ -100,11 +107,13 @@ def _dist_cases():
             yield pytest.param(name, mode, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}-every")
             # CI: every 4th point, in both modes (offsets 1 and 3: together half the points).
             marks = []
-            if name == "replicas-restore" and mode == "power":
+            if name == "replicas-restore":
                 # Open finding (RELIABILITY.md §6, 22): once in CI (2026-12-04) the sampled point 27
-                # (points move with thread interleaving) left both ranks' load() refusing step 2
-                # ("the replicas of node(s) [0] do not match their manifest"); passed in 5 other
-                # runs. Still run and reported (XPASS/XFAIL); not strict until it is understood.
+                # of the power mode (points move with thread interleaving) left both ranks' load()
+                # refusing step 2 ("the replicas of node(s) [0] do not match their manifest");
+                # passed in 5 other runs. Seen once in the kill mode too (point 29, the same
+                # refusal; a later CI run of the same day). Still run and reported (XPASS/XFAIL);
+                # not strict until it is understood.
                 marks.append(pytest.mark.xfail(strict=False, reason="intermittent violation under "
                                                "investigation: RELIABILITY.md finding 22"))
             yield pytest.param(name, mode, 4, marks=marks, id=f"{name}-{mode}-every4")
