@@ -24,6 +24,7 @@ from lazyckpt.errors import CheckpointWriteError
 from lazyckpt.integrations._async import AsyncFileWriter
 from lazyckpt.knobs import resolve
 from lazyckpt.saving.torchzip import TorchZipLayout
+from lazyckpt.storage.stores import for_path
 from test_disk_faults import leftovers, tmpfs  # noqa: F401  (fixture)
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -208,7 +209,7 @@ def test_torch_zip64_fields_are_read(tmp_path):
     state = {"w": torch.randn(70_000), "small": [torch.arange(3)], "empty": torch.empty(0)}
     options = resolve(None, host_cache_bytes=16384, chunk_bytes=8192)
     path = tmp_path / "z64.pt"
-    run_now(FileCommit(str(path), options.lease_heartbeat_s), [TorchZipLayout(state, force_zip64=True).part()],
+    run_now(FileCommit(for_path(str(path)), str(path), options.lease_heartbeat_s), [TorchZipLayout(state, force_zip64=True).part()],
             _resources(options), options, name=str(path))
     with zipfile.ZipFile(path) as z:
         assert z.testzip() is None and all(i.extract_version == 45 for i in z.infolist())

@@ -216,6 +216,23 @@ def test_formats_does_no_io_and_no_distribution():
     assert not bad, bad
 
 
+#: What the rest of the package may import from ``storage/`` (issue 36): the interface
+#: (``base``), the entry that picks a store for a path (``stores``), the POSIX primitives
+#: (``fileio``) and a framework's own files beside ours (``sidefiles``). Everything else
+#: there is one store's implementation, reached only through those.
+STORAGE_SURFACE = {"lazyckpt.storage", "lazyckpt.storage.base", "lazyckpt.storage.stores",
+                   "lazyckpt.storage.fileio", "lazyckpt.storage.sidefiles"}
+
+
+def test_no_module_outside_storage_imports_a_store_implementation():
+    bad = sorted(f"{mod} -> {target}" for mod in MODULES if _folder_or_none(mod) not in (None, "storage")
+                 for target in _edges(mod) if target.startswith("lazyckpt.storage.") and target not in STORAGE_SURFACE)
+    assert not bad, bad
+    # Not vacuous: the surface is imported, and implementation modules exist to be refused.
+    assert any(t in STORAGE_SURFACE for mod in MODULES if _folder_or_none(mod) == "saving" for t in _edges(mod))
+    assert {"lazyckpt.storage.layout", "lazyckpt.storage.s3layout", "lazyckpt.storage.locks"} <= set(MODULES)
+
+
 def _folder_or_none(mod: str) -> Optional[str]:
     return _folder(mod) if mod != "lazyckpt" else None
 

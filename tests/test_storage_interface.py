@@ -239,18 +239,17 @@ def test_a_temporary_of_a_killed_process_is_cleaned_at_once_and_a_live_one_is_ke
     import signal
     import subprocess
     import sys
-    from lazyckpt.storage import layout, locks
+    from lazyckpt.storage import locks, sidefiles
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     child = ("import os, signal, sys\n"
-             "from lazyckpt.storage.layout import sibling_temp\n"
-             "from lazyckpt.storage.locks import Lease\n"
-             "tmp = sibling_temp(sys.argv[1]); lease = Lease(tmp, 1.0)\n"
+             "from lazyckpt.storage.sidefiles import file_lease, sibling_temp\n"
+             "tmp = sibling_temp(sys.argv[1]); lease = file_lease(tmp, 1.0)\n"
              "print(tmp, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-c", child, str(tmp_path / "a.ckpt")], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=src), timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     dead = proc.stdout.strip()
-    mine = layout.sibling_temp(str(tmp_path / "b.ckpt"))
+    mine = sidefiles.sibling_temp(str(tmp_path / "b.ckpt"))
     held = locks.Lease(mine, 1.0)
     dead_pid = dead.rsplit("-", 2)[1]                           # the same dead pid, on another host
     other_host = str(tmp_path / f".c.ckpt.tmp-{locks.new_token()}-{dead_pid}-{'0' * 8}")
@@ -259,7 +258,7 @@ def test_a_temporary_of_a_killed_process_is_cleaned_at_once_and_a_live_one_is_ke
         open(path, "wb").close()
     try:
         assert os.path.exists(dead)
-        removed = layout.clean_sibling_temps(str(tmp_path), expiry_s=3600)
+        removed = sidefiles.clean_sibling_temps(str(tmp_path), expiry_s=3600)
         assert removed == [os.path.basename(dead)]
         assert all(os.path.exists(p) for p in (mine, other_host, old_style))
     finally:

@@ -74,8 +74,9 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
         part = plan_layout(state, file_format, metadata).part()
     else:
         part = FilePart(flatten(state), check_metadata(metadata))
-    for_path(path).check(path, opts)     # credentials, a bucket: one clear error first
-    strategy = FileCommit(path, opts.lease_heartbeat_s, message="save failed", options=opts, make_parents=False)
+    store = for_path(path)
+    store.check(path, opts)     # credentials, a bucket: one clear error first
+    strategy = FileCommit(store, path, opts.lease_heartbeat_s, message="save failed", options=opts, make_parents=False)
     handle = run_now(strategy, [part], _resources(opts), opts, name=path)
     return handle.bytes
 

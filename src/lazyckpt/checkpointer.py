@@ -292,10 +292,12 @@ class Checkpointer:
         """A step just committed (before local retention, so the tiers hold it from here on)."""
         handle, strategy = job.handle, job.strategy
         if self._replicas is not None:
-            self._replicas.enqueue(handle, strategy.step, strategy.call, self.layout.step_path(strategy.step))
+            self._replicas.enqueue(handle, strategy.step, strategy.call, self.layout.step_path(strategy.step),
+                                  reading=self.layout.reading(strategy.step))
         if self.persistent is not None:
             self.persistent.enqueue(handle, strategy.step, strategy.call, strategy.save_id,
-                                    self.layout.step_path(strategy.step), strategy.seq)
+                                    self.layout.step_path(strategy.step), strategy.seq,
+                                    reading=self.layout.reading(strategy.step))
 
     def _abandoned_locally(self, step: int, save_id: str) -> bool:
         """Whether a later commit superseded that save here (the local record says
@@ -342,7 +344,8 @@ class Checkpointer:
         log.info("lazyckpt: step %d is not on the persistent tier %s; uploading it again", step,
                  self.persistent.url)
         try:
-            self.persistent.enqueue(handle, step, -1, save_id, self.layout.step_path(step), local[step].seq)
+            self.persistent.enqueue(handle, step, -1, save_id, self.layout.step_path(step), local[step].seq,
+                                    reading=self.layout.reading(step))
         except CheckpointError as exc:
             log.warning("lazyckpt: step %d cannot be held for its upload: %s", step, exc)
             return
@@ -487,7 +490,7 @@ class Checkpointer:
         this, k=1 would not survive the loss of the partner next."""
         handle = self._committed_handle(step)
         # call -1: the next save (call >= 0) supersedes this round if it is still queued.
-        self._replicas.enqueue(handle, step, -1, self.layout.step_path(step))
+        self._replicas.enqueue(handle, step, -1, self.layout.step_path(step), reading=self.layout.reading(step))
         self.restored_replication = handle
 
     def replica_stats(self) -> Dict[str, Any]:

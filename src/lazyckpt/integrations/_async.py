@@ -28,7 +28,7 @@ from lazyckpt.saving.engine import FilePart, SaveEngine, SaveHandle
 from lazyckpt.saving.file_formats import check_file_format
 from lazyckpt.saving.foreign import plan_layout
 from lazyckpt.state.providers import flatten
-from lazyckpt.storage.layout import clean_sibling_temps
+from lazyckpt.storage.sidefiles import clean_sibling_temps
 from lazyckpt.storage.stores import InvalidURLError, for_path
 
 log = logging.getLogger("lazyckpt")
@@ -131,10 +131,11 @@ class AsyncFileWriter:
     def _submit(self, path: str, part: FilePart, on_commit: Optional[Callable[[SaveHandle], None]],
                 final_path: Optional[str], before_publish: Optional[Callable[[str], None]] = None) -> SaveHandle:
         directory = os.path.dirname(path)
-        if directory not in self._cleaned and not for_path(path).is_remote and os.path.isdir(directory):
+        store = for_path(path)
+        if directory not in self._cleaned and not store.is_remote and os.path.isdir(directory):
             self._cleaned.add(directory)
             clean_sibling_temps(directory, self.options.lease_expiry_s)
-        strategy = FileCommit(path, self.options.lease_heartbeat_s, on_commit=on_commit,
+        strategy = FileCommit(store, path, self.options.lease_heartbeat_s, on_commit=on_commit,
                               before_publish=before_publish)
         job = self._engine.submit(strategy, [part], name=path)
         job.handle.path = file_location(final_path) if final_path else path
@@ -180,7 +181,7 @@ class AsyncFileWriter:
         store = for_path(path)
         if not store.exists(path, self.options) or (not store.is_remote and not os.path.isfile(path)):
             raise CheckpointNotFoundError(f"{path}: no such checkpoint file", path=path)
-        return load_file(path, self.options, self._engine.resources.readers, **kwargs)
+        return load_file(path, self.options, self._engine.resources.readers, store, **kwargs)
 
     def _warn_pickles(self, tree: Any, path: str) -> None:
         if self._warned_pickles:

@@ -311,7 +311,8 @@ class LazyStorageWriter(StorageWriter):
         engine = self._get_engine()
         try:
             path = self._current_path()
-            strategy = FileCommit(for_path(path).join(path, name), self.options.lease_heartbeat_s,
+            store = for_path(path)
+            strategy = FileCommit(store, store.join(path, name), self.options.lease_heartbeat_s,
                                   options=self.options)
             if dcp_file:
                 layout = DcpFileLayout(list(state.items()))

@@ -63,13 +63,14 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from lazyckpt.distributed import RankInfo, agree, depart, rank_info, refuse
 from lazyckpt.errors import CheckpointError
-from lazyckpt.knobs import resolve
+from lazyckpt.knobs import Options, resolve
 from lazyckpt.loading.loader import _find_pickle, load_file
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.engine import CommitStrategy, FilePart, Job, SaveEngine
 from lazyckpt.state.providers import flatten, register_provider
 from lazyckpt.storage.fileio import fsync_dir, make_dirs_durable, remove_quietly, write_file_atomic
-from lazyckpt.storage.layout import sibling_temp
+from lazyckpt.storage.sidefiles import sibling_temp
+from lazyckpt.storage.stores import for_path
 from ._async import is_lazyckpt_file
 from .deepspeed_files import ClonedTorchZipLayout
 
@@ -88,6 +89,8 @@ class TagCommit(CommitStrategy):
     def __init__(self, info: CheckpointCommitInfo, seq: int, dist: RankInfo, heartbeat_s: float):
         self.info = info
         self.path = os.path.abspath(info.save_dir)
+        #: Where the tag's files go (a local directory: DeepSpeed's layout renames).
+        self.store = for_path(self.path)
         self.seq = seq
         self.key = f"ds{seq}"
         self.dist = dist
@@ -99,6 +102,9 @@ class TagCommit(CommitStrategy):
         make_dirs_durable(os.path.dirname(tmp))
         job.lease(tmp, self.heartbeat_s)
         return tmp
+
+    def part_output(self, path: str, options: Options, block_bytes: int) -> Any:
+        return self.store.open_output(path, options, block_bytes)
 
     def part_done(self, job: Job, part: FilePart) -> None:
         os.replace(part.path, part.final_path)

@@ -103,7 +103,7 @@ import torch
 from lazyckpt import api
 from lazyckpt.errors import MissingKeyError
 from lazyckpt.storage.fileio import fsync_dir, make_dirs_durable, write_file_atomic
-from lazyckpt.storage.layout import clean_sibling_temps, sibling_temp
+from lazyckpt.storage.sidefiles import clean_sibling_temps, sibling_temp
 from lazyckpt.storage.stores import for_path
 from lazyckpt.tiers.files import FileMirror
 from ._async import AsyncFileWriter, file_writer_options

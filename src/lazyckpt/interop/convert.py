@@ -48,7 +48,7 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.state.providers import dtype_name
 from lazyckpt.storage.fileio import fsync_dir, remove_quietly
-from lazyckpt.storage.layout import sibling_temp
+from lazyckpt.storage.sidefiles import sibling_temp
 from .sources import MAX_ST_HEADER, SOURCES, ST_CODES, TensorSpec, flatten_state, itemsize
 
 FORMATS = ("lazyckpt", "torch", "safetensors", "dcp")

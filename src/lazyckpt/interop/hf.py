@@ -48,8 +48,8 @@ from lazyckpt.loading.stepfiles import StepFiles, plain_tensor_entry
 from lazyckpt.state.providers import LoadContext
 from lazyckpt.state.walk import Leaf, walk
 from lazyckpt.storage.fileio import fsync_dir
-from lazyckpt.storage.layout import remove_tree
-from lazyckpt.storage.locks import new_token
+from lazyckpt.storage.fileio import remove_tree
+from lazyckpt.storage.sidefiles import new_token
 from lazyckpt.storage.stores import for_path
 from .convert import write_safetensors
 from .sources import ST_CODES, SafetensorsSource, TensorSpec, itemsize, read_safetensors_header

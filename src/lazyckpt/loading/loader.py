@@ -23,6 +23,7 @@ from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, Checkpoin
 from lazyckpt.knobs import Options
 from lazyckpt.state.providers import LoadContext, referenced_entries
 from lazyckpt.storage.fileio import a_load_ended
+from lazyckpt.storage.base import Store
 from lazyckpt.storage.stores import for_path
 from .graft import graft_missing, grafted_node, restrict_to
 from .into import direct_fills, fill_into, staged_entries, unfilled_tensors
@@ -123,12 +124,15 @@ def _storage_mapper(map_location: MapLocation) -> Callable[[torch.UntypedStorage
     return mapper
 
 
-def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, **kwargs: Any) -> Any:
-    """Load one checkpoint file (written by a single rank)."""
+def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, store: Optional[Store] = None,
+              **kwargs: Any) -> Any:
+    """Load one checkpoint file (written by a single rank); ``store``: the
+    caller's, where it looked the path up already."""
+    store = store if store is not None else for_path(path)
     # A lone file inside DIR/step_X/ may refer to DIR's earlier steps (where the store holds references).
-    refs = resolver_for(path, options) if for_path(path).holds_references else contextlib.nullcontext(None)
+    refs = resolver_for(path, options) if store.holds_references else contextlib.nullcontext(None)
     with _os_errors_as_read_errors(path), refs as refs:
-        return load_tree(CheckpointFile(path, options, refs), None, pool, **kwargs)
+        return load_tree(CheckpointFile(path, options, refs, store), None, pool, **kwargs)
 
 
 def load_step(path: str, manifest: Optional[Dict[str, Any]], options: Options, pool: cf.ThreadPoolExecutor,
@@ -374,7 +378,7 @@ def load_path(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Op
     for attempt in range(3):
         located = store.locate(path, options)
         if located.kind == "file":
-            return load_file(located.path, options, pool, **kwargs)
+            return load_file(located.path, options, pool, store, **kwargs)
         try:
             return load_step(located.step_path, None, options, pool, rank, **kwargs)   # its manifest: read under the hold
         except CheckpointNotFoundError:

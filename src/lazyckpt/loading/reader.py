@@ -25,9 +25,8 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, Checkpoint
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.formats.names import rank_filename, step_dirname
 from lazyckpt.knobs import Options
-from lazyckpt.storage.base import Input
+from lazyckpt.storage.base import Input, Store
 from lazyckpt.storage.fileio import read_buffer
-from lazyckpt.storage.locks import StepDir
 from lazyckpt.storage.stores import for_path
 
 
@@ -36,11 +35,14 @@ class CheckpointFile:
     ``refs`` resolves its "ref" entries (incremental checkpoints) to the
     earlier steps' files that hold their bytes."""
 
-    def __init__(self, path: str, options: Options, refs: Optional["RefResolver"] = None):
+    def __init__(self, path: str, options: Options, refs: Optional["RefResolver"] = None,
+                 store: Optional[Store] = None):
         self.path = path
         self.options = options
         self.refs = refs
-        self.store = for_path(path)
+        #: The store it is on: the caller's where it has one (a path entering here from
+        #: the cli or a tool is looked up once).
+        self.store = store if store is not None else for_path(path)
         try:
             self.version, self.footer = self.store.read_ends(path, options, self._read_ends)
         except CheckpointError:
@@ -379,8 +381,8 @@ class RefResolver:
             return other
         step = e.ref["step"]
         try:
-            self._holds.enter_context(StepDir(os.path.dirname(path), step).reading())
-            other = CheckpointFile(path, self.options, self)
+            self._holds.enter_context(referrer.store.reading_step(os.path.dirname(path), self.options, step))
+            other = CheckpointFile(path, self.options, self, referrer.store)
         except CheckpointNotFoundError as exc:
             raise CorruptCheckpointError(f"{here}: entry {e.name!r} refers to step {step}, whose "
                                          f"file is missing ({exc})", path=referrer.path, entry=e.name) from None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from lazyckpt.knobs import Options, resolve as resolve_options
+from lazyckpt.storage.base import Store
 from lazyckpt.storage.stores import for_path, join as join_path
 
 
@@ -21,6 +22,8 @@ class Target:
     step_dir: Optional[str] = None
     manifest: Optional[Dict[str, Any]] = None
     steps: List[int] = field(default_factory=list)   # committed steps ("directory" only)
+    #: The store it is on (looked up once, by :func:`resolve`).
+    store: Optional[Store] = None
 
     @property
     def step(self) -> Optional[int]:
@@ -41,10 +44,10 @@ def resolve(path: str, options: Optional[Options] = None, all_steps: bool = Fals
     store = for_path(path)
     located = store.locate(path, options, all_steps=all_steps)
     if located.kind == "file":
-        return Target(located.path, "file", [(None, located.path)])
+        return Target(located.path, "file", [(None, located.path)], store=store)
     manifest = store.read_manifest(located.step_path, options)
     return Target(located.path, located.kind, manifest_files(located.step_path, manifest), located.step_path,
-                  manifest, located.steps)
+                  manifest, located.steps, store)
 
 
 def manifest_files(step_dir: str, manifest: Dict[str, Any]) -> List[Tuple[Optional[int], str]]:

@@ -18,7 +18,7 @@ from lazyckpt.formats import datafile as fmt
 from lazyckpt.knobs import Options, resolve as resolve_options
 from lazyckpt.state.walk import Leaf, itemsize, walk
 from lazyckpt.storage.fileio import anonymous_buffer
-from lazyckpt.storage.stores import for_path, join as join_path
+from lazyckpt.storage.stores import join as join_path
 from .reader import CheckpointFile, RefResolver, resolver_for
 from .resolve import Target, resolve
 
@@ -96,7 +96,7 @@ def verify(path: str, options: Optional[Options] = None,
     options = options or resolve_options()
     target = resolve(path, options)
     report = VerifyReport(target)
-    store = for_path(target.path)
+    store = target.store
     # A step is held while it is verified, as while it is loaded: prune and
     # retention in another process keep it, and one deleted anyway is reported
     # as deleted (CheckpointNotFoundError), not as damage.
@@ -117,7 +117,7 @@ def _verify(target: Target, report: VerifyReport, options: Options, refs: Option
     opened: Dict[Optional[int], CheckpointFile] = {}
     for rank, fpath in target.files:
         try:
-            opened[rank] = CheckpointFile(fpath, options, refs)
+            opened[rank] = CheckpointFile(fpath, options, refs, target.store)
         except CheckpointError as exc:
             report.problems.append(Problem(fpath, "file", str(exc)))
         report.files += 1

@@ -30,9 +30,8 @@ from lazyckpt.errors import CheckpointError
 from lazyckpt.formats import datafile, manifest
 from lazyckpt.history import Event
 from lazyckpt.knobs import Options, resolve
-from lazyckpt.storage.base import Directory, PendingFile
-from lazyckpt.storage.locks import new_token
-from lazyckpt.storage.stores import for_path
+from lazyckpt.storage.base import Directory, Output, PendingFile, Store
+from lazyckpt.storage.sidefiles import new_token
 from .costs import merge
 from .engine import CommitStrategy, FilePart, Job
 
@@ -40,15 +39,16 @@ log = logging.getLogger("lazyckpt")
 
 
 class FileCommit(CommitStrategy):
-    """One file at ``path``, on any store. ``on_commit(handle)`` runs once it is
+    """One file at ``path``, on ``store`` (the caller's, looked up where the path
+    entered: ``api``, the integrations). ``on_commit(handle)`` runs once it is
     durable (still on the job's thread: e.g. to move it into a directory being
     assembled). ``make_parents``: create missing parent directories (the
     frameworks' layouts) instead of refusing the save (``lazyckpt.save``)."""
 
-    def __init__(self, path: str, heartbeat_s: float, on_commit: Optional[Callable[[Any], None]] = None,
+    def __init__(self, store: Store, path: str, heartbeat_s: float, on_commit: Optional[Callable[[Any], None]] = None,
                  message: str = "checkpoint save failed", options: Optional[Options] = None,
                  make_parents: bool = True, before_publish: Optional[Callable[[str], None]] = None):
-        self.store = for_path(path)
+        self.store = store
         #: Called with the durable temporary's path just before it is published (Lightning:
         #: last.ckpt names the new file from the instant it becomes visible).
         self.before_publish = before_publish
@@ -70,6 +70,9 @@ class FileCommit(CommitStrategy):
         if lease is not None:
             job.leases.append(lease)
         return self._pending.path
+
+    def part_output(self, path: str, options: Options, block_bytes: int) -> Output:
+        return self.store.open_output(path, options, block_bytes)
 
     def commit(self, job: Job) -> None:
         if self.before_publish is not None:
@@ -172,6 +175,9 @@ class StepCommit(CommitStrategy):
         # The hold keeps cleanup (any process) off this save while it is written.
         job.leases.append(self.pending.hold(self.dist.rank, self.heartbeat_s))
         return self.pending.file_path(self.dist.rank)
+
+    def part_output(self, path: str, options: Options, block_bytes: int) -> Output:
+        return self.pending.open_output(path, options, block_bytes)
 
     def commit(self, job: Job) -> None:
         planner = job.planner

@@ -52,7 +52,8 @@ from lazyckpt.errors import CheckpointError, CheckpointWriteError
 from lazyckpt.knobs import Options
 from lazyckpt.state.plancache import PendingFlat
 from lazyckpt.state.providers import Flattened
-from lazyckpt.storage.locks import Lease
+from lazyckpt.storage.base import Output
+from lazyckpt.storage.sidefiles import file_lease
 from .barrier import CaptureBarrier
 from .capture import DeviceCopier, device_guard
 from .resources import Resources
@@ -269,7 +270,8 @@ class FilePart(Part):
         writer = FileWriteJob(self.path, flat.tree, flat.sources, self.metadata, options,
                               resources.cache_for(flat.sources), resources.writers, resources.serializer,
                               capture_events=self.events, on_captured=lambda: job.captured(self),
-                              align_size=getattr(job.strategy, "align_file_size", False), layout=self.layout)
+                              align_size=getattr(job.strategy, "align_file_size", False), layout=self.layout,
+                              open_output=job.strategy.part_output)
         job.current = writer
         try:
             self.stats = writer.run()
@@ -330,6 +332,12 @@ class CommitStrategy:
     def part_path(self, job: "Job", part: FilePart) -> str:
         raise NotImplementedError
 
+    def part_output(self, path: str, options: Options, block_bytes: int) -> Output:
+        """The file at ``path`` (what :meth:`part_path` returned) opened for
+        writing in ``block_bytes`` windows, on the store the strategy writes to
+        (the engine never looks a path's store up)."""
+        raise NotImplementedError
+
     def part_done(self, job: "Job", part: Part) -> None:
         pass
 
@@ -358,7 +366,8 @@ class Job:
     sealed: bool = True
     cancelled: bool = False
     current: Optional[FileWriteJob] = None
-    leases: List[Lease] = field(default_factory=list)
+    #: Leases on the files it writes (anything with ``release()``), released when it ends.
+    leases: List[Any] = field(default_factory=list)
     #: Held until the job ends: e.g. read locks on the steps it refers to.
     holds: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     engine: Any = None                 # weak: the engine tracking captures, if any
@@ -378,8 +387,9 @@ class Job:
         if engine is not None:
             engine._untrack(part)
 
-    def lease(self, path: str, heartbeat_s: float) -> Lease:
-        lease = Lease(path, heartbeat_s)
+    def lease(self, path: str, heartbeat_s: float) -> Any:
+        """A lease on ``path`` (a temporary this job writes), held until the job ends."""
+        lease = file_lease(path, heartbeat_s)
         self.leases.append(lease)
         return lease
 

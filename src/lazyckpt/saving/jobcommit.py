@@ -49,7 +49,6 @@ from typing import Any, Dict, List, Optional
 
 from lazyckpt.distributed import RankInfo
 from lazyckpt.errors import CheckpointError, CorruptCheckpointError
-from lazyckpt.storage.record import LocalRecord
 
 log = logging.getLogger("lazyckpt")
 
@@ -170,7 +169,7 @@ def resolve_prepared(layout: Any, local_rank: int, group: Any, history: Any = No
     # holds the newest commits (nothing commits on a node after a save it prepared).
     committed_here: List[str] = []
     if local_rank == 0:
-        record = LocalRecord(layout.path)
+        record = layout.record()
         known = {e.save_id for e in record.read()[1]}
         committing = record.committing()
         if committing is not None:

@@ -46,7 +46,6 @@ from lazyckpt.distributed import RankInfo, agree, refuse
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest
 from lazyckpt.state.walk import dtensor_nodes, layouts_digest
-from lazyckpt.storage.locks import StepDir
 from .autorep import AutoReplication
 from .engine import FilePart, Job
 from .incremental import IncrementalIndex, Plan
@@ -132,7 +131,7 @@ class StepPlanner(SavePlanner):
         self._held_references = []
         for step in plan.referenced_steps:
             try:
-                held = job.holds.enter_context(StepDir(self.layout.step_path(step), step).reading())
+                held = job.holds.enter_context(self.layout.reading(step))
             except CheckpointNotFoundError:
                 gone.add(step)          # deleted meanwhile (by hand): write those bytes again
                 continue

@@ -32,15 +32,8 @@ from lazyckpt.formats import datafile as fmt
 from lazyckpt.knobs import Options
 from lazyckpt.state.providers import Source
 from lazyckpt.storage.base import Output
-from lazyckpt.storage.stores import for_path
 from .capture import DeviceCopier, wait_copies
 from .hostcache import HostCache
-
-
-def open_output(path: str, options: Options, block_bytes: int) -> Output:
-    """Where a checkpoint file's bytes go: a local file (O_DIRECT or buffered,
-    as measured) or an object (multipart upload of ``block_bytes`` windows)."""
-    return for_path(path).open_output(path, options, block_bytes)
 
 
 class Aborted(Exception):
@@ -77,8 +70,11 @@ class FileWriteJob:
                  options: Options, cache: HostCache, writers: cf.ThreadPoolExecutor,
                  serializer: cf.ThreadPoolExecutor, capture_events: Optional[Dict[Any, Any]] = None,
                  on_captured: Optional[Callable[[], None]] = None, align_size: bool = False,
-                 layout: Any = None):
+                 layout: Any = None, *, open_output: Callable[[str, Options, int], Output]):
         self.path = path
+        #: Opens the file (path, options, block bytes): the commit strategy's store's
+        #: (a local file, O_DIRECT or buffered; an object's multipart upload).
+        self._open_output = open_output
         #: A foreign file layout (lazyckpt/saving/file_formats.py: torch zip, safetensors)
         #: instead of lazyckpt's own; None for lazyckpt's.
         self.layout = layout
@@ -140,7 +136,7 @@ class FileWriteJob:
         self._start = time.perf_counter()
         pickles: List[Tuple[int, cf.Future]] = []
         try:
-            self._file = open_output(self.path, self.options, self.block)
+            self._file = self._open_output(self.path, self.options, self.block)
             if self.layout is not None:
                 return self._run_layout()
             # The header first: its version follows from the entry kinds, known

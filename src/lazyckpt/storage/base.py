@@ -143,6 +143,10 @@ class PendingStep(Protocol):
     def file_path(self, rank: int) -> str:
         """Where ``rank`` writes its data file."""
 
+    def open_output(self, path: str, options: "Options", block_bytes: int) -> Output:
+        """A new file of this save at ``path`` (:meth:`file_path`), written in
+        ``block_bytes`` windows (as :meth:`Store.open_output`)."""
+
     def hold(self, rank: int, heartbeat_s: float) -> Lease:
         """What keeps cleanup off this save while ``rank`` writes into it."""
 
@@ -315,6 +319,11 @@ class Directory(Protocol):
 
     def apply_retention(self, keep_last: Optional[int]) -> List[int]:
         """Delete all but the ``keep_last`` newest steps; return those deleted."""
+
+    def reading(self, step: int) -> ContextManager[Any]:
+        """Hold committed ``step`` while it is read or sent to another tier (not
+        entered yet: ``with directory.reading(step)``); entering raises
+        ``CheckpointNotFoundError`` if it is no longer committed."""
 
     def delete_step(self, step: int, even_if_read: bool = False) -> bool:
         """Delete one step; False (and kept) if a reader holds it, unless ``even_if_read``."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import shutil
 import stat
 import threading
 from typing import Optional
@@ -336,4 +337,15 @@ def remove_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:
+        pass
+
+
+def remove_tree(path: str) -> None:
+    """Remove a file or a directory tree; a path already gone is fine."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
         pass

@@ -37,6 +37,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from .fileio import OutputFile
+
 log = logging.getLogger("lazyckpt")
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -256,3 +258,9 @@ def _probe_reads(fd: int, buf: mmap.mmap, pool: cf.ThreadPoolExecutor) -> Tuple[
         _transfer(fd, buf, pool, i * PROBE_PIECE, write=False)
         spent[direct] += time.perf_counter() - t0
     return spent[True], spent[False]
+
+
+def open_local_output(path: str, options: Any) -> OutputFile:
+    """A new local file written at explicit offsets: O_DIRECT or buffered, as
+    measured for its directory (``use_o_direct``)."""
+    return OutputFile(path, use_o_direct(path, "write", options.o_direct, options.writer_threads))

@@ -23,26 +23,22 @@ import re
 import shutil
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
-from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, PREPARED, SIBLING_TEMP, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
+from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, PREPARED, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
 from lazyckpt.history import Committing, Event, event_problem, manifest_event
 from lazyckpt.storage.record import LocalRecord
 from .scan import BackgroundScan
 from .base import Leftover, StepRecord
-from .fileio import fsync_dir, make_dirs_durable, read_small_file, remove_quietly, write_file_atomic
+from .fileio import fsync_dir, make_dirs_durable, read_small_file, remove_quietly, remove_tree, write_file_atomic
+from .iomode import open_local_output
+from .sidefiles import sibling_temp
 from . import locks
-from .locks import DEFAULT_EXPIRY_S, Lease, WriterLease, holder_died_here, holder_token, is_live, lock_for_delete, new_token
+from .locks import DEFAULT_EXPIRY_S, Lease, WriterLease, is_live, lock_for_delete, new_token
 
 log = logging.getLogger("lazyckpt")
-
-
-def sibling_temp(path: str) -> str:
-    """A hidden sibling of ``path`` for a save in progress (renamed over ``path`` once durable)."""
-    directory, base = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{base}.tmp-{holder_token()}")
 
 
 # --------------------------------------------------------------------------- leftovers
@@ -92,17 +88,6 @@ def _lock_dir(fd: int, timeout_s: Optional[float]) -> bool:
 #: Leftover kinds :meth:`CheckpointDir.tidy` watches while they are live (a save
 #: in progress, a trash a reader holds); abandoned steps stay until retention.
 _WATCHED = ("saving",)
-
-
-def remove_tree(path: str) -> None:
-    """Remove a file or a directory tree; a path already gone is fine."""
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 # --------------------------------------------------------------------------- a Checkpointer directory
@@ -517,6 +502,15 @@ class CheckpointDir:
             log.info("lazyckpt: %s: keeping step(s) %s: kept steps refer to their bytes", self.path, referred)
         return deleted, sorted(kept)
 
+    def reading(self, step: int) -> ContextManager[Any]:
+        """Hold committed ``step`` against deletion while it is read or sent
+        (a shared lock on its manifest; not entered yet)."""
+        return locks.StepDir(self.step_path(step), step).reading()
+
+    def record(self) -> LocalRecord:
+        """This directory's record of commits (``history.json``, the commit point)."""
+        return LocalRecord(self.path)
+
     def delete_step(self, step: int, even_if_read: bool = False) -> bool:
         """Rename the step to ``.deleting-*``, fsync, then remove it (FORMAT.md §11.4).
         Returns False (and leaves it) if a reader holds it, unless ``even_if_read``."""
@@ -739,6 +733,9 @@ class PendingStepDir:
     def file_path(self, rank: int) -> str:
         return os.path.join(self.path, rank_filename(rank))
 
+    def open_output(self, path: str, options: Any, block_bytes: int) -> Any:
+        return open_local_output(path, options)
+
     def hold(self, rank: int, heartbeat_s: float) -> "Lease":
         # On the data file itself: cleanup sees it locked (and its mtime fresh).
         return Lease(self.file_path(rank), heartbeat_s)
@@ -827,30 +824,3 @@ class PendingSiblingFile:
 
     def discard(self) -> None:
         remove_quietly(self.path)
-
-
-def clean_sibling_temps(directory: str, expiry_s: float = DEFAULT_EXPIRY_S) -> List[str]:
-    """Remove provably dead ``sibling_temp`` files and directories in ``directory``."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    now = time.time()
-    for name in names:
-        m = SIBLING_TEMP.match(name)
-        if not m:
-            continue
-        path = os.path.join(directory, name)
-        # A killed process's save is over at once (issue 35, 2): the resumed run must
-        # not carry its temporary for a lease expiry; any other waits for the expiry.
-        if is_live(path, expiry_s, now) and not holder_died_here(m.group("token"), path):
-            continue
-        try:
-            remove_tree(path)
-            removed.append(name)
-        except OSError:
-            pass
-    if removed:
-        log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", directory, removed)
-    return removed

@@ -16,7 +16,7 @@ from lazyckpt.knobs import Options
 from .base import HeldStep, Located, Store
 from .fileio import (InputFile, NotARegularFile, OutputFile, make_dirs_durable, open_regular, read_small_file,
                      replace_with_link, write_file_atomic)
-from .iomode import use_o_direct
+from .iomode import open_local_output, use_o_direct
 from .layout import CheckpointDir, PendingSiblingFile
 from .locks import StepDir, deleted_while_reading
 
@@ -39,7 +39,7 @@ class LocalStore(Store):
         pass                            # a missing directory is each caller's own error
 
     def open_output(self, path: str, options: Options, block_bytes: int) -> OutputFile:
-        return OutputFile(path, use_o_direct(path, "write", options.o_direct, options.writer_threads))
+        return open_local_output(path, options)
 
     def open_input(self, path: str, options: Options, threads: Optional[int] = None) -> InputFile:
         return InputFile(path, use_o_direct(path, "read", options.o_direct,

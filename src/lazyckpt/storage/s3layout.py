@@ -23,7 +23,7 @@ import json
 import logging
 import re
 import threading
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
@@ -33,8 +33,8 @@ from lazyckpt.history import (EVENTS_PREFIX, Event, event_key, event_problem, li
 from lazyckpt.knobs import Options
 from .scan import BackgroundScan
 from .base import Leftover, StepRecord
-from .s3leases import FENCES, LEASE_PREFIX, READERS, ObjectLease, ObjectWriterLease
-from .s3 import ObjectURL, store_for
+from .s3leases import FENCES, LEASE_PREFIX, READERS, ObjectLease, ObjectWriterLease, reading_object_step
+from .s3 import ObjectOutput, ObjectURL, store_for
 
 log = logging.getLogger("lazyckpt")
 
@@ -387,6 +387,10 @@ class ObjectCheckpointDir:
         expiry = self.options.lease_expiry_s
         return [o["Key"] for o in objects if (now - o["LastModified"]).total_seconds() < expiry]
 
+    def reading(self, step: int) -> ContextManager[Any]:
+        """Hold committed ``step`` while it is read (a reader lease under its save prefix)."""
+        return reading_object_step(self.step_path(step), self.options)
+
     def delete_step(self, step: int, even_if_read: bool = False) -> bool:
         """Delete a committed step; False if there is none, or a reader holds a
         live lease on it (unless ``even_if_read``)."""
@@ -608,6 +612,9 @@ class PendingSavePrefix:
 
     def create(self) -> None:
         pass
+
+    def open_output(self, path: str, options: Options, block_bytes: int) -> ObjectOutput:
+        return ObjectOutput(path, options.storage_options, block_bytes)
 
     def file_path(self, rank: int) -> str:
         return f"{self.path}/{rank_filename(rank)}"

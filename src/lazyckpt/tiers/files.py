@@ -46,8 +46,8 @@ from typing import Callable, Deque, List, Optional, Set, Tuple
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 from lazyckpt.knobs import Options
 from lazyckpt.storage.fileio import fsync_dir
-from lazyckpt.storage.layout import sibling_temp
-from lazyckpt.storage.stores import for_path
+from lazyckpt.storage.sidefiles import sibling_temp
+from lazyckpt.storage.stores import LOCAL, for_path
 from .drain import RateLimit
 from .persistent import upload_file
 
@@ -155,7 +155,7 @@ class FileMirror:
         upload must not leave a checkpoint marked complete there). An earlier
         copy of the same directory (a step saved again) loses its marker first."""
         remote_dir = self.key(local_dir)
-        names = for_path(local_dir).list_files(local_dir, self.options, recursive=True)
+        names = LOCAL.list_files(local_dir, self.options, recursive=True)     # what it mirrors is local
 
         def upload() -> None:
             old = self.store.list_files(remote_dir, self.options, recursive=True)
@@ -236,7 +236,7 @@ class FileMirror:
         the local copy was lost."""
         data = self.store.read_whole(self.key(local), self.options, limit=1 << 62)
         target = into or local
-        for_path(target).write_whole(target, data, self.options)
+        LOCAL.write_whole(target, data, self.options)
 
     # ------------------------------------------------------------------ waiting, errors, closing
 
@@ -273,7 +273,7 @@ class FileMirror:
             self._pool = cf.ThreadPoolExecutor(max(1, self.options.writer_threads),
                                                thread_name_prefix="lazyckpt-mirror")
         try:
-            upload_file(local, remote, self.options, max(self.options.chunk_bytes, 8 << 20), self._pool,
+            upload_file(local, self.store, remote, self.options, max(self.options.chunk_bytes, 8 << 20), self._pool,
                         self._limit)
         except FileNotFoundError:
             return                                  # removed since the check: its removal follows

@@ -12,7 +12,6 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptChe
 from lazyckpt.formats.names import MANIFEST, MAX_SEQ
 from lazyckpt.history import Event, line, manifest_event, max_seq
 from lazyckpt.storage.fileio import read_small_file
-from lazyckpt.storage.record import LocalRecord
 
 log = logging.getLogger("lazyckpt")
 
@@ -27,7 +26,7 @@ class History:
         self.layout = layout
         #: An ObjectCheckpointDir whose events count too (persist_to=, or the directory itself).
         self.remote = remote
-        self.record = LocalRecord(layout.path) if layout is not None else None
+        self.record = layout.record() if layout is not None else None
         self._top: Optional[int] = None
 
     # ------------------------------------------------------------ numbering

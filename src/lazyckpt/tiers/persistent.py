@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
 
 from lazyckpt.distributed import agree
 from lazyckpt.errors import CheckpointError, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError
@@ -21,14 +21,14 @@ from lazyckpt.history import Event, line, max_seq
 from lazyckpt.knobs import Options
 from lazyckpt.saving.tierstate import PERSISTENT
 from lazyckpt.storage.fileio import anonymous_buffer, open_for_read, pread_into
-from lazyckpt.storage.locks import StepDir
+from lazyckpt.storage.base import Store
 from lazyckpt.storage.stores import for_path
 from .drain import NewestWinsDrain, RateLimit, Waiting
 
 log = logging.getLogger("lazyckpt")
 
 
-def upload_file(path: str, url: str, options: Options, part_bytes: int, pool: cf.ThreadPoolExecutor,
+def upload_file(path: str, store: Store, url: str, options: Options, part_bytes: int, pool: cf.ThreadPoolExecutor,
                 limit: Optional[RateLimit] = None, stop: Optional[threading.Event] = None) -> int:
     """Upload a local file to ``url`` (any store's output), ``part_bytes`` per part
     (at least the store's smallest part), parts read and sent in parallel on
@@ -37,7 +37,7 @@ def upload_file(path: str, url: str, options: Options, part_bytes: int, pool: cf
     fd, _ = open_for_read(path, False)
     size = os.fstat(fd).st_size             # of the file opened (a path may be replaced meanwhile)
     try:
-        out = for_path(url).open_output(url, options, part_bytes)
+        out = store.open_output(url, options, part_bytes)
     except BaseException:
         os.close(fd)
         raise
@@ -95,6 +95,7 @@ class PersistentTier(NewestWinsDrain):
             # Checkpointer refuses a local persist_to before it gets here).
             raise ValueError(f"persist_to must be on a remote store, got {url!r}")
         self.url = store.normalize(url)
+        self.store = store
         try:
             store.check(self.url, options)  # wrong credentials, a missing bucket: one clear error, now
         except CheckpointReadError as exc:
@@ -127,9 +128,12 @@ class PersistentTier(NewestWinsDrain):
         self.local_events_above: Callable[[int], Optional[List[Event]]] = lambda seq: None
 
     def enqueue(self, handle: Any, step: int, call: int, save_id: str, local_path: str,
-                seq: Optional[int] = None) -> None:
+                seq: Optional[int] = None, *, reading: ContextManager[Any]) -> None:
+        """Queue committed ``step`` (at ``local_path``); ``reading`` (the local
+        directory's hold on it, not entered) keeps retention off it until it is
+        uploaded or superseded."""
         hold = contextlib.ExitStack()
-        hold.enter_context(StepDir(local_path, step).reading())
+        hold.enter_context(reading)
         if seq is not None and self.world.coordinator:
             # The commit event goes up now, on the commit's thread, not after the
             # upload: a rollback supersedes the abandoned steps here when it is
@@ -240,7 +244,7 @@ class PersistentTier(NewestWinsDrain):
             remote = pending.file_path(d.rank)
             report: Dict[str, Any] = {"ok": True, "step": item.step}
             try:
-                nbytes = upload_file(local, remote, self.options, max(self.options.chunk_bytes, 8 << 20),
+                nbytes = upload_file(local, self.store, remote, self.options, max(self.options.chunk_bytes, 8 << 20),
                                      self._pool, self._limit, self._stop)
             except BaseException as exc:
                 if not d.distributed:

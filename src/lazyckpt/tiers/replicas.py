@@ -55,7 +55,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -71,7 +71,6 @@ from lazyckpt.loading.verify import verify
 from lazyckpt.saving.jobcommit import is_job_wide
 from lazyckpt.saving.tierstate import REPLICA
 from lazyckpt.storage.fileio import fsync_dir, read_small_file
-from lazyckpt.storage.locks import StepDir
 from .drain import NewestWinsDrain, RateLimit, Waiting
 
 log = logging.getLogger("lazyckpt")
@@ -348,14 +347,15 @@ class ReplicaTier(NewestWinsDrain):
         holds (its node's directory also holds its node-mates')."""
         return [h for h in held_replicas(self.root) if h[1] == self.topo.local_rank]
 
-    def enqueue(self, handle: Any, step: int, call: int, local_path: str) -> None:
+    def enqueue(self, handle: Any, step: int, call: int, local_path: str, *, reading: ContextManager[Any]) -> None:
         """Queue a step just committed (called before the commit's retention):
-        a read lock on it keeps retention from deleting it until it is
-        replicated or superseded (the node's coordinator catches up later)."""
+        ``reading`` (the local directory's hold on it, not entered) keeps
+        retention from deleting it until it is replicated or superseded (the
+        node's coordinator catches up later)."""
         hold = contextlib.ExitStack()
         opened = None
         try:
-            hold.enter_context(StepDir(local_path, step).reading())
+            hold.enter_context(reading)
             # Opened now, on the commit's thread (no later commit can supersede it before):
             # a rollback that moves the step away while it waits or replicates cannot fail
             # the round -- which every rank would fail, dropping the rollback's own step.
