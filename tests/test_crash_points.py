@@ -55,13 +55,6 @@ def _cases():
                 # hf: 78 s (a Trainer per check); its local commit (a staged directory renamed
                 # in) is unchanged by the persistent tier, whose requests the kill mode covers.
                 marks.append(pytest.mark.slow)
-            if name == "lightning-persist-rotation" and mode == "power":
-                # Open finding (RELIABILITY.md §6, 23): once in CI (2026-12-04) point 25 (last.ckpt's
-                # replace) left the store's epoch=0-step=2.ckpt unloadable (EOFError); passed in the
-                # other runs that session and at once when rerun. Still run and reported
-                # (XPASS/XFAIL); not strict until it is understood.
-                marks.append(pytest.mark.xfail(strict=False, reason="intermittent violation under "
-                                               "investigation: RELIABILITY.md finding 23"))
             if program.kind == "hf" and not marks:
                 # 112 s in full (a Trainer per point, 34 points): every point is slow; CI runs
                 # every other one and the last 8 (the persistent tier's requests).
