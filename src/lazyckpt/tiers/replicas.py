@@ -497,7 +497,7 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     asked = {info["asked"] for info in infos}
     if len(asked) > 1:
         # Every rank raises the same error (none is left waiting in an exchange).
-        raise CheckpointError(f"load() with replicas is collective and the ranks asked for different steps: "
+        raise CheckpointError("load() with replicas is collective and the ranks asked for different steps: "
                               + ", ".join(f"rank {i['rank']} step {i['asked']}" for i in infos), step=step)
     local = collections.defaultdict(set)
     persisted = collections.defaultdict(set)
@@ -589,6 +589,7 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     results = exchange(group, sends, recvs, lambda r, header: os.path.join(tmp, f".incoming-{topo.local_rank}"))
     manifest_raw = b""
     ok = True
+    why: Optional[str] = None          # this rank's first refusal, named in the error every rank raises
     for r in results:
         try:
             if r.get("nothing"):
@@ -606,12 +607,14 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             log.warning("lazyckpt: the replica of rank %d step %d from rank %d is refused: %s",
                         topo.rank, target, r["src"], exc)
             ok = False
+            why = why or f"rank {topo.rank} from rank {r['src']}: {exc}"
         else:
             where = {"step": target, "tier": "replica", "from_rank": r["src"]}
             manifest_raw = r["manifest"]
     # The node's ranks agree before its step directory is committed again.
-    flags: List[Any] = [None] * topo.world_size
-    dist.all_gather_object(flags, ok, group=group)
+    gathered: List[Any] = [None] * topo.world_size
+    dist.all_gather_object(gathered, (ok, why), group=group)
+    flags = [g[0] for g in gathered]
     node_ok = all(flags[topo.rank_of(topo.node, lr)] for lr in range(topo.node_size))
     hopeless = sorted({i // topo.node_size for i, f in enumerate(flags) if not f
                        and target not in persisted[i // topo.node_size]})
@@ -619,8 +622,9 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
         # Every rank fails the same way (none is left waiting for the others).
         if recvs and topo.local_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        reasons = "; ".join(g[1] for g in gathered if g[1])
         raise CorruptCheckpointError(f"step {target}: the replicas of node(s) {hopeless} do not match their "
-                                     f"manifest and no persistent copy exists", path=directory)
+                                     f"manifest and no persistent copy exists ({reasons})", path=directory)
     if recvs and node_ok and topo.local_rank == 0:
         with open(os.path.join(tmp, MANIFEST), "wb") as f:
             f.write(manifest_raw)
