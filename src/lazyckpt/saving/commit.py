@@ -34,6 +34,7 @@ from lazyckpt.storage.base import Directory, Output, PendingFile, Store
 from lazyckpt.storage.sidefiles import new_token
 from .costs import merge
 from .engine import CommitStrategy, FilePart, Job
+from .planner import StepSavePlanner
 
 log = logging.getLogger("lazyckpt")
 
@@ -180,7 +181,7 @@ class StepCommit(CommitStrategy):
         return self.pending.open_output(path, options, block_bytes)
 
     def commit(self, job: Job) -> None:
-        planner = job.planner
+        planner: StepSavePlanner = job.planner
         planner.check_references()
         (part,) = job.parts
         flat_shards = part.shards
@@ -207,7 +208,7 @@ class StepCommit(CommitStrategy):
                         forget=[f"c{self.call - 1}/outcome"])
         planner.learned(outcome)
 
-    def _commit(self, done: Dict[int, Dict[str, Any]], planner: Any) -> Optional[Dict[str, Any]]:
+    def _commit(self, done: Dict[int, Dict[str, Any]], planner: StepSavePlanner) -> Optional[Dict[str, Any]]:
         """Coordinator: every rank's file is durable; write the manifest and rename.
         Returns what the outcome carries to every rank (the planner's: ``replicated="auto"``'s keys)."""
         steps = {v.get("step") for v in done.values()}

@@ -71,7 +71,51 @@ class SavePlanner:
         the next plan builds on. Its errors are only logged."""
 
 
-class StepPlanner(SavePlanner):
+class StepSavePlanner(SavePlanner):
+    """What a Checkpointer step's commit (``saving/commit.py`` ``StepCommit``)
+    asks of its planner, in this order (the engine's calls as in
+    :class:`SavePlanner`):
+
+    1. ``plan(job, part, resources)``: before the part is written.
+    2. ``check_references()``: every rank, first thing at commit.
+    3. ``references``: the earlier steps this rank's file refers to, in its report.
+    4. Several ranks only: ``report(part)``, merged into the rank's commit report.
+    5. The coordinator, every rank's report in hand: ``check(done)``, then
+       ``replicated`` and ``layouts_index(done, footer)`` for the manifest, and
+       after it is published ``outcome(done)`` (what every rank learns).
+    6. Several ranks: ``learned(outcome)`` on every rank.
+    7. ``committed(job)``, or ``abort(job, error)`` on any failure.
+
+    ``tests/test_planner_contract.py`` checks that the commit calls nothing
+    this class does not declare."""
+
+    #: The keys written once (as named, or ``"auto"``'s agreed candidates).
+    replicated: List[Any] = []
+
+    def check_references(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def references(self) -> List[int]:
+        raise NotImplementedError
+
+    def report(self, part: FilePart) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def check(self, done: Dict[int, Dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def layouts_index(self, done: Dict[int, Dict[str, Any]], footer: Callable[[int], Any]) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def outcome(self, done: Dict[int, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        raise NotImplementedError
+
+    def learned(self, outcome: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class StepPlanner(StepSavePlanner):
     """What one rank writes for one step of a Checkpointer directory.
 
     ``call`` is this save's call number (the same on every rank; the store
