@@ -31,6 +31,7 @@ from lazyckpt.knobs import resolve  # noqa: E402
 from lazyckpt.loading.loader import load_step, load_tree  # noqa: E402
 from lazyckpt.loading.stepfiles import StepFiles  # noqa: E402
 from lazyckpt.storage.s3layout import read_manifest  # noqa: E402
+from lazyckpt.storage.stores import for_path  # noqa: E402
 
 
 def main() -> None:
@@ -47,13 +48,15 @@ def main() -> None:
         counted = resolve(storage_options=dict(creds, endpoint_url=proxy.endpoint))
         pool = cf.ThreadPoolExecutor(4)
 
+        store = for_path(f"s3://{bucket}")
+
         def no_lease(url, options):
             m = read_manifest(url, options)
-            step = StepFiles(url, m, options, None)
+            step = StepFiles(url, m, options, None, store=store)
             return load_tree(step.file(0), step, pool)
 
         def reader_lease(url, options):
-            return load_step(url, None, options, pool, 0)
+            return load_step(url, None, options, pool, 0, store=store)
 
         print(f"SeaweedFS on loopback, median of {args.reps} loads")
         for n in (1_000, 4_000_000):       # 4 KB and 16 MB of tensor data

@@ -66,6 +66,15 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+def _checkpoint_file(cls, path, options):
+    """A CheckpointFile on the local store (older trees took no store)."""
+    try:
+        from lazyckpt.storage.stores import LOCAL
+        return cls(path, options, store=LOCAL)
+    except (ImportError, TypeError):
+        return cls(path, options)
+
+
 def now() -> float:
     """Monotonic seconds, the same clock in every process of this machine."""
     return time.clock_gettime(time.CLOCK_MONOTONIC)
@@ -642,7 +651,7 @@ def step_bytes(step_dir: str) -> Dict[str, int]:
     overhead, footers = 0, []
     for name in sorted(os.listdir(step_dir)):
         if name.endswith(".lzc"):
-            f = CheckpointFile(os.path.join(step_dir, name), Options())     # holds no descriptor
+            f = _checkpoint_file(CheckpointFile, os.path.join(step_dir, name), Options())     # holds no descriptor
             overhead += f.size - sum(e.length for e in f.footer.entries if e.kind in ("data", "pickle"))
             with open(os.path.join(step_dir, name), "rb") as raw:
                 raw.seek(-fmt.TRAILER_BYTES, os.SEEK_END)

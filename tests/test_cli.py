@@ -17,6 +17,7 @@ import torch
 
 import lazyckpt
 from lazyckpt.loading.reader import CheckpointFile
+from lazyckpt.storage.stores import LOCAL
 
 EXPECTED_BENCH_ROWS = {"raw", "raw_buffered", "raw_mmap", "torch", "safetensors", "dcp1", "dcp2", "dcp_async",
                        "torchsnapshot", "torchsnapshot_async", "torch_checkpointing", "torch_checkpointing_async",
@@ -178,7 +179,7 @@ def _flip(path, offset: int) -> None:
 def test_verify_good_and_damaged(made, tmp_path):
     bad = tmp_path / "bad.lzc"
     shutil.copy(made["file"], bad)
-    entries = {e.name: e for e in CheckpointFile(str(bad), lazyckpt.Options()).entries}
+    entries = {e.name: e for e in CheckpointFile(str(bad), lazyckpt.Options(), store=LOCAL).entries}
     _flip(bad, entries["optim/state/0/exp_avg"].offset + 37)     # inside the tensor's data
     _flip(bad, entries["model/b"].offset + 3)                    # a second damaged entry
     good, r = run_many([("verify", made["run"]), ("verify", bad)])

@@ -69,7 +69,8 @@ def test_step_renamed_away_while_resolved_is_not_found(tmp_path, monkeypatch, en
         call = lambda: lazyckpt.load(target)                                     # noqa: E731
     elif entry == "verify":
         from lazyckpt.loading.verify import verify
-        call = lambda: verify(target)                                            # noqa: E731
+        from lazyckpt.storage.stores import LOCAL
+        call = lambda: verify(target, store=LOCAL)                               # noqa: E731
     else:
         from lazyckpt.cli.inspect import describe
         call = lambda: describe(target)                                          # noqa: E731
@@ -155,6 +156,7 @@ def test_verify_of_a_step_pruned_after_its_manifest_was_read_is_not_damage(tmp_p
     is CheckpointNotFoundError."""
     from lazyckpt.loading.verify import verify
     from lazyckpt.storage.localstore import LocalStore
+    from lazyckpt.storage.stores import LOCAL
     paths = _steps(str(tmp_path / "run"))
     real = LocalStore.read_manifest
 
@@ -165,7 +167,7 @@ def test_verify_of_a_step_pruned_after_its_manifest_was_read_is_not_damage(tmp_p
 
     monkeypatch.setattr(LocalStore, "read_manifest", read_then_prune)
     with pytest.raises(CheckpointNotFoundError):
-        verify(paths[2])
+        verify(paths[2], store=LOCAL)
 
 
 # --------------------------------------------------------------------------- case 6: the writer lease

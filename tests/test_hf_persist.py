@@ -110,6 +110,7 @@ def test_every_rank_of_a_node_may_fetch_the_same_checkpoint_at_once(store, tmp_p
     at once. One rename wins; the others drop their copy; no error, no leftover."""
     import threading
     from lazyckpt.knobs import resolve
+    from lazyckpt.storage.stores import for_path
     from lazyckpt.tiers.files import FileMirror
     server, bucket, options = store
     src = tmp_path / "src" / "checkpoint-2"
@@ -118,13 +119,13 @@ def test_every_rank_of_a_node_may_fetch_the_same_checkpoint_at_once(store, tmp_p
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_bytes(data)
     opts = resolve(storage_options=options)
-    up = FileMirror(f"s3://{bucket}/t", str(tmp_path / "src"), opts)
+    up = FileMirror(for_path(f"s3://{bucket}/t"), f"s3://{bucket}/t", str(tmp_path / "src"), opts)
     up.uploaded_dir(str(src), "trainer_state.json")
     up.close()
     up.raise_errors()
     assert up.complete_dirs(str(tmp_path / "src"), "trainer_state.json") == ["checkpoint-2"]
 
-    down = FileMirror(f"s3://{bucket}/t", str(tmp_path / "dst"), opts)
+    down = FileMirror(for_path(f"s3://{bucket}/t"), f"s3://{bucket}/t", str(tmp_path / "dst"), opts)
     target, errors = str(tmp_path / "dst" / "checkpoint-2"), []
 
     def fetch():
@@ -151,6 +152,7 @@ def test_after_a_failed_upload_the_tier_deletes_nothing_and_marks_nothing_comple
     import dataclasses
     from lazyckpt.errors import CheckpointError
     from lazyckpt.knobs import resolve
+    from lazyckpt.storage.stores import for_path
     from lazyckpt.tiers.files import FileMirror
     server, bucket, options = store
     root = tmp_path / "out"
@@ -162,7 +164,7 @@ def test_after_a_failed_upload_the_tier_deletes_nothing_and_marks_nothing_comple
     good = resolve(storage_options=options)
     bad = dataclasses.replace(good, storage_options=resolve(storage_options=dict(options, secret_access_key="wrong"))
                               .storage_options)
-    mirror = FileMirror(f"s3://{bucket}/t", str(root), good)
+    mirror = FileMirror(for_path(f"s3://{bucket}/t"), f"s3://{bucket}/t", str(root), good)
     mirror.uploaded_dir(str(root / "checkpoint-2"), "trainer_state.json")
     mirror.wait()
     mirror.options = bad                                   # the next operation is refused by the store

@@ -106,13 +106,14 @@ def _explicit(step_dir):
     from lazyckpt.state.walk import dtensor_nodes
     from lazyckpt.formats.placement import pieces
     from lazyckpt.loading.reader import CheckpointFile
+    from lazyckpt.storage.stores import LOCAL
 
     def convert(m):
         shards = {}
         for key, info in m.pop("layouts").items():
             shards[key] = {"global_shape": info["global_shape"], "dtype": info["dtype"], "pieces": [
                 {"rank": p["rank"], "offsets": p["offsets"], "tensor": dtensor_nodes(CheckpointFile(
-                    str(step_dir / f"rank_{p['rank']:05d}.lzc"), lazyckpt.Options()).footer.tree)[key]["local"]}
+                    str(step_dir / f"rank_{p['rank']:05d}.lzc"), lazyckpt.Options(), store=LOCAL).footer.tree)[key]["local"]}
                 for p in pieces(info["global_shape"], info["layout"])]}
         m["shards"] = shards
     _rewrite_manifest(step_dir, convert)

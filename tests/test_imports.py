@@ -233,6 +233,24 @@ def test_no_module_outside_storage_imports_a_store_implementation():
     assert {"lazyckpt.storage.layout", "lazyckpt.storage.s3layout", "lazyckpt.storage.locks"} <= set(MODULES)
 
 
+#: Where a path enters lazyckpt (issue 36): the facade, the Checkpointer, the cli, the
+#: framework integrations, the converters and the study tools look a path's store up
+#: once and pass it down; the engine, the planner, the loader and the tiers never do.
+PATH_ENTRIES = {None, "api", "checkpointer", "cli", "integrations", "interop", "study", "storage"}
+
+
+def test_for_path_is_called_only_where_a_path_enters():
+    calls = {}
+    for mod in MODULES:
+        for node in ast.walk(_tree(mod)):
+            if isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "for_path"
+                                               or getattr(node.func, "attr", None) == "for_path"):
+                calls.setdefault(_folder_or_none(mod), []).append(f"{mod}:{node.lineno}")
+    bad = sorted(c for folder, found in calls.items() if folder not in PATH_ENTRIES for c in found)
+    assert not bad, bad
+    assert calls.get("integrations") and calls.get("api")     # not vacuous: the entries do call it
+
+
 def _folder_or_none(mod: str) -> Optional[str]:
     return _folder(mod) if mod != "lazyckpt" else None
 

@@ -171,11 +171,12 @@ def _referenced_keys(step_dir):
     from lazyckpt.state.walk import walk
     from lazyckpt.loading.reader import CheckpointFile
     from lazyckpt.knobs import resolve
+    from lazyckpt.storage.stores import LOCAL
     out = set()
     for name in sorted(os.listdir(step_dir)):
         if not name.endswith(".lzc"):
             continue
-        f = CheckpointFile(os.path.join(step_dir, name), resolve())
+        f = CheckpointFile(os.path.join(step_dir, name), resolve(), store=LOCAL)
         for leaf in walk(f.footer.tree):
             if leaf.type in ("tensor", "dtensor") and leaf.entry is not None and f.entries[leaf.entry].kind == "ref":
                 out.add(leaf.name)

@@ -98,7 +98,7 @@ def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[Ke
     path = os.fspath(path)
     opts = resolve(options, **knobs)
     kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
-    return load_path(path, opts, _resources(opts).readers, **kwargs)
+    return load_path(path, for_path(path), opts, _resources(opts).readers, **kwargs)
 
 
 def load_async(path: str, map_location: MapLocation = None, keys: Optional[Iterable[KeySpec]] = None,

@@ -96,9 +96,12 @@ class Checkpointer:
         self.options = resolve(options, host_cache_bytes=host_cache_bytes, storage_options=storage_options,
                                **knobs)
         store = for_path(directory)
+        #: The store the directory is on (its one lookup: the tiers and loads get it from here).
+        self.store = store
         #: Whether this directory is itself on an object store (no local tier).
         self.on_object_store = store.is_remote
-        if persist_to is not None and (self.on_object_store or not for_path(persist_to).is_remote):
+        persist_store = for_path(persist_to) if persist_to is not None else None
+        if persist_store is not None and (self.on_object_store or not persist_store.is_remote):
             raise ValueError(f"persist_to must be an s3:// URL and the directory a local one, got "
                              f"directory={directory!r}, persist_to={persist_to!r}")
         _refuse_options_that_do_not_apply(
@@ -169,7 +172,7 @@ class Checkpointer:
         #: What each save cost the training, recorded in its manifest (lazyckpt/saving/costs.py).
         self._costs = SaveCosts(self.options.advise_mtbf)
         #: The persistent tier committed steps drain to (persist_to=), or None.
-        self.persistent = PersistentTier(persist_to, self.options, self._dist, persist_keep_last) \
+        self.persistent = PersistentTier(persist_store, persist_to, self.options, self._dist, persist_keep_last) \
             if persist_to is not None else None
         #: The line of history (lazyckpt/tiers/line.py): numbers commits, tells live from abandoned
         #: saves across the local record, the manifests and the persistent tier's events.
@@ -335,7 +338,7 @@ class Checkpointer:
             return
         if not self._dist.distributed:
             # Damaged at rest since it was committed: never replace a good copy there with it.
-            report = verify(self.layout.step_path(step), self.options)
+            report = verify(self.layout.step_path(step), self.options, store=self.store)
             if not report.ok:
                 log.warning("lazyckpt: step %d is not on the persistent tier %s and its local copy is damaged "
                             "(%s); it is not uploaded", step, self.persistent.url, report.problems[0].message)
@@ -506,7 +509,8 @@ class Checkpointer:
     def _load_from(self, tier: str, path: str, kwargs: Dict[str, Any]) -> Any:
         pool = self._engine.resources.readers
         # Any tier, any store: the manifest is read under the step's hold.
-        return load_step(path, None, self.options, pool, self._dist.rank, **kwargs)
+        store = self.persistent.store if tier == "persistent" else self.store
+        return load_step(path, None, self.options, pool, self._dist.rank, store=store, **kwargs)
 
     def _candidates(self, step: Optional[int]) -> Iterable[Any]:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""

@@ -36,6 +36,7 @@ from lazyckpt.interop.convert import convert
 from lazyckpt.interop.hf import export_hf, import_hf
 from lazyckpt.knobs import parse_size
 from lazyckpt.loading.verify import verify
+from lazyckpt.storage.stores import for_path
 from .advise import add_parser as add_advise_parser     # lazyckpt advise: cost figures, formulas
 from .inspect import describe, format_time, human_bytes, list_directory
 from .output import print_json, text_table
@@ -229,7 +230,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     bar = Progress(_progress_enabled(args), "verifying")
     try:
-        report = verify(args.path, progress=bar.update, on_total=bar.total)
+        report = verify(args.path, progress=bar.update, on_total=bar.total, store=for_path(args.path))
     finally:
         bar.close()
     if args.json:

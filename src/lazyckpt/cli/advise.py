@@ -36,7 +36,7 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.knobs import parse_duration
 from lazyckpt.loading.resolve import read_manifest
 from lazyckpt.saving.costs import advise, problems, steps_text, time_text
-from lazyckpt.storage.stores import join as join_path
+from lazyckpt.storage.stores import for_path
 from .inspect import list_directory
 
 
@@ -72,7 +72,8 @@ def read_run(run: str) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], str]
         if "error" in row:
             skipped.append({"step": row["step"], "reason": f"manifest unreadable: {row['error']}"})
             continue
-        manifest = read_manifest(join_path(listing["directory"], row["name"]))
+        store = for_path(listing["directory"])
+        manifest = read_manifest(store, store.join(listing["directory"], row["name"]))
         cost = manifest.get("cost")
         if cost is None:
             skipped.append({"step": row["step"], "reason": "no save costs recorded (saved by a lazyckpt "

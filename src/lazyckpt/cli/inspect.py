@@ -74,7 +74,7 @@ def leaf_info(leaf: Leaf, entries: List[fmt.Entry]) -> Dict[str, Any]:
 def describe(path: str, options: Optional[Options] = None) -> Dict[str, Any]:
     """Everything ``lazyckpt inspect`` shows, as JSON-able data."""
     options = options or resolve_options()
-    target = resolve(path, options, all_steps=True)
+    target = resolve(path, options, all_steps=True, store=for_path(path))
     out: Dict[str, Any] = {"path": target.path, "kind": target.kind}
     if target.step_dir is not None:
         out["step_dir"] = target.step_dir
@@ -98,7 +98,7 @@ def describe(path: str, options: Optional[Options] = None) -> Dict[str, Any]:
         out["world_size"] = 1
     files = []
     for rank, fpath in target.files:
-        f = CheckpointFile(fpath, options)
+        f = CheckpointFile(fpath, options, store=target.store)
         leaves = [leaf_info(leaf, f.entries) for leaf in walk(f.footer.tree)]
         doc = {"rank": rank, "path": fpath, "bytes": f.size, "format_version": f.version,
                "block_bytes": f.footer.block_bytes, "metadata": f.footer.metadata,

@@ -197,7 +197,7 @@ class LazyCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         self.wait()                         # read-your-writes: this engine's pending tags first
         if is_lazyckpt_file(path):
-            return load_file(path, self.options, self._engine.resources.readers, map_location=map_location,
+            return load_file(path, self.options, self._engine.resources.readers, for_path(path), map_location=map_location,
                              allow_pickle=self.allow_pickle)
         # torch.save zips (this engine's default format, or DeepSpeed's own engine's):
         # weights_only, with DeepSpeed's few state classes allowed (the loss scaler, the

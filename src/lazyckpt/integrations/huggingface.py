@@ -209,8 +209,8 @@ class LazyCheckpointMixin:
         """The persistent tier (``lazyckpt_persist_to``): ``args.output_dir`` mirrored
         under it; None without one."""
         if getattr(self, "_lazyckpt_mirror", None) is None and getattr(self, "lazyckpt_persist_to", None):
-            self._lazyckpt_mirror = FileMirror(self.lazyckpt_persist_to, self.args.output_dir,
-                                               self.lazyckpt_writer.options)
+            self._lazyckpt_mirror = FileMirror(for_path(self.lazyckpt_persist_to), self.lazyckpt_persist_to,
+                                               self.args.output_dir, self.lazyckpt_writer.options)
         return getattr(self, "_lazyckpt_mirror", None)
 
     def lazyckpt_wait(self) -> None:

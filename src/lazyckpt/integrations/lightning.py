@@ -214,7 +214,7 @@ class _LazyCheckpointIOImpl:
     def mirror(self) -> Optional[FileMirror]:
         """The persistent tier (``persist_to``), made at first use; None without one."""
         if self._mirror is None and self.persist_to is not None:
-            self._mirror = FileMirror(self.persist_to, self.local_root, self.options)
+            self._mirror = FileMirror(for_path(self.persist_to), self.persist_to, self.local_root, self.options)
         return self._mirror
 
     @property
@@ -233,7 +233,7 @@ class _LazyCheckpointIOImpl:
         self.run_due_actions()
         mirror = self.mirror
         if mirror is not None:
-            check_mirror_target(local)
+            check_mirror_target(for_path(local), local)
             mirror.raise_errors()
             mirror.key(local)                       # outside local_root: refused before a byte moves
             mirror.sync(os.path.dirname(local), lambda name: not name.startswith("."))

@@ -47,8 +47,7 @@ from lazyckpt.loading.resolve import Target, resolve as resolve_target
 from lazyckpt.loading.stepfiles import StepFiles, plain_tensor_entry
 from lazyckpt.state.providers import LoadContext
 from lazyckpt.state.walk import Leaf, walk
-from lazyckpt.storage.fileio import fsync_dir
-from lazyckpt.storage.fileio import remove_tree
+from lazyckpt.storage.fileio import fsync_dir, remove_tree
 from lazyckpt.storage.sidefiles import new_token
 from lazyckpt.storage.stores import for_path
 from .convert import write_safetensors
@@ -145,9 +144,9 @@ def export_hf(src: str, out_dir: str, *, key: Optional[str] = None, prefix: str 
         raise CheckpointError(f"{config}: no config.json there (--config takes a Hugging Face model or "
                               f"config directory)", path=config)
     options = resolve_options(None, **knobs)
-    target = resolve_target(src, options)
+    target = resolve_target(src, options, store=for_path(src))
     # Hold the step for the whole export: retention elsewhere must not delete it between batches.
-    with (for_path(target.step_dir).reading_step(target.step_dir, options, target.step) if target.step_dir
+    with (target.store.reading_step(target.step_dir, options, target.step) if target.step_dir
           else contextlib.nullcontext()):
         chosen, tensors = _model_tensors(target, key, prefix, strip, out_dtype, options)
         if config is not None:
@@ -220,7 +219,7 @@ def _model_tensors(target: Target, key: Optional[str], prefix: str, strip: str,
     """The model's tensors as they will be written (name, dtype, shape), in state
     order: the union over the saving ranks' trees (pipeline stages hold
     different keys; a key several ranks hold is read from the first)."""
-    first = CheckpointFile(target.files[0][1], options)
+    first = CheckpointFile(target.files[0][1], options, store=target.store)
     chosen = _split_key(key)
     if chosen is None:
         chosen = _detect_key(first)
@@ -228,7 +227,7 @@ def _model_tensors(target: Target, key: Optional[str], prefix: str, strip: str,
     out: List[_Tensor] = []
     by_name: Dict[str, _Tensor] = {}
     for rank, path in target.files:
-        f = first if rank == target.files[0][0] else CheckpointFile(path, options)
+        f = first if rank == target.files[0][0] else CheckpointFile(path, options, store=target.store)
         under = [leaf for leaf in walk(f.footer.tree) if leaf.path[:len(chosen)] == chosen]
         bad = [leaf.name for leaf in under if leaf.type not in ("tensor", "dtensor")
                or (leaf.type == "tensor" and leaf.node.get("e") is None)]
@@ -318,12 +317,13 @@ class _StepReader:
         self.path = target.step_dir or target.path
         if target.step_dir is not None:
             self.refs = RefResolver(os.path.dirname(target.step_dir), self.options)
-            self.step: Optional[StepFiles] = StepFiles(target.step_dir, target.manifest, self.options, self.refs)
+            self.step: Optional[StepFiles] = StepFiles(target.step_dir, target.manifest, self.options, self.refs,
+                                                       store=target.store)
             self.files = {rank: self.step.file(rank) for rank, _ in target.files}   # opened here, not racing
         else:
             self.refs = resolver_for(target.path, self.options)
             self.step = None
-            self.files = {None: CheckpointFile(target.path, self.options, self.refs)}
+            self.files = {None: CheckpointFile(target.path, self.options, self.refs, store=target.store)}
 
     def close(self) -> None:
         self.refs.close()

@@ -28,6 +28,7 @@ from lazyckpt.errors import CheckpointError, CorruptCheckpointError, UnsafeObjec
 from lazyckpt.knobs import resolve as resolve_options
 from lazyckpt.loading.reader import CheckpointFile
 from lazyckpt.loading.resolve import resolve as resolve_target
+from lazyckpt.storage.stores import for_path
 from lazyckpt.state.walk import walk
 
 # safetensors dtype codes (https://github.com/huggingface/safetensors, format spec).
@@ -153,7 +154,7 @@ class LazySource(Source):
 
     def __init__(self, path: str, allow_pickle: bool):
         super().__init__(path, allow_pickle)
-        self.target = resolve_target(path)
+        self.target = resolve_target(path, store=for_path(path))
         self.load_path = self.target.step_dir or self.target.path
         if self.target.manifest is not None and self.target.manifest.get("world_size", 1) > 1:
             self.memory_note = "a multi-rank step: loaded as rank 0 sees it (sharded tensors assembled)"
@@ -165,7 +166,7 @@ class LazySource(Source):
         return self._state
 
     def _leaves(self, sep: str):
-        f = CheckpointFile(self.target.files[0][1], resolve_options())
+        f = CheckpointFile(self.target.files[0][1], resolve_options(), store=self.target.store)
         specs, skipped, leaves = [], [], {}
         for leaf in walk(f.footer.tree):
             name = sep.join(leaf.path) or "<root>"

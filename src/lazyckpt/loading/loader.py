@@ -24,7 +24,6 @@ from lazyckpt.knobs import Options
 from lazyckpt.state.providers import LoadContext, referenced_entries
 from lazyckpt.storage.fileio import a_load_ended
 from lazyckpt.storage.base import Store
-from lazyckpt.storage.stores import for_path
 from .graft import graft_missing, grafted_node, restrict_to
 from .into import direct_fills, fill_into, staged_entries, unfilled_tensors
 from .reader import CheckpointFile, RefResolver, resolver_for
@@ -124,20 +123,18 @@ def _storage_mapper(map_location: MapLocation) -> Callable[[torch.UntypedStorage
     return mapper
 
 
-def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, store: Optional[Store] = None,
-              **kwargs: Any) -> Any:
-    """Load one checkpoint file (written by a single rank); ``store``: the
-    caller's, where it looked the path up already."""
-    store = store if store is not None else for_path(path)
+def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, store: Store, **kwargs: Any) -> Any:
+    """Load one checkpoint file (written by a single rank) on ``store`` (the
+    caller's: looked up once, where the path entered)."""
     # A lone file inside DIR/step_X/ may refer to DIR's earlier steps (where the store holds references).
     refs = resolver_for(path, options) if store.holds_references else contextlib.nullcontext(None)
     with _os_errors_as_read_errors(path), refs as refs:
-        return load_tree(CheckpointFile(path, options, refs, store), None, pool, **kwargs)
+        return load_tree(CheckpointFile(path, options, refs, store=store), None, pool, **kwargs)
 
 
 def load_step(path: str, manifest: Optional[Dict[str, Any]], options: Options, pool: cf.ThreadPoolExecutor,
-              rank: Optional[int] = None, **kwargs: Any) -> Any:
-    """Load a committed step on any store (its parsed manifest, or None to
+              rank: Optional[int] = None, *, store: Store, **kwargs: Any) -> Any:
+    """Load a committed step on ``store`` (its parsed manifest, or None to
     read it here, under the hold).
 
     With several saving ranks, rank ``r`` loads the state of saving rank
@@ -148,7 +145,6 @@ def load_step(path: str, manifest: Optional[Dict[str, Any]], options: Options, p
     prune in another process keep it; where it is deleted anyway (a file
     system without locks, an expired lease, another tool), the error says so
     instead of reporting the vanished files as damage."""
-    store = for_path(path)
     with _os_errors_as_read_errors(path), store.reading_step(path, options) as held, \
             _references(store, held, options) as refs:
         try:
@@ -158,7 +154,7 @@ def load_step(path: str, manifest: Optional[Dict[str, Any]], options: Options, p
                 raise held.deleted()
             if rank is None:
                 rank = _current_rank()
-            step = StepFiles(path, manifest, options, refs)
+            step = StepFiles(path, manifest, options, refs, store=store)
             return load_tree(step.file(rank % manifest["world_size"]), step, pool, **kwargs)
         except (CheckpointError, OSError) as exc:
             if not held.still_there():
@@ -370,17 +366,16 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     return state
 
 
-def load_path(path: str, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
+def load_path(path: str, store: Store, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
               **kwargs: Any) -> Any:
-    """Load what ``path`` designates on its store (``Store.locate``): one data
+    """Load what ``path`` designates on ``store`` (``Store.locate``): one data
     file, a committed step, or the latest step of a Checkpointer directory."""
-    store = for_path(path)
     for attempt in range(3):
         located = store.locate(path, options)
         if located.kind == "file":
             return load_file(located.path, options, pool, store, **kwargs)
         try:
-            return load_step(located.step_path, None, options, pool, rank, **kwargs)   # its manifest: read under the hold
+            return load_step(located.step_path, None, options, pool, rank, store=store, **kwargs)   # its manifest: read under the hold
         except CheckpointNotFoundError:
             # The latest step, read from where its commit left it before the rename, moved
             # under its name meanwhile: found again there.

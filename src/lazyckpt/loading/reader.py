@@ -27,7 +27,6 @@ from lazyckpt.formats.names import rank_filename, step_dirname
 from lazyckpt.knobs import Options
 from lazyckpt.storage.base import Input, Store
 from lazyckpt.storage.fileio import read_buffer
-from lazyckpt.storage.stores import for_path
 
 
 class CheckpointFile:
@@ -35,14 +34,12 @@ class CheckpointFile:
     ``refs`` resolves its "ref" entries (incremental checkpoints) to the
     earlier steps' files that hold their bytes."""
 
-    def __init__(self, path: str, options: Options, refs: Optional["RefResolver"] = None,
-                 store: Optional[Store] = None):
+    def __init__(self, path: str, options: Options, refs: Optional["RefResolver"] = None, *, store: Store):
         self.path = path
         self.options = options
         self.refs = refs
-        #: The store it is on: the caller's where it has one (a path entering here from
-        #: the cli or a tool is looked up once).
-        self.store = store if store is not None else for_path(path)
+        #: The store it is on (the caller's: looked up once, where the path entered).
+        self.store = store
         try:
             self.version, self.footer = self.store.read_ends(path, options, self._read_ends)
         except CheckpointError:
@@ -382,7 +379,7 @@ class RefResolver:
         step = e.ref["step"]
         try:
             self._holds.enter_context(referrer.store.reading_step(os.path.dirname(path), self.options, step))
-            other = CheckpointFile(path, self.options, self, referrer.store)
+            other = CheckpointFile(path, self.options, self, store=referrer.store)
         except CheckpointNotFoundError as exc:
             raise CorruptCheckpointError(f"{here}: entry {e.name!r} refers to step {step}, whose "
                                          f"file is missing ({exc})", path=referrer.path, entry=e.name) from None

@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from lazyckpt.knobs import Options, resolve as resolve_options
 from lazyckpt.storage.base import Store
-from lazyckpt.storage.stores import for_path, join as join_path
 
 
 @dataclass
@@ -32,24 +31,23 @@ class Target:
         return None
 
 
-def read_manifest(step_dir: str, options: Optional[Options] = None) -> Dict[str, Any]:
-    """The parsed manifest of a committed step, on any store."""
-    return for_path(step_dir).read_manifest(step_dir, options or resolve_options())
+def read_manifest(store: Store, step_dir: str, options: Optional[Options] = None) -> Dict[str, Any]:
+    """The parsed manifest of the committed step at ``step_dir`` on ``store``."""
+    return store.read_manifest(step_dir, options or resolve_options())
 
 
-def resolve(path: str, options: Optional[Options] = None, all_steps: bool = False) -> Target:
+def resolve(path: str, options: Optional[Options] = None, all_steps: bool = False, *, store: Store) -> Target:
     """Resolve a file, a step or a Checkpointer directory (-> its latest step),
     local or on an object store (``all_steps``: a directory's steps listed too)."""
     options = options or resolve_options()
-    store = for_path(path)
     located = store.locate(path, options, all_steps=all_steps)
     if located.kind == "file":
         return Target(located.path, "file", [(None, located.path)], store=store)
     manifest = store.read_manifest(located.step_path, options)
-    return Target(located.path, located.kind, manifest_files(located.step_path, manifest), located.step_path,
+    return Target(located.path, located.kind, manifest_files(store, located.step_path, manifest), located.step_path,
                   manifest, located.steps, store)
 
 
-def manifest_files(step_dir: str, manifest: Dict[str, Any]) -> List[Tuple[Optional[int], str]]:
-    return [(f["rank"], join_path(step_dir, f["name"]))
+def manifest_files(store: Store, step_dir: str, manifest: Dict[str, Any]) -> List[Tuple[Optional[int], str]]:
+    return [(f["rank"], store.join(step_dir, f["name"]))
             for f in sorted(manifest["files"], key=lambda f: f["rank"])]

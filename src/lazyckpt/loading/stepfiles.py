@@ -21,6 +21,7 @@ from lazyckpt.formats import placement
 from lazyckpt.knobs import Options
 from lazyckpt.state.providers import LoadContext, dtype_from_name, tensor_bytes_needed
 from lazyckpt.state.walk import dtensor_nodes, walk
+from lazyckpt.storage.base import Store
 from .into import dtensor_targets
 from .reader import CheckpointFile, RefResolver
 
@@ -29,8 +30,9 @@ class StepFiles:
     """The data files of one committed step and its manifest's shard index."""
 
     def __init__(self, path: str, manifest: Dict[str, Any], options: Options,
-                 refs: Optional[RefResolver] = None):
+                 refs: Optional[RefResolver] = None, *, store: Store):
         self.path = path
+        self.store = store
         self.manifest = manifest
         self.options = options
         self.refs = refs
@@ -58,7 +60,7 @@ class StepFiles:
         if rank not in self._open:
             path = os.path.join(self.path, self._names[rank])
             try:
-                f = CheckpointFile(path, self.options, self.refs)
+                f = CheckpointFile(path, self.options, self.refs, store=self.store)
             except CheckpointNotFoundError:
                 # The step is committed, so a missing file is damage, not "no checkpoint".
                 raise CorruptCheckpointError(f"{path}: data file of rank {rank} is missing",

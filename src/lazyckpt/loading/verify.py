@@ -17,8 +17,8 @@ from lazyckpt.errors import CheckpointError
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.knobs import Options, resolve as resolve_options
 from lazyckpt.state.walk import Leaf, itemsize, walk
+from lazyckpt.storage.base import Store
 from lazyckpt.storage.fileio import anonymous_buffer
-from lazyckpt.storage.stores import join as join_path
 from .reader import CheckpointFile, RefResolver, resolver_for
 from .resolve import Target, resolve
 
@@ -84,7 +84,7 @@ def _aligned_buffer(n: int) -> mmap.mmap:
 
 def verify(path: str, options: Optional[Options] = None,
            progress: Optional[Callable[[int], None]] = None,
-           on_total: Optional[Callable[[int], None]] = None) -> VerifyReport:
+           on_total: Optional[Callable[[int], None]] = None, *, store: Store) -> VerifyReport:
     """Read every entry of every data file and check every checksum.
 
     Unlike a load, it does not stop at the first damaged block: every damaged
@@ -94,7 +94,7 @@ def verify(path: str, options: Optional[Options] = None,
     checked since the last call; ``on_total(n)`` once with the total.
     """
     options = options or resolve_options()
-    target = resolve(path, options)
+    target = resolve(path, options, store=store)
     report = VerifyReport(target)
     store = target.store
     # A step is held while it is verified, as while it is loaded: prune and
@@ -117,13 +117,13 @@ def _verify(target: Target, report: VerifyReport, options: Options, refs: Option
     opened: Dict[Optional[int], CheckpointFile] = {}
     for rank, fpath in target.files:
         try:
-            opened[rank] = CheckpointFile(fpath, options, refs, target.store)
+            opened[rank] = CheckpointFile(fpath, options, refs, store=target.store)
         except CheckpointError as exc:
             report.problems.append(Problem(fpath, "file", str(exc)))
         report.files += 1
     if target.manifest is not None:
         for f in target.manifest["files"]:
-            fpath = join_path(target.step_dir, f["name"])
+            fpath = target.store.join(target.step_dir, f["name"])
             cf_ = opened.get(f["rank"])
             if cf_ is not None and type(f.get("bytes")) is int and f["bytes"] != cf_.size:
                 report.problems.append(Problem(fpath, "manifest", f"{fpath}: manifest says {f['bytes']} bytes, "

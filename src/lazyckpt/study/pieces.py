@@ -147,18 +147,18 @@ class StepView:
         if m is not None:
             run, step = m.group(1), int(m.group(2))
             spec = _step_location(run, step, self.options)
-        target = resolve(spec, self.options)
+        target = resolve(spec, self.options, store=for_path(spec))
         self.label = spec
         self.step_dir = target.step_dir
         self.step: Optional[int] = target.step
         self.refs: Optional[RefResolver] = None
         self.files: Dict[Optional[int], CheckpointFile] = {}
         self.step_files: Optional[StepFiles] = None
-        store = for_path(target.path)
+        store = target.store
         if target.step_dir is None:                       # a lone file
             if store.holds_references:
                 self.refs = self._holds.enter_context(resolver_for(target.path, self.options))
-            self.files[None] = CheckpointFile(target.path, self.options, self.refs)
+            self.files[None] = CheckpointFile(target.path, self.options, self.refs, store=store)
             self.root = target.path
             return
         held = self._holds.enter_context(store.reading_step(target.step_dir, self.options, self.step))
@@ -166,7 +166,7 @@ class StepView:
         self.root = held.directory
         if store.holds_references:
             self.refs = self._holds.enter_context(RefResolver(os.path.dirname(target.step_dir), self.options))
-        self.step_files = StepFiles(target.step_dir, manifest, self.options, self.refs)
+        self.step_files = StepFiles(target.step_dir, manifest, self.options, self.refs, store=store)
         for rank in range(manifest["world_size"]):
             self.files[rank] = self.step_files.file(rank)
 

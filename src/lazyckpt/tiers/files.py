@@ -47,7 +47,8 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, Checkpoint
 from lazyckpt.knobs import Options
 from lazyckpt.storage.fileio import fsync_dir
 from lazyckpt.storage.sidefiles import sibling_temp
-from lazyckpt.storage.stores import LOCAL, for_path
+from lazyckpt.storage.base import Store
+from lazyckpt.storage.stores import LOCAL
 from .drain import RateLimit
 from .persistent import upload_file
 
@@ -62,8 +63,8 @@ class FileMirror:
     retried, and the ones after it still run (a later upload makes the store
     current again)."""
 
-    def __init__(self, persist_to: str, local_root: str, options: Options):
-        store = for_path(persist_to)
+    def __init__(self, store: Store, persist_to: str, local_root: str, options: Options):
+        """``store``: ``persist_to``'s, looked up by the integration that was given it."""
         if not store.is_remote:
             raise ValueError(f"persist_to={persist_to!r}: expected an object store URL (s3://bucket/prefix): "
                              f"the persistent tier is where the files survive the loss of this node")
@@ -317,9 +318,9 @@ class FileMirror:
                     self._cond.notify_all()
 
 
-def check_mirror_target(path: str) -> None:
-    """A file that ``persist_to`` would mirror must be local."""
-    if for_path(path).is_remote:
+def check_mirror_target(store: Store, path: str) -> None:
+    """A file that ``persist_to`` would mirror (on ``store``) must be local."""
+    if store.is_remote:
         raise ValueError(f"{path}: already on an object store; persist_to mirrors local files (drop persist_to, "
                          f"or write locally)")
 

@@ -22,7 +22,6 @@ from lazyckpt.knobs import Options
 from lazyckpt.saving.tierstate import PERSISTENT
 from lazyckpt.storage.fileio import anonymous_buffer, open_for_read, pread_into
 from lazyckpt.storage.base import Store
-from lazyckpt.storage.stores import for_path
 from .drain import NewestWinsDrain, RateLimit, Waiting
 
 log = logging.getLogger("lazyckpt")
@@ -88,8 +87,8 @@ class PersistentTier(NewestWinsDrain):
     choice_what = "the coordinator's choice of step to persist"
     choice_of = "persist"
 
-    def __init__(self, url: str, options: Options, dist: Any, keep_last: Optional[int]):
-        store = for_path(url)
+    def __init__(self, store: Store, url: str, options: Options, dist: Any, keep_last: Optional[int]):
+        """``store``: ``url``'s, looked up by the Checkpointer that was given it."""
         if not store.is_remote:
             # Its saves need no directory created before the ranks upload (and the
             # Checkpointer refuses a local persist_to before it gets here).

@@ -71,6 +71,7 @@ from lazyckpt.loading.verify import verify
 from lazyckpt.saving.jobcommit import is_job_wide
 from lazyckpt.saving.tierstate import REPLICA
 from lazyckpt.storage.fileio import fsync_dir, read_small_file
+from lazyckpt.storage.stores import LOCAL
 from .drain import NewestWinsDrain, RateLimit, Waiting
 
 log = logging.getLogger("lazyckpt")
@@ -307,7 +308,7 @@ def check_replica(path: str, manifest_raw: bytes, local_rank: int) -> None:
     listed = next((f for f in doc["files"] if f["rank"] == local_rank), None)
     if listed is None:
         raise CorruptCheckpointError(f"{path}: its manifest lists no rank {local_rank}", path=path)
-    f = CheckpointFile(path, Options())
+    f = CheckpointFile(path, Options(), store=LOCAL)      # a replica is a node-local file
     if listed.get("bytes") not in (None, f.size):
         raise CorruptCheckpointError(f"{path}: {f.size} bytes, the manifest says {listed['bytes']}", path=path)
     mine = f.footer.metadata.get("lazyckpt")
@@ -599,7 +600,7 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             check_replica(r["path"], r["manifest"], topo.local_rank)
             # Every block against its checksum before it becomes a committed local step
             # again: a replica damaged at rest on its holder is refused here, not loaded.
-            report = verify(r["path"])
+            report = verify(r["path"], store=LOCAL)
             if not report.ok:
                 raise CorruptCheckpointError(f"{r['path']}: {report.problems[0].message}", path=r["path"])
             os.rename(r["path"], os.path.join(tmp, rank_filename(topo.local_rank)))
