@@ -251,6 +251,33 @@ def test_for_path_is_called_only_where_a_path_enters():
     assert calls.get("integrations") and calls.get("api")     # not vacuous: the entries do call it
 
 
+#: The store classes: outside storage/ nothing asks which one it has.
+STORE_CLASSES = {"LocalStore", "S3Store", "MemoryStore", "ObjectStore", "CheckpointDir", "ObjectCheckpointDir"}
+
+
+def test_no_module_outside_storage_branches_on_which_store_it_has():
+    """A store is asked for its declared properties (``is_remote``,
+    ``holds_references``) and its methods, never for its identity: no
+    ``isinstance`` against a store class and no comparison of a store's
+    ``name`` or ``scheme`` (``mem://`` joined with no edit outside storage/)."""
+    bad = []
+    for mod in MODULES:
+        if _folder_or_none(mod) in (None, "storage"):
+            continue
+        for node in ast.walk(_tree(mod)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} | \
+                        {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                if names & STORE_CLASSES:
+                    bad.append(f"{mod}:{node.lineno}: isinstance against {sorted(names & STORE_CLASSES)}")
+            if isinstance(node, ast.Compare):
+                for side in [node.left, *node.comparators]:
+                    if isinstance(side, ast.Attribute) and side.attr in ("name", "scheme") \
+                            and "store" in ast.unparse(side.value).lower():
+                        bad.append(f"{mod}:{node.lineno}: compares {ast.unparse(side)}")
+    assert not bad, bad
+
+
 def _folder_or_none(mod: str) -> Optional[str]:
     return _folder(mod) if mod != "lazyckpt" else None
 
