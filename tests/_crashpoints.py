@@ -859,7 +859,8 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
                     problems.append(f"load(step={s}) differs from its save in {d[:4]}")
             if listed:
                 from lazyckpt.loading import verify as lzverify
-                report = lzverify.verify(directory)
+                from lazyckpt.storage.stores import LOCAL
+                report = lzverify.verify(store=LOCAL, path=directory)
                 if not report.ok:
                     problems.append(f"verify: {[p.message for p in report.problems][:3]}")
         if program.persist and world is not None:

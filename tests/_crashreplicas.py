@@ -213,6 +213,7 @@ def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int],
     import torch.distributed as dist
     from lazyckpt.errors import CheckpointNotFoundError
     from lazyckpt.loading import verify as lzverify
+    from lazyckpt.storage.stores import LOCAL
     cp.quiet()
     where = "A" if lost is None else f"B{lost}"
     before, after = program.before(rank), program.after(rank)
@@ -269,7 +270,7 @@ def _check_rank(case: str, rank: int, program: DistProgram, lost: Optional[int],
                 if not any(s in w and not differs(w[s], v) for w in (before, after)):
                     problems.append(f"{where} rank {rank}: step {s} loads other values than its save")
             if listed:
-                report = lzverify.verify(node_dir(case, rank))
+                report = lzverify.verify(store=LOCAL, path=node_dir(case, rank))
                 if not report.ok:
                     problems.append(f"{where} rank {rank}: verify: {[p.message for p in report.problems][:3]}")
         elif out["tier"] != "none":

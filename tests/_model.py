@@ -53,6 +53,7 @@ from lazyckpt.cli import inspect as lzinspect
 from lazyckpt.cli import prune as lzprune
 from lazyckpt.loading import resolve as lzresolve
 from lazyckpt.loading import verify as lzverify
+from lazyckpt.storage.stores import LOCAL
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
 from lazyckpt.saving.costs import problems as cost_problems
 from lazyckpt.knobs import INCREMENTAL_MODES, resolve
@@ -1192,13 +1193,13 @@ class Run:
                 for problem in tiers_index_problems(self.ckpt, f"after {self.log[-1] if self.log else 'the start'}"):
                     self.fail(problem)
         if (self.rank == 0 or self.cfg.replicas) and self.ckpt.steps():
-            report = lzverify.verify(self.local)
+            report = lzverify.verify(store=LOCAL, path=self.local)
             if not report.ok:
                 self.fail(f"lazyckpt verify {self.local}: {[p.message for p in report.problems][:3]}")
             for s in self.ckpt.steps():
                 # Every commit records what its save cost (issue 26), well-formed.
                 try:
-                    cost = lzresolve.read_manifest(self.ckpt.step_path(s)).get("cost")
+                    cost = lzresolve.read_manifest(LOCAL, self.ckpt.step_path(s)).get("cost")
                 except CheckpointNotFoundError:
                     continue                # retention ran since the listing
                 if cost is None or cost_problems(cost):

@@ -24,6 +24,7 @@ import torch
 
 import lazyckpt
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.storage.stores import LOCAL
 
 
 def _state(step: int, run: str) -> dict:
@@ -113,7 +114,7 @@ def test_a_kill_between_the_renames_of_a_rollback_commit_never_loads_an_abandone
     with lazyckpt.Checkpointer(directory, keep_last=keep_last) as ckpt:
         ckpt.save(_state(len(expected_steps) + 1, "next"), step=len(expected_steps) + 1).wait()
         assert _same(ckpt.load(), _state(len(expected_steps) + 1, "next"))
-    report = lazyckpt.loading.verify.verify(directory)
+    report = lazyckpt.loading.verify.verify(directory, store=LOCAL)
     assert report.ok, [p.message for p in report.problems]
 
 

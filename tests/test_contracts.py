@@ -310,7 +310,8 @@ def test_a_save_refused_on_one_rank_fails_that_step_only(tmp_path):
     from lazyckpt.cli import prune as lzprune
     from lazyckpt.loading import resolve as lzresolve
     from lazyckpt.loading import verify as lzverify
-    assert lzverify.verify(str(tmp_path / "step_0000000003")).ok
+    from lazyckpt.storage.stores import LOCAL
+    assert lzverify.verify(store=LOCAL, path=str(tmp_path / "step_0000000003")).ok
     assert lazyckpt.load(str(tmp_path / "step_0000000003"))["w"][0].item() == 3.0
 
 
@@ -370,12 +371,12 @@ def test_a_step_deleted_under_a_reader_is_reported_as_deleted(tmp_path, monkeypa
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")      # e.g. Lustre without -o flock
 
-    def delete_then_open(self, path, options, *rest):
+    def delete_then_open(self, path, options, *rest, **kw):
         # What a `prune` in another process does between the manifest read and the
         # data file's open, where the file system gives the reader no lock.
         if os.path.isdir(step):
             os.rename(step, tmp_path / ".deleting-step_0000000001-00000000")
-        real(self, path, options, *rest)
+        real(self, path, options, *rest, **kw)
     monkeypatch.setattr(locks, "_flock", no_locks)
     monkeypatch.setattr(reader.CheckpointFile, "__init__", delete_then_open)
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match="deleted while it was being read"):

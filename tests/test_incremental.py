@@ -18,6 +18,7 @@ from lazyckpt.cli import inspect as lzinspect
 from lazyckpt.cli import prune as lzprune
 from lazyckpt.loading import resolve as lzresolve
 from lazyckpt.loading import verify as lzverify
+from lazyckpt.storage.stores import LOCAL
 from lzc_tools import assert_same, clone_state, flip_byte
 
 pytestmark = pytest.mark.timeout(300)
@@ -165,7 +166,7 @@ def test_full_every_bounds_the_reach_of_references(tmp_path):
         assert ckpt.steps() == [3, 5, 6]
         ckpt.save(_state(model, opt, 7), step=7).wait()       # refers to 6: 3 can go now
         assert ckpt.steps() == [6, 7]
-        assert lzverify.verify(str(tmp_path)).ok
+        assert lzverify.verify(store=LOCAL, path=str(tmp_path)).ok
 
 
 def test_retention_never_leaves_a_dangling_reference(tmp_path):
@@ -175,7 +176,7 @@ def test_retention_never_leaves_a_dangling_reference(tmp_path):
             _train(model, opt, step)
             ckpt.save(_state(model, opt, step), step=step).wait()
             for s in ckpt.steps():
-                assert lzverify.verify(str(tmp_path / f"step_{s:010d}")).ok, s
+                assert lzverify.verify(store=LOCAL, path=str(tmp_path / f"step_{s:010d}")).ok, s
         assert ckpt.steps() == [0, 4]                  # 0 owns the frozen bytes 4 refers to
     layout = lazyckpt.storage.layout.CheckpointDir(str(tmp_path))
     # A new Checkpointer (a restarted run) writes its first save in full: 5 owns
@@ -188,7 +189,7 @@ def test_retention_never_leaves_a_dangling_reference(tmp_path):
     assert doomed == [7, 6, 4, 0] and referred == [5]
     report = lzprune.prune(str(tmp_path), keep=1)
     assert report["kept"] == [5, 8] and report["kept_for_references"] == [5]
-    assert lzverify.verify(str(tmp_path)).ok
+    assert lzverify.verify(store=LOCAL, path=str(tmp_path)).ok
 
 
 def test_a_missing_or_damaged_referred_to_file_names_both_steps(tmp_path):
@@ -202,10 +203,10 @@ def test_a_missing_or_damaged_referred_to_file_names_both_steps(tmp_path):
     flip_byte(owner, offset + 100)
     with pytest.raises(lazyckpt.CorruptCheckpointError, match="checksum"):
         lazyckpt.load(str(tmp_path), keys=["model"])
-    report = lzverify.verify(str(tmp_path / "step_0000000001"))
+    report = lzverify.verify(store=LOCAL, path=str(tmp_path / "step_0000000001"))
     assert not report.ok and any("referred to by step 1" in p.message for p in report.problems)
     flip_byte(owner, offset + 100)                     # repaired
-    assert lzverify.verify(str(tmp_path / "step_0000000001")).ok
+    assert lzverify.verify(store=LOCAL, path=str(tmp_path / "step_0000000001")).ok
     os.rename(owner, owner.with_suffix(".gone"))
     with pytest.raises(lazyckpt.CorruptCheckpointError) as info:
         lazyckpt.load(str(tmp_path))

@@ -23,6 +23,7 @@ from lazyckpt.cli import inspect as lzinspect
 from lazyckpt.cli import prune as lzprune
 from lazyckpt.loading import resolve as lzresolve
 from lazyckpt.loading import verify as lzverify
+from lazyckpt.storage.stores import LOCAL
 from lzc_tools import assert_same, clone_state
 
 pytestmark = pytest.mark.timeout(300)
@@ -193,7 +194,7 @@ def _resaved_step_2_by_another_writer_then_saved_3(tmp_path, resave):
         kinds = {e["name"]: (e["kind"], e.get("ref", {}).get("step")) for e in _entries(directory / "step_0000000003")}
         assert kinds == {"frozen": ("ref", 1), "slow": ("data", None), "fast": ("data", None)}
         assert_same(a.load(step=3), _a_state(3))
-    assert lzverify.verify(str(directory)).ok
+    assert lzverify.verify(store=LOCAL, path=str(directory)).ok
 
 
 def _other_values():

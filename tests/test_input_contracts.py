@@ -144,9 +144,10 @@ def test_a_step_directory_restored_under_another_name_does_not_load_as_that_step
     from lazyckpt.cli import inspect as lzinspect
     from lazyckpt.cli import prune as lzprune
     from lazyckpt.loading import resolve as lzresolve
+    from lazyckpt.storage.stores import LOCAL
     from lazyckpt.loading import verify as lzverify
     with pytest.raises(CorruptCheckpointError, match="step 2"):
-        lzresolve.resolve(str(d / "step_0000000001"))
+        lzresolve.resolve(str(d / "step_0000000001"), store=LOCAL)
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     out = subprocess.run([sys.executable, "-m", "lazyckpt", "verify", str(d / "step_0000000001")], capture_output=True, text=True,
                          env=env)
