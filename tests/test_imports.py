@@ -233,10 +233,11 @@ def test_no_module_outside_storage_imports_a_store_implementation():
     assert {"lazyckpt.storage.layout", "lazyckpt.storage.s3layout", "lazyckpt.storage.locks"} <= set(MODULES)
 
 
-#: Where a path enters lazyckpt (issue 36): the facade, the Checkpointer, the cli, the
-#: framework integrations, the converters and the study tools look a path's store up
-#: once and pass it down; the engine, the planner, the loader and the tiers never do.
-PATH_ENTRIES = {None, "api", "checkpointer", "cli", "integrations", "interop", "study", "storage"}
+#: Where a path enters lazyckpt (issue 36): the facade, the Checkpointer (and the builder
+#: that assembles it), the cli, the framework integrations, the converters and the study
+#: tools look a path's store up once and pass it down; the engine, the planner, the loader
+#: and the tiers never do.
+PATH_ENTRIES = {None, "api", "checkpointer", "builder", "cli", "integrations", "interop", "study", "storage"}
 
 
 def test_for_path_is_called_only_where_a_path_enters():

@@ -10,7 +10,6 @@ retention, leftovers, leases). See docs/FORMAT.md §11 for the layout.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Union
@@ -22,26 +21,19 @@ from lazyckpt.loading.joblatest import JobLatest
 from lazyckpt.loading.loader import KeySpec, MapLocation, load_step
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.loading.verify import verify
-from lazyckpt.saving.autorep import AutoReplication
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import StepCommit
-from lazyckpt.saving.costs import SaveCosts
 from lazyckpt.saving.engine import FilePart, Job, SaveEngine, SaveHandle
-from lazyckpt.saving.incremental import IncrementalIndex
-from lazyckpt.saving.jobcommit import JobCommit, resolve_prepared
+from lazyckpt.saving.jobcommit import resolve_prepared
 from lazyckpt.saving.planner import StepPlanner
 from lazyckpt.state.plancache import PlanCache
 from lazyckpt.storage.base import WriterLease
-from lazyckpt.storage.fileio import make_dirs_durable
-from lazyckpt.storage.stores import for_path
-from lazyckpt.tiers.persistent import PersistentTier
-from lazyckpt.tiers.replicas import (ReplicaTier, node_group, restore as restore_replicas,
-                                     topology as replica_topology)
-from .distributed import depart, rank_info, refuse
+from lazyckpt.tiers.replicas import restore as restore_replicas
+from .distributed import depart, refuse
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .history import abandoned
-from .tiers.line import History
-from .knobs import Options, resolve
+from .builder import assemble
+from .knobs import Options
 
 log = logging.getLogger("lazyckpt")
 
@@ -88,97 +80,46 @@ class Checkpointer:
                  storage_options: Optional[Dict[str, Any]] = None, replicas: int = 0,
                  node_size: Optional[int] = None, replica_bandwidth: float = 0.0, takeover: bool = False,
                  **knobs: Any):
-        for name, value in (("keep_last", keep_last), ("persist_keep_last", persist_keep_last)):
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-        directory = os.fspath(directory)
-        self.keep_last = keep_last
-        self.options = resolve(options, host_cache_bytes=host_cache_bytes, storage_options=storage_options,
-                               **knobs)
-        store = for_path(directory)
+        # What it is made of, from the arguments (lazyckpt/builder.py); then it opens the directory.
+        parts = assemble(directory, keep_last, host_cache_bytes, options=options, replicated=replicated,
+                         process_group=process_group, commit_timeout_s=commit_timeout_s,
+                         guard_buffers=guard_buffers, persist_to=persist_to, persist_keep_last=persist_keep_last,
+                         storage_options=storage_options, replicas=replicas, node_size=node_size,
+                         replica_bandwidth=replica_bandwidth, **knobs)
+        self.keep_last = parts.keep_last
+        self.options = parts.options
         #: The store the directory is on (its one lookup: the tiers and loads get it from here).
-        self.store = store
+        self.store = parts.store
         #: Whether this directory is itself on an object store (no local tier).
-        self.on_object_store = store.is_remote
-        persist_store = for_path(persist_to) if persist_to is not None else None
-        if persist_store is not None and (self.on_object_store or not persist_store.is_remote):
-            raise ValueError(f"persist_to must be an s3:// URL and the directory a local one, got "
-                             f"directory={directory!r}, persist_to={persist_to!r}")
-        _refuse_options_that_do_not_apply(
-            object_store=self.on_object_store or persist_to is not None, persist_to=persist_to,
-            incremental=self.options.incremental, replicas=replicas, storage_options=storage_options,
-            persist_keep_last=persist_keep_last, persist_bandwidth=knobs.get("persist_bandwidth"),
-            full_every=knobs.get("full_every"), node_size=node_size, replica_bandwidth=replica_bandwidth)
-        if (self.on_object_store or persist_to is not None) and self.options.incremental != "off":
-            raise ValueError("incremental checkpoints are not supported on object stores yet: their "
-                             "references name local step directories")
-        self.directory = store.normalize(directory)
-        if self.on_object_store:
-            store.check(self.directory, self.options)   # wrong credentials, a missing bucket: one clear error, now
-        else:
-            try:
-                make_dirs_durable(self.directory)     # its entry survives a power loss after a commit
-            except OSError as exc:
-                raise CheckpointError(f"{self.directory}: cannot create checkpoint directory: {exc}",
-                                      path=self.directory) from exc
-            if not os.access(self.directory, os.W_OK | os.X_OK):
-                raise CheckpointError(f"{self.directory}: directory is not writable", path=self.directory)
-        self.layout = store.checkpoint_dir(self.directory, self.options)
+        self.on_object_store = parts.on_object_store
+        self.directory = parts.directory
+        self.layout = parts.layout
         #: Top-level keys identical on every rank (DDP): each entry written by one rank.
         #: "auto": found by content (lazyckpt/saving/autorep.py); unset: a warning names them.
-        if replicated == "auto":
-            self.replicated: Any = "auto"
-        elif isinstance(replicated, str):
-            raise ValueError(f"replicated must be a list of top-level keys or 'auto', got {replicated!r}")
-        else:
-            self.replicated = list(replicated or [])
+        self.replicated: Any = parts.replicated
         #: Replicas on partner nodes (lazyckpt/tiers/replicas.py): the directory is node-local and
         #: each node's ranks commit their own steps in it (the node is the commit group).
-        self.topology = None
-        self._replicas = None
-        if replicas:
-            if self.on_object_store or process_group is not None:
-                raise ValueError("replicas= needs a node-local directory and the default process group")
-            if self.options.incremental != "off":
-                raise ValueError("replicas= cannot be combined with incremental checkpoints yet")
-            self.topology = replica_topology(node_size, replicas)
-            process_group = node_group(self.topology)
-            if persist_to is not None:       # each node's steps persist under their own prefix
-                persist_to = f"{persist_to.rstrip('/')}/node_{self.topology.node:05d}"
-        self._dist = rank_info(self.directory, process_group, commit_timeout_s)
-        if replicas:
-            # The world's namespace cannot come from the directory: node-local paths may differ.
-            world = rank_info("lazyckpt-replicas", None, commit_timeout_s)
-            self._replicas = ReplicaTier(self.directory, self.topology, replicas, world, replica_bandwidth,
-                                         commit_timeout_s)
+        self.topology = parts.topology
+        self._dist = parts.dist
+        self._replicas = parts.replicas
+        if self._replicas is not None:
             self._replicas.abandoned = self._abandoned_locally
-            #: Every node's save commits only once every node has it prepared (saving/jobcommit.py).
-            self._job = JobCommit(world, self.topology.nodes, self.topology.node)
-        else:
-            self._job = None
-        self._auto = None
-        if self._dist.distributed and (self.replicated == "auto" or not self.replicated):
-            self._auto = AutoReplication("auto" if self.replicated == "auto" else "hint")
-        if (self._dist.distributed or self._replicas is not None) and self.options.queue_policy == "skip":
-            raise ValueError("queue_policy='skip' cannot be used with several ranks: a save skipped on "
-                             "one rank and not on another would never commit")
+        #: Every node's save commits only once every node has it prepared (saving/jobcommit.py).
+        self._job = parts.job
+        self._auto = parts.auto
         self._calls = 0
         #: The last save's walk, reused while the state keeps its structure (lazyckpt/state/plancache.py).
         self._plans = PlanCache()
         #: Incremental checkpoints: what this rank's last committed step holds.
-        self._incremental = IncrementalIndex(self.options.incremental, self.options.full_every) \
-            if self.options.incremental != "off" else None
-        self._engine = SaveEngine(self.options, guard_buffers=guard_buffers)
+        self._incremental = parts.incremental
+        self._engine = parts.engine
         #: What each save cost the training, recorded in its manifest (lazyckpt/saving/costs.py).
-        self._costs = SaveCosts(self.options.advise_mtbf)
+        self._costs = parts.costs
         #: The persistent tier committed steps drain to (persist_to=), or None.
-        self.persistent = PersistentTier(persist_store, persist_to, self.options, self._dist, persist_keep_last) \
-            if persist_to is not None else None
+        self.persistent = parts.persistent
         #: The line of history (lazyckpt/tiers/line.py): numbers commits, tells live from abandoned
         #: saves across the local record, the manifests and the persistent tier's events.
-        self.history = History(None if self.on_object_store else self.layout,
-                               self.layout if self.on_object_store else
-                               (self.persistent.dir if self.persistent is not None else None))
+        self.history = parts.history
         #: One writer per directory: the lease is taken by the first save() (a Checkpointer
         #: that only loads never needs it), held by the commit group's coordinator.
         self._takeover = takeover
@@ -583,30 +524,6 @@ class Checkpointer:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(cancel=exc_type is not None)
-
-
-def _refuse_options_that_do_not_apply(*, object_store: bool, persist_to: Optional[str], incremental: str,
-                                      replicas: int, **passed: Any) -> None:
-    """An option passed to this Checkpointer that nothing would read is a
-    mistake (a typo'd combination, a forgotten ``persist_to``): refused, with
-    the option and the reason. Only explicit arguments: a LAZYCKPT_* variable
-    or an ``Options`` object is a site-wide default, not a request to this one."""
-    needs = {"storage_options": (object_store, "it configures the object store, and neither the directory "
-                                               "nor persist_to is an s3:// URL"),
-             "persist_keep_last": (persist_to is not None, "it is the persistent tier's retention, and "
-                                                           "persist_to is not set"),
-             "persist_bandwidth": (persist_to is not None, "it caps the persistent tier's upload, and "
-                                                           "persist_to is not set"),
-             "full_every": (incremental != "off", "it spaces the full saves of incremental checkpoints, "
-                                                  "and incremental is off"),
-             "node_size": (bool(replicas), "it groups ranks into nodes for replicas, and replicas=0"),
-             "replica_bandwidth": (bool(replicas), "it caps the replica transfer, and replicas=0")}
-    defaults = {"replica_bandwidth": 0.0, "full_every": 0, "persist_bandwidth": 0.0}   # the default changes nothing
-    for name, (applies, why) in needs.items():
-        value = passed[name]
-        if value is not None and value != defaults.get(name) and not applies:
-            shown = "{...}" if name == "storage_options" else repr(value)     # it may hold credentials
-            raise ValueError(f"{name}={shown} does not apply here: {why}")
 
 
 def _release_when_idle(engine: SaveEngine, writer: WriterLease) -> None:
