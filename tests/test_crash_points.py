@@ -101,14 +101,13 @@ def _dist_cases():
             # CI: every 4th point, in both modes (offsets 1 and 3: together half the points).
             marks = []
             if name == "replicas-restore":
-                # Open finding (RELIABILITY.md §6, 22): once in CI (2026-12-04) the sampled point 27
-                # of the power mode (points move with thread interleaving) left both ranks' load()
-                # refusing step 2 ("the replicas of node(s) [0] do not match their manifest");
-                # passed in 5 other runs. Seen once in the kill mode too (point 29, the same
-                # refusal; a later CI run of the same day). Still run and reported (XPASS/XFAIL);
-                # not strict until it is understood.
-                marks.append(pytest.mark.xfail(strict=False, reason="intermittent violation under "
-                                               "investigation: RELIABILITY.md finding 22"))
+                # RELIABILITY.md §6, finding 22: twice in CI (2026-12-04) both ranks' load() refused
+                # step 2 ("the replicas of node(s) [0] do not match their manifest"). Its probable
+                # cause (a held replica's deletion cut short with its COMPLETE marker left) was
+                # fixed the next day; still run and reported (XPASS/XFAIL), not strict until clean
+                # CI runs confirm it.
+                marks.append(pytest.mark.xfail(strict=False, reason="intermittent violation, probable cause "
+                                               "fixed: RELIABILITY.md finding 22"))
             yield pytest.param(name, mode, 4, marks=marks, id=f"{name}-{mode}-every4")
 
 

@@ -88,3 +88,47 @@ def test_the_line_is_built_only_when_the_newest_copies_are_not_enough(tmp_path):
     got = history.candidates(None)
     assert [next(got)[0], next(got)[0]] == [3, 3] and not built      # the indexes alone
     assert next(got)[0] == 2 and built == [1]                        # then the line, once
+
+
+# ------------------------------------------------------------ a held replica's deletion (finding 22)
+
+class _Cut(BaseException):
+    """A kill in the middle of a deletion (not an Exception: nothing catches it)."""
+
+
+@pytest.mark.parametrize("cut_at", range(1, 6))
+def test_a_replica_deletion_cut_short_never_leaves_a_marked_replica_without_its_data(tmp_path, monkeypatch, cut_at):
+    """``remove_replica`` takes ``COMPLETE`` away first: whichever unlink a kill
+    interrupts, the directory is either still whole and marked, or unmarked (no
+    restore trusts it). A marked directory without its data file is what a
+    restore chooses and then refuses for every rank ("the replicas of node(s)
+    [0] do not match their manifest": tests/test_replicas.py shows that state
+    gives that error), which finding 22 saw once; plain ``shutil.rmtree``, as
+    before, deletes in directory order, the marker possibly last."""
+    from lazyckpt.tiers.replicas import COMPLETE, held_replicas, remove_replica
+    root = tmp_path / ".replicas"
+    step = root / "node_00000" / "rank_00000" / "step_0000000002"
+    step.mkdir(parents=True)
+    for name in ("manifest.json", "rank_00000.lzc", COMPLETE):
+        (step / name).write_bytes(b"x")
+    assert held_replicas(str(root)) == [(0, 0, 2)]
+    real, calls = os.unlink, []
+
+    def unlink(path, *a, **k):
+        calls.append(path)
+        if len(calls) == cut_at:
+            raise _Cut()
+        return real(path, *a, **k)
+    monkeypatch.setattr(os, "unlink", unlink)
+    try:
+        remove_replica(str(step))
+    except _Cut:
+        pass
+    monkeypatch.setattr(os, "unlink", real)
+    listed = held_replicas(str(root))
+    whole = step.is_dir() and {"manifest.json", "rank_00000.lzc"} <= set(os.listdir(step))
+    assert not listed or whole, (cut_at, sorted(os.listdir(step)) if step.is_dir() else None)
+    if cut_at == 1:
+        assert listed == [(0, 0, 2)]        # cut before anything went: still a whole replica
+    if cut_at > 3:
+        assert not step.exists()            # not cut: all gone

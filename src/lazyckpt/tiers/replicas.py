@@ -160,6 +160,21 @@ def _step_name(step: int) -> str:
     return f"step_{step:010d}"
 
 
+def remove_replica(path: str) -> None:
+    """Delete a held replica's directory, its ``COMPLETE`` marker first and
+    durably: a deletion cut short (a kill, a power loss) leaves a directory no
+    restore trusts, never a marked one whose data file is already gone (which a
+    restore would choose and then refuse: RELIABILITY.md finding 22)."""
+    try:
+        os.unlink(os.path.join(path, COMPLETE))
+        fsync_dir(path)
+    except FileNotFoundError:
+        pass
+    except NotADirectoryError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def held_replicas(root: str) -> List[Tuple[int, int, int]]:
     """(source node, source local rank, step) of every complete replica under ``root``."""
     out = []
@@ -428,7 +443,7 @@ class ReplicaTier(NewestWinsDrain):
                 os.fsync(f.fileno())
             os.rename(r["path"], os.path.join(tmp, rank_filename(r["local_rank"])))
             final = os.path.join(base, _step_name(r["step"]))
-            shutil.rmtree(final, ignore_errors=True)
+            remove_replica(final)
             os.rename(tmp, final)
             # The new replica durable under its name before the older ones go (a power loss
             # could otherwise keep their deletion and lose this rename: no replica at all).
@@ -438,7 +453,7 @@ class ReplicaTier(NewestWinsDrain):
             fsync_dir(final)
             for other in os.listdir(base):
                 if other != _step_name(r["step"]):
-                    shutil.rmtree(os.path.join(base, other), ignore_errors=True)
+                    remove_replica(os.path.join(base, other))
             fsync_dir(base)
         self.held_bytes = sum(os.path.getsize(os.path.join(dp, f)) for n, lr, _ in self.holds()
                               for dp, _, fs in os.walk(_replica_dir(self.root, n, lr)) for f in fs)
@@ -661,5 +676,5 @@ def _json(v: Any) -> str:
     return json.dumps(v, sort_keys=True)
 
 
-__all__ = ["Topology", "ReplicaTier", "restore", "topology", "node_group", "held_replicas", "check_replica",
-           "fmt"]
+__all__ = ["Topology", "ReplicaTier", "restore", "topology", "node_group", "held_replicas", "remove_replica",
+           "check_replica", "fmt"]
