@@ -68,11 +68,11 @@ def read_run(run: str) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], str]
         raise CheckpointNotFoundError(f"{listing['directory']}: no committed step (nothing to advise from)",
                                       path=listing["directory"])
     records, skipped = [], []
+    store = for_path(listing["directory"])
     for row in listing["steps"]:
         if "error" in row:
             skipped.append({"step": row["step"], "reason": f"manifest unreadable: {row['error']}"})
             continue
-        store = for_path(listing["directory"])
         manifest = read_manifest(store, store.join(listing["directory"], row["name"]))
         cost = manifest.get("cost")
         if cost is None:

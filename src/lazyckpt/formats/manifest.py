@@ -222,14 +222,14 @@ def parse(raw: bytes, path: str) -> Dict[str, Any]:
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{path}: manifest is not a JSON object", path=path)
     version = manifest.get("format_version")
-    if type(version) is not int and manifest.get("checksum") != checksum(manifest):
+    sealed = manifest.pop("checksum", None) == checksum(manifest)
+    if type(version) is not int and not sealed:
         # Missing or not a number, and the checksum fails: a damaged manifest (a byte flipped
         # in the key), not one from another lazyckpt -- a reader falls back from it, as from
         # any bad checksum. (Sealed with such a version, it is another format: refused below.)
         raise CorruptCheckpointError(f"{path}: manifest has no format version (file damaged)", path=path)
     fmt.check_version(version, path)
-    expected = manifest.pop("checksum", None)
-    if expected != checksum(manifest):
+    if not sealed:
         raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (file damaged)", path=path)
     _check_ranges(manifest, path)
     _expand_files(manifest, path)

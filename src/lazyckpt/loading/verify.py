@@ -96,7 +96,6 @@ def verify(path: str, options: Optional[Options] = None,
     options = options or resolve_options()
     target = resolve(path, options, store=store)
     report = VerifyReport(target)
-    store = target.store
     # A step is held while it is verified, as while it is loaded: prune and
     # retention in another process keep it, and one deleted anyway is reported
     # as deleted (CheckpointNotFoundError), not as damage.

@@ -168,10 +168,8 @@ def remove_replica(path: str) -> None:
     try:
         os.unlink(os.path.join(path, COMPLETE))
         fsync_dir(path)
-    except FileNotFoundError:
-        pass
-    except NotADirectoryError:
-        pass
+    except (FileNotFoundError, NotADirectoryError):
+        pass                            # gone already, or not a replica's directory
     shutil.rmtree(path, ignore_errors=True)
 
 
