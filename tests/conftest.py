@@ -24,13 +24,13 @@ def _hermetic_environment(monkeypatch):
 
 @pytest.fixture(scope="module", autouse=True)
 def _frozen_heap():
-    """What is alive when a module starts (the frameworks earlier modules
-    imported: millions of objects in a worker that ran them) moves to the
-    collector's permanent generation, so that the model-based test's
-    ``gc.collect()`` after each dropped Checkpointer walks only what this
-    module allocated: a full collection cost ~0.2 s alone and ~1 s in a
-    suite worker, 34 of them in one short model run. Cyclic garbage made
-    before the module starts is collected first, so nothing leaks."""
+    """What is alive when a module starts (the objects of the frameworks that
+    earlier modules imported) moves to the collector's permanent generation,
+    so that the model-based test's ``gc.collect()`` after each dropped
+    Checkpointer walks only what this module allocated: 34 full collections
+    took 6.0 s of one short model run's 8.4 s (0.18 s each, in a lone
+    process). Cyclic garbage made before the module starts is collected
+    first, so nothing leaks."""
     gc.collect()
     gc.freeze()
     yield
