@@ -1,9 +1,13 @@
-"""The adaptive I/O mode: o_direct="auto" probes each file system once per
-direction, keeps the faster mode, shares the verdict with other processes for
-an hour, and leaves nothing behind; True/False force a mode."""
+"""The adaptive I/O mode. With o_direct="auto", writes probe each file system
+once, keep the faster mode, share the verdict with other processes for an
+hour and leave nothing behind; reads choose per read, from what the reads in
+each mode got (a process's first load measures both, the mode not in use is
+measured again every EXPLORE_S, a mode that slows is left). True/False force
+a mode."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -20,6 +24,7 @@ from test_io_modes import _data_opens
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 pytestmark = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this platform")
+MiB = 1 << 20
 
 
 @pytest.fixture
@@ -33,7 +38,7 @@ def fresh(tmp_path, monkeypatch):
     iomode.forget()
 
 
-def test_auto_probes_once_per_direction_logs_and_leaves_nothing(tmp_path, fresh, caplog):
+def test_auto_probes_writes_once_measures_reads_logs_and_leaves_nothing(tmp_path, fresh, caplog):
     data = tmp_path / "data"
     data.mkdir()
     state = {"w": torch.randn(100_000), "i": torch.arange(10)}
@@ -42,16 +47,126 @@ def test_auto_probes_once_per_direction_logs_and_leaves_nothing(tmp_path, fresh,
         lazyckpt.save(state, data / "b.lzc")
         back = lazyckpt.load(data / "a.lzc")
     assert all(torch.equal(back[k], v) for k, v in state.items())
-    made = iomode.choices()
-    assert sorted(c["direction"] for c in made) == ["read", "write"]
-    for c in made:
-        assert c["reason"].startswith("probed") and c["direct_gbps"] > 0 and c["buffered_gbps"] > 0
-        assert c["o_direct"] == (c["direct_gbps"] >= c["buffered_gbps"])
+    made = {c["direction"]: c for c in iomode.choices()}
+    assert sorted(made) == ["read", "write"]
+    write = made["write"]
+    assert write["reason"].startswith("probed") and write["direct_gbps"] > 0 and write["buffered_gbps"] > 0
+    assert write["o_direct"] == (write["direct_gbps"] >= write["buffered_gbps"])
+    # Reads of 0.4 MB teach nothing (latency): no mode measured, O_DIRECT (the default) kept.
+    assert made["read"]["direct_gbps"] is None and made["read"]["buffered_gbps"] is None
     probes = [r.getMessage() for r in caplog.records if "I/O mode for" in r.getMessage()]
-    assert len(probes) == 2, probes                # once per direction, not once per file
+    assert len(probes) == 1, probes                # writes: once per file system, not once per file
     assert sorted(os.listdir(data)) == ["a.lzc", "b.lzc"]      # the probe file never shows
     cached = json.loads(fresh.read_text())
-    assert {k.split(":")[1] for k in cached} == {"read", "write"}
+    assert {k.split(":")[1] for k in cached} == {"write"}       # what reads find is not shared
+
+
+def test_a_first_load_reads_in_both_modes_side_by_side_and_keeps_the_faster(tmp_path, fresh, spy_open):
+    """A process's first load measures both modes on its first large reads
+    (each a real read of the file, through its own descriptor); the bytes are
+    the same whichever mode read them."""
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(2 * MiB // 4, generator=g) for i in range(8)}   # 16 MiB, reads of 2-4 MiB
+    path = tmp_path / "m.lzc"
+    lazyckpt.save(state, path, o_direct=True, chunk_bytes=4 * MiB)
+    spy_open.clear()
+    back = lazyckpt.load(path, chunk_bytes=4 * MiB)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    reads = [f for p, f in _data_opens(spy_open) if p == str(path)]
+    assert sorted(bool(f & O_DIRECT) for f in reads) == [False, True], reads   # one descriptor per mode
+    (read,) = [c for c in iomode.choices() if c["direction"] == "read"]
+    assert read["direct_gbps"] > 0 and read["buffered_gbps"] > 0, read
+    assert read["o_direct"] == (read["direct_gbps"] >= read["buffered_gbps"])
+    assert "adaptive" in read["reason"]
+    # The next load within EXPLORE_S reads in the mode kept only.
+    spy_open.clear()
+    back = lazyckpt.load(path, chunk_bytes=4 * MiB)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    reads = [f for p, f in _data_opens(spy_open) if p == str(path)]
+    assert [bool(f & O_DIRECT) for f in reads] == [read["o_direct"]], reads
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _read(tracker, gbps_of, nbytes=32 * MiB):
+    """One read as the reader does it: pick, then observe what that mode gets."""
+    mode, exploring = tracker.pick(nbytes)
+    tracker.observe(mode, exploring, nbytes, nbytes / (gbps_of[mode] * 1e9))
+    return mode
+
+
+def test_the_tracker_follows_a_disk_whose_faster_mode_changes(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(iomode.time, "monotonic", clock)
+    tracker = iomode.ModeTracker(1, "/disk")
+    speeds = {True: 3.0, False: 1.2}
+    # Nothing known: the first two reads measure one mode each.
+    assert [tracker.pick(32 * MiB)[0], tracker.pick(32 * MiB)[0]] == [True, False]
+    tracker.observe(True, True, 32 * MiB, 32 * MiB / 3.0e9)
+    tracker.observe(False, True, 32 * MiB, 32 * MiB / 1.2e9)
+    modes = [_read(tracker, speeds) for _ in range(50)]
+    assert modes == [True] * 50                     # the faster kept; the other not measured again yet
+    # Later (both measures old) the disk favours buffered reads: measured again, found.
+    clock.now += iomode.EXPLORE_S + 1
+    speeds = {True: 0.5, False: 1.8}
+    modes = [_read(tracker, speeds) for _ in range(20)]
+    assert modes[:2] == [True, False] and modes[2:] == [False] * 18, modes
+    assert tracker.as_choice().o_direct is False
+    # The mode in use slows below the other's last measure: left at once.
+    speeds = {True: 0.5, False: 0.2}
+    clock.now += 1
+    modes = [_read(tracker, speeds) for _ in range(10)]
+    assert modes[-5:] == [True] * 5, modes
+
+
+def test_the_tracker_measures_the_mode_not_in_use_once_per_explore_period(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(iomode.time, "monotonic", clock)
+    tracker = iomode.ModeTracker(1, "/disk")
+    speeds = {True: 2.0, False: 1.0}
+    modes = []
+    for _ in range(int(3 * iomode.EXPLORE_S)):       # a read a second for three periods
+        modes.append(_read(tracker, speeds))
+        clock.now += 1
+    assert modes.count(False) == 3, modes.count(False)   # the first, then one per period
+    # Small reads (latency) neither explore nor teach.
+    clock.now += 10 * iomode.EXPLORE_S
+    assert tracker.pick(64 * 1024) == (True, False)
+    # Reads in flight count: a second read while the first measure runs does not measure again.
+    first = tracker.pick(32 * MiB)
+    assert first == (True, True) and tracker.pick(32 * MiB) == (False, True)
+    assert tracker.pick(32 * MiB) == (True, False)
+    # A failed read (0 bytes) ends its measure without teaching.
+    tracker.observe(True, True, 0, 0.01)
+    assert tracker.pick(32 * MiB) == (True, True)
+
+
+def test_a_file_system_refusing_o_direct_reads_buffered_from_then_on(tmp_path, fresh, monkeypatch):
+    """Where O_DIRECT is refused at open (tmpfs before Linux 6.6), the first
+    load falls back and every later read is buffered, never tried again."""
+    state = {"w": torch.randn(MiB), "v": torch.randn(MiB)}
+    path = tmp_path / "s.lzc"
+    lazyckpt.save(state, path, o_direct=False, chunk_bytes=MiB)
+    real_open, tried = os.open, []
+
+    def refusing_open(p, flags, *args, **kwargs):
+        if flags & O_DIRECT:
+            tried.append(p)
+            raise OSError(errno.EINVAL, "Invalid argument", p)
+        return real_open(p, flags, *args, **kwargs)
+    monkeypatch.setattr(lazyckpt.storage.fileio.os, "open", refusing_open)
+    for _ in range(3):
+        back = lazyckpt.load(path, chunk_bytes=MiB)
+        assert all(torch.equal(back[k], v) for k, v in state.items())
+    assert len(tried) == 1, tried
+    (read,) = [c for c in iomode.choices() if c["direction"] == "read"]
+    assert read["o_direct"] is False and "refuses O_DIRECT" in read["reason"]
 
 
 def test_a_recorded_verdict_is_used_by_the_next_process_without_probing(tmp_path, fresh):

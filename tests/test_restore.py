@@ -152,7 +152,7 @@ class _CopyRecorder(torch.Tensor):
 
 
 def test_into_tensors_are_filled_as_their_bytes_arrive(tmp_path):
-    """Each tensor of into= is copied on a reader thread right after its own
+    """Each tensor of into= is copied on a loader thread right after its own
     entry was read and verified, not after the whole load on the caller's."""
     state = {f"t{i}": torch.randn(40_000) for i in range(8)}
     path = tmp_path / "s.lzc"
@@ -162,6 +162,11 @@ def test_into_tensors_are_filled_as_their_bytes_arrive(tmp_path):
     out = lazyckpt.load(path, into=into, chunk_bytes=64 << 10)
     assert out is into
     assert all(torch.equal(into[k].as_subclass(torch.Tensor), state[k]) for k in state)
+    assert len(_CopyRecorder.threads) == len(state)
+    # On the thread that verified the entry's last block (the reader's, unverified).
+    assert all(name.startswith("lazyckpt-verifier") for name in _CopyRecorder.threads), _CopyRecorder.threads
+    _CopyRecorder.threads = []
+    lazyckpt.load(path, into=into, chunk_bytes=64 << 10, verify_checksums=False)
     assert len(_CopyRecorder.threads) == len(state)
     assert all(name.startswith("lazyckpt-reader") for name in _CopyRecorder.threads), _CopyRecorder.threads
 

@@ -111,7 +111,6 @@ class CheckpointFile:
         if not runs:
             return out
         fd = self._open_input()
-        block = self.footer.block_bytes
         staging = StagingBuffers(2 * max(1, self.options.reader_threads) * self.options.chunk_bytes,
                                  self.store.is_remote) if staged else None
         jobs: List[cf.Future] = []
@@ -134,13 +133,13 @@ class CheckpointFile:
                     storages[i] = torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
                 if not reuse:
                     out.update(storages)
-                spans = fmt.block_spans(start, end - start, block)
-                finished = _RunDone(len(spans), run, storages, on_entry) if on_entry is not None else None
-                # One read per checksum block; each block's job ends once it is read
-                # and verified (on a verifier thread, while the reader reads on).
+                pieces = self._read_pieces(start, end)
+                finished = _RunDone(len(pieces), run, storages, on_entry) if on_entry is not None else None
+                # Each piece's job ends once it is read and every checksum block in it
+                # verified (on a verifier thread, while the reader reads on).
                 run_entries = [self.entries[i] for i in run]
                 run_jobs = [self._read_and_verify(pool, fd, view, start, lo, hi, run_entries, finished)
-                            for lo, hi in spans]
+                            for lo, hi in pieces]
                 jobs.extend(run_jobs)
                 if reuse:
                     # Back to the staging buffers once every read of the run has ended
@@ -185,6 +184,22 @@ class CheckpointFile:
     def save_id(self) -> Optional[str]:
         mine = self.footer.metadata.get("lazyckpt")
         return mine.get("save_id") if isinstance(mine, dict) else None
+
+    def _read_pieces(self, start: int, end: int) -> List[Tuple[int, int]]:
+        """File range [start, end) cut into reads: whole checksum blocks, merged
+        while a read stays within ``chunk_bytes`` (or one block, if larger). A
+        run of two 12 MB entries across a block boundary is then one 25 MB read,
+        not a 7 and an 18 MB one: reads of a run's whole length ran as fast as
+        raw 32 MiB reads here (0.296 against 0.294 s for 0.8 GB), reads cut at
+        every block boundary 4-8 % slower."""
+        limit = max(self.footer.block_bytes, self.options.chunk_bytes)
+        pieces: List[Tuple[int, int]] = []
+        for lo, hi in fmt.block_spans(start, end - start, self.footer.block_bytes):
+            if pieces and hi - pieces[-1][0] <= limit:
+                pieces[-1] = (pieces[-1][0], hi)
+            else:
+                pieces.append((lo, hi))
+        return pieces
 
     def _read_and_verify(self, pool: cf.ThreadPoolExecutor, fd: Input, view: memoryview, run_start: int,
                          lo: int, hi: int, entries: List[fmt.Entry],
@@ -234,6 +249,12 @@ class CheckpointFile:
 
     def _verify_block(self, view: memoryview, run_start: int, lo: int, hi: int, entries: List[fmt.Entry]) -> None:
         """Check the checksums of the entry pieces inside file range [lo, hi) of a run."""
+        block = self.footer.block_bytes
+        for a, b in fmt.block_spans(lo, hi - lo, block):
+            self._verify_span(view, run_start, a, b, entries)
+
+    def _verify_span(self, view: memoryview, run_start: int, lo: int, hi: int, entries: List[fmt.Entry]) -> None:
+        """Check the checksums of the entry pieces inside [lo, hi), within one checksum block."""
         block = self.footer.block_bytes
         for e in entries:
             if e.offset + e.length <= lo or e.offset >= hi:
@@ -287,7 +308,7 @@ class CheckpointFile:
             buf = read_buffer(fmt.align_up(hi - lo), self.store.is_remote)
             view = memoryview(buf)
             jobs = [self._read_and_verify(pool, fd, view, lo, a, b, [span])
-                    for a, b in fmt.block_spans(lo, hi - lo, block)]
+                    for a, b in self._read_pieces(lo, hi)]
             for job in jobs:
                 job.result()
         finally:

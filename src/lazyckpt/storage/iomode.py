@@ -2,19 +2,32 @@
 
 Neither mode wins everywhere: on this project's virtual disk buffered reads
 ran at 1.3-2.0 GB/s while O_DIRECT reads ran at 0.4-0.96 GB/s, and on other
-days O_DIRECT writes beat buffered write + fsync; NVMe usually favours
-O_DIRECT, tmpfs refuses it. So with the knob ``o_direct="auto"`` (the
-default) the first read or write on a file system (``st_dev``) in a process
-runs a short probe: the same bytes written (or read, cold) in both modes,
-interleaved (direct, buffered, buffered, direct), with the writer's (or
-reader's) thread count, and the faster mode is kept for that file system and
-direction for the life of the process, and logged. The probe file is
-unlinked as soon as it is created, so nothing can be left behind. ``True``
-or ``False`` force a mode. Both modes write the same bytes and fsync the
-same way: format, checksums and durability do not depend on the choice.
+days O_DIRECT reads ran at 3 GB/s against 1.8 for buffered; NVMe usually
+favours O_DIRECT, tmpfs refuses it. With the knob ``o_direct="auto"`` (the
+default) the mode follows the disk:
 
-A choice is remembered in the process and, for ``CACHE_TTL_S`` (an hour),
-in a small per-user file (``$XDG_CACHE_HOME/lazyckpt/iomode.json``, or
+- **Reads** choose per read (:class:`ModeTracker`, :class:`AdaptiveInputFile`).
+  Each file system keeps, in the process, the throughput recent reads got in
+  each mode; a read uses the faster, and the other is measured again (one
+  read) once its last measure is ``EXPLORE_S`` old, so a drifting disk is
+  followed, within a long load too; a mode that slows below the other's last
+  measure is left at once. A process's first load reads its first blocks in
+  both modes, side by side, under the same load. A decision
+  cached for an hour (this module's earlier design) kept buffered reads at
+  0.6 of O_DIRECT's speed for the whole hour after one 64 MiB probe, on a day
+  when a 0.8 GB load ran 1.6x faster with O_DIRECT (BENCHMARKS section 33).
+- **Writes** are decided per file system by a short probe at first use: the
+  same bytes written in both modes, interleaved (direct, buffered, buffered,
+  direct), with the writer's thread count; the faster mode is kept for the
+  life of the process, and logged. A buffered write's cost shows only at its
+  fsync, so one write cannot be timed alone the way a read is. The probe file
+  is unlinked as soon as it is created, so nothing can be left behind.
+
+``True`` or ``False`` force a mode. Both modes write the same bytes and fsync
+the same way: format, checksums and durability do not depend on the choice.
+
+A write verdict is remembered in the process and, for ``CACHE_TTL_S`` (an
+hour), in a small per-user file (``$XDG_CACHE_HOME/lazyckpt/iomode.json``, or
 ``LAZYCKPT_IOMODE_CACHE``): the eight ranks of a node then probe once, not
 eight times at once (measuring each other), and a restarted job does not
 probe again. Not longer: the disk's speed drifts between days, and a device
@@ -37,7 +50,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from .fileio import OutputFile
+from .fileio import InputFile, OutputFile
 
 log = logging.getLogger("lazyckpt")
 
@@ -81,15 +94,184 @@ def cache_path() -> str:
 
 
 def choices() -> List[Dict[str, Any]]:
-    """Every choice made in this process (for benchmarks and reports)."""
+    """Every choice made in this process (for benchmarks and reports): the
+    write verdicts, and where reads were measured, what the reads found."""
     with _lock:
-        return [asdict(c) for c in _choices.values()]
+        made = list(_choices.values())
+        trackers = list(_trackers.values())
+    return [asdict(c) for c in made] + [asdict(t.as_choice()) for t in trackers]
 
 
 def forget() -> None:
-    """Drop the remembered choices (the next transfer probes again)."""
+    """Drop the remembered choices and what reads measured (the next write
+    probes again, the next read measures both modes again)."""
     with _lock:
         _choices.clear()
+        _trackers.clear()
+
+
+#: Reads smaller than this neither teach a tracker nor explore: their time is latency.
+MIN_SAMPLE = 1 << 20
+#: The mode not in use is measured again (one read) once its last measure is this old.
+EXPLORE_S = 20.0
+#: Weight of a new read in a mode's running throughput.
+ALPHA = 0.3
+
+
+class ModeTracker:
+    """The reads of one file system in this process: the throughput recent
+    reads got in each mode (an exponential average of each read's bytes per
+    second, as it ran beside the others), and which mode the next read takes.
+
+    Reads run ``reader_threads`` at a time, so a read's own throughput is its
+    share of the disk; reads in both modes measured side by side share it the
+    same way, which is what makes them comparable. A read in the slower mode
+    costs its extra time on one thread of several: the mode not in use is
+    measured once every ``EXPLORE_S`` (1 read of the 32 of a 0.8 GB load),
+    not one read in every N, which cost a 0.8 GB load 6-10 % where buffered
+    reads ran at 0.4 of O_DIRECT's speed."""
+
+    def __init__(self, device: int, where: str):
+        self.device, self.where = device, where
+        self._lock = threading.Lock()
+        self._gbps: Dict[bool, Optional[float]] = {True: None, False: None}
+        self._seen: Dict[bool, float] = {True: float("-inf"), False: float("-inf")}
+        self._trying: Dict[bool, int] = {True: 0, False: 0}
+        self._counts: Dict[bool, int] = {True: 0, False: 0}
+        self._direct_refused = False
+        self._last_best: Optional[bool] = None
+
+    def pick(self, nbytes: int) -> Tuple[bool, bool]:
+        """(O_DIRECT?, exploring?) for a read of ``nbytes``; every pick is
+        followed by :meth:`observe`, whatever happens to the read."""
+        with self._lock:
+            if self._direct_refused:
+                return False, False
+            best = self._best()
+            if nbytes >= MIN_SAMPLE:
+                now = time.monotonic()
+                for mode in (True, False):
+                    if now - self._seen[mode] > EXPLORE_S and self._trying[mode] == 0:
+                        self._trying[mode] += 1     # not measured (lately): this read measures it
+                        return mode, True
+            # Nothing known yet (both modes' first reads in flight): O_DIRECT, the
+            # historical default, until they end.
+            return (True if best is None else best), False
+
+    def _best(self) -> Optional[bool]:
+        d, b = self._gbps[True], self._gbps[False]
+        if d is None and b is None:
+            return None
+        if d is None or b is None:
+            return d is not None
+        return d >= b
+
+    def observe(self, o_direct: bool, exploring: bool, nbytes: int, seconds: float) -> None:
+        """What a read picked with :meth:`pick` got (``nbytes`` 0: it failed)."""
+        with self._lock:
+            if exploring:
+                self._trying[o_direct] -= 1
+            if nbytes < MIN_SAMPLE or seconds <= 0:
+                return
+            gbps = nbytes / seconds / 1e9
+            now = time.monotonic()
+            old = self._gbps[o_direct]
+            stale = old is None or now - self._seen[o_direct] > EXPLORE_S
+            self._gbps[o_direct] = gbps if stale else (1 - ALPHA) * old + ALPHA * gbps
+            self._seen[o_direct] = now
+            self._counts[o_direct] += 1
+            best = self._best()
+            if best != self._last_best and self._gbps[True] is not None and self._gbps[False] is not None:
+                log.debug("lazyckpt: reads on %s now %s (O_DIRECT %.2f, buffered %.2f GB/s a read)",
+                          self.where, "O_DIRECT" if best else "buffered", self._gbps[True], self._gbps[False])
+                self._last_best = best
+
+    def refuse_direct(self) -> None:
+        """The file system refused O_DIRECT: every later read is buffered."""
+        with self._lock:
+            self._direct_refused = True
+
+    def as_choice(self) -> Choice:
+        with self._lock:
+            best = self._best()
+            return Choice("read", self.device, self.where, not self._direct_refused and best is not False,
+                          self._gbps[True], self._gbps[False],
+                          "the file system refuses O_DIRECT" if self._direct_refused else
+                          f"adaptive: {self._counts[True]} O_DIRECT and {self._counts[False]} buffered reads "
+                          f"measured")
+
+
+_trackers: Dict[int, ModeTracker] = {}
+
+
+def read_tracker(path: str) -> Optional[ModeTracker]:
+    """The tracker of the file system holding ``path`` (None where O_DIRECT
+    does not exist, or the file system cannot be looked at: reads are then
+    plain)."""
+    if not _O_DIRECT:
+        return None
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    try:
+        device = os.stat(directory).st_dev
+    except OSError:
+        return None
+    with _lock:
+        tracker = _trackers.get(device)
+        if tracker is None:
+            tracker = _trackers[device] = ModeTracker(device, directory)
+        return tracker
+
+
+class AdaptiveInputFile:
+    """A file read at explicit offsets by several threads, each read in the
+    mode its file system's :class:`ModeTracker` picks (one descriptor per
+    mode, opened at its first read)."""
+
+    def __init__(self, path: str, tracker: ModeTracker):
+        self.path = path
+        self._tracker = tracker
+        self._files: Dict[bool, InputFile] = {}
+        self._lock = threading.Lock()
+        # Opened now in the mode a first read would take: a missing file is
+        # refused at open, as with a plain InputFile.
+        self._file(tracker.pick(0)[0])
+
+    def _file(self, o_direct: bool) -> InputFile:
+        with self._lock:
+            f = self._files.get(o_direct)
+            if f is None:
+                f = self._files[o_direct] = InputFile(self.path, o_direct)
+                if o_direct and not f.direct:
+                    self._tracker.refuse_direct()
+            return f
+
+    def read_into(self, buf: memoryview, offset: int) -> int:
+        """Read into ``buf`` until full or end of file; return bytes read."""
+        o_direct, exploring = self._tracker.pick(len(buf))
+        got, t = 0, time.perf_counter()
+        try:
+            f = self._file(o_direct)
+            got = f.read_into(buf, offset)
+            if o_direct and not f.direct:       # O_DIRECT refused at the read: now buffered
+                self._tracker.refuse_direct()
+            return got
+        finally:
+            self._tracker.observe(o_direct, exploring, got, time.perf_counter() - t)
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files = list(self._files.values()), {}
+        for f in files:
+            f.close()
+
+
+def open_local_input(path: str, options: Any) -> Any:
+    """A local file for ranged reads: forced O_DIRECT or buffered, or (``"auto"``)
+    each read in the mode its file system's reads currently favour."""
+    if options.o_direct is True or options.o_direct is False:
+        return InputFile(path, options.o_direct)
+    tracker = read_tracker(path)
+    return InputFile(path, False) if tracker is None else AdaptiveInputFile(path, tracker)
 
 
 def use_o_direct(path: str, direction: str, setting: Any, threads: int = 4) -> bool:

@@ -13,10 +13,10 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptChe
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
-from .base import HeldStep, Located, Store
-from .fileio import (InputFile, NotARegularFile, OutputFile, make_dirs_durable, open_regular, read_small_file,
+from .base import HeldStep, Input, Located, Store
+from .fileio import (NotARegularFile, OutputFile, make_dirs_durable, open_regular, read_small_file,
                      replace_with_link, write_file_atomic)
-from .iomode import open_local_output, use_o_direct
+from .iomode import open_local_input, open_local_output
 from .layout import CheckpointDir, PendingSiblingFile
 from .locks import StepDir, deleted_while_reading
 
@@ -41,9 +41,8 @@ class LocalStore(Store):
     def open_output(self, path: str, options: Options, block_bytes: int) -> OutputFile:
         return open_local_output(path, options)
 
-    def open_input(self, path: str, options: Options, threads: Optional[int] = None) -> InputFile:
-        return InputFile(path, use_o_direct(path, "read", options.o_direct,
-                                            options.reader_threads if threads is None else threads))
+    def open_input(self, path: str, options: Options, threads: Optional[int] = None) -> Input:
+        return open_local_input(path, options)
 
     def read_ends(self, path: str, options: Options, parse: Callable[[int, Callable[[int, int], bytes]], Any]) -> Any:
         """Through a plain descriptor opened non-blocking (a FIFO would block the
