@@ -202,11 +202,13 @@ def main() -> None:
           f"{opts.writer_threads} writer threads, o_direct={opts.o_direct!r}; dir {args.dir} "
           f"({raw.filesystem_of(args.dir)})")
     times: Dict[tuple, List[float]] = {}
+    orders: List[List[str]] = []
     for rep in range(args.reps):
         # A new order every repetition: what ran just before a method (memory it
         # freed, the disk's state) changes a load's time as much as the method does.
         order = list(tasks)
         random.Random(rep).shuffle(order)
+        orders.append([f"{d}:{n}" for d, n, _fn in order])
         for direction, name, fn in order:
             if direction == "write":
                 raw.remove(path("save.bin"))
@@ -243,7 +245,9 @@ def main() -> None:
     summary = {"bytes": nbytes, "reps": args.reps, "fresh_process": args.fresh_process,
                "best_raw_read": best_read, "best_raw_write": best_write,
                "fastest_peer": fastest_peer,
-               "medians_s": {f"{d}:{n}": med[(d, n)] for d, n, _fn in tasks}}
+               "medians_s": {f"{d}:{n}": med[(d, n)] for d, n, _fn in tasks},
+               "times_s": {f"{d}:{n}": times[(d, n)] for d, n, _fn in tasks},
+               "orders": orders}
     lines = [f"best raw read: {best_read} {gbps[('read', best_read)]:.2f} GB/s"
              + (f"; best raw write: {best_write} {gbps[('write', best_write)]:.2f} GB/s" if best_write else
                 " (every read the first of a new process)")]

@@ -7,15 +7,15 @@ import inspect
 import os
 import pytest
 
-from lazyckpt.storage import base, fileio, layout, locks, s3, s3layout, s3leases, stores
+from lazyckpt.storage import base, fileio, iomode, layout, locks, s3, s3layout, s3leases, stores
 from lazyckpt.storage.localstore import LocalStore
 from lazyckpt.storage.s3 import InvalidURLError
 from lazyckpt.storage.s3store import S3Store
 
 #: interface -> its implementation on each store (local, S3).
 IMPLEMENTATIONS = [
-    (base.Output, fileio.OutputFile), (base.Output, s3.ObjectOutput),
-    (base.Input, fileio.InputFile), (base.Input, s3.ObjectInput),
+    (base.Output, fileio.OutputFile), (base.Output, iomode.AdaptiveOutputFile), (base.Output, s3.ObjectOutput),
+    (base.Input, fileio.InputFile), (base.Input, iomode.AdaptiveInputFile), (base.Input, s3.ObjectInput),
     (base.Lease, locks.Lease), (base.Lease, s3leases.ObjectLease),
     (base.WriterLease, locks.WriterLease), (base.WriterLease, s3leases.ObjectWriterLease),
     (base.Directory, layout.CheckpointDir), (base.Directory, s3layout.ObjectCheckpointDir),

@@ -9,11 +9,10 @@ caller copies elsewhere as soon as they are verified (``load(into=)``) are
 read instead into a few reused buffers (:class:`StagingBuffers`): memory the
 kernel zeroes once per load, not once per byte loaded.
 
-Checksums are verified off the readers: a reader thread hands the block it
-read to a verifier thread and starts its next read at once, so the disk is
-always given ``reader_threads`` requests and verification costs only the
-last block's hash (xxh3 runs at ~20 GB/s a core here; a reader that hashed
-its own block left the disk one request short for the length of each hash).
+Checksums are verified off the readers (lazyckpt/checksums.py): a reader
+hands the block it read to a checksum thread and starts its next read at
+once, so the disk always has ``reader_threads`` requests and verification
+costs only the last block's hash.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from typing import Callable, Collection, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from lazyckpt import checksums
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.formats.names import rank_filename, step_dirname
@@ -136,7 +136,7 @@ class CheckpointFile:
                 pieces = self._read_pieces(start, end)
                 finished = _RunDone(len(pieces), run, storages, on_entry) if on_entry is not None else None
                 # Each piece's job ends once it is read and every checksum block in it
-                # verified (on a verifier thread, while the reader reads on).
+                # verified (on a checksum thread, while the reader reads on).
                 run_entries = [self.entries[i] for i in run]
                 run_jobs = [self._read_and_verify(pool, fd, view, start, lo, hi, run_entries, finished)
                             for lo, hi in pieces]
@@ -205,7 +205,7 @@ class CheckpointFile:
                          lo: int, hi: int, entries: List[fmt.Entry],
                          finished: Optional["_RunDone"] = None) -> cf.Future:
         """A future that ends once file range [lo, hi) of a run is read (on
-        ``pool``) and, with ``verify_checksums``, verified (on a verifier
+        ``pool``) and, with ``verify_checksums``, verified (on a checksum
         thread); then ``finished`` counts the block."""
         done: cf.Future = cf.Future()
 
@@ -223,7 +223,7 @@ class CheckpointFile:
             try:
                 self._read_block(fd, view, run_start, lo, hi)
                 if self.options.verify_checksums:
-                    _verifiers().submit(verify)
+                    checksums.pool().submit(verify)
                     return
                 if finished is not None:
                     finished.block_done()
@@ -337,20 +337,6 @@ class _RunDone:
         if last:
             for i in self.run:
                 self.on_entry(i, self.out[i])
-
-
-_verifier_pool: Optional[cf.ThreadPoolExecutor] = None
-_verifier_lock = threading.Lock()
-
-
-def _verifiers() -> cf.ThreadPoolExecutor:
-    """The process's checksum threads, shared by every load: two, enough to
-    hash at 2-3x the fastest disk read measured here (xxh3 releases the GIL)."""
-    global _verifier_pool
-    with _verifier_lock:
-        if _verifier_pool is None:
-            _verifier_pool = cf.ThreadPoolExecutor(2, thread_name_prefix="lazyckpt-verifier")
-        return _verifier_pool
 
 
 def _failed(jobs: List[cf.Future]) -> bool:

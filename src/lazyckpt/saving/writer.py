@@ -5,8 +5,8 @@ Stages, all overlapped::
     capture (one thread)        writers (N threads)
     --------------------        -------------------
     take a free cache chunk  ->  [wait for the chunk's copy event (CUDA)]
-    copy the bytes of every      write it at its file offset (O_DIRECT)
-    entry that falls in the      checksum each entry's piece of it
+    copy the bytes of every      write it at its file offset (O_DIRECT), while
+    entry that falls in the      a checksum thread hashes each entry's piece
     chunk's file range           give the chunk back to the cache
 
     serializer (one thread): pickles objects while tensors are written; their
@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from lazyckpt import checksums
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.knobs import Options
 from lazyckpt.state.providers import Source
@@ -291,10 +292,18 @@ class FileWriteJob:
             if self._stopping():
                 return
             memory = self.cache.chunk_memory(chunk)
-            self._file.pwrite_all(memory[:length], offset)
-            if self._span_sum is not None:
-                for index, block, a, b in spans:
-                    self._sums[index][block] = self._span_sum(memory[a:b])
+            # Hashed on a checksum thread while this one writes (lazyckpt/checksums.py).
+            sums = checksums.pool().submit(self._sum_spans, memory, spans) \
+                if self._span_sum is not None and spans else None
+            try:
+                self._file.pwrite_all(memory[:length], offset)
+            finally:
+                # The chunk goes back to the cache only once nothing reads it any more.
+                if sums is not None:
+                    cf.wait([sums])
+            if sums is not None:
+                for (index, block, _a, _b), value in zip(spans, sums.result()):
+                    self._sums[index][block] = value
             if self._keep:
                 lo, hi = bisect.bisect_left(self._keep, offset), bisect.bisect_left(self._keep, offset + length)
                 for kept in self._keep[lo:hi]:
@@ -306,6 +315,9 @@ class FileWriteJob:
             raise
         finally:
             self.cache.release(chunk)
+
+    def _sum_spans(self, memory: memoryview, spans) -> List[int]:
+        return [self._span_sum(memory[a:b]) for _index, _block, a, b in spans]
 
     def _drain(self, raise_errors: bool = True) -> None:
         for future in self._pending:

@@ -24,11 +24,13 @@ class OutputFile:
 
     rewrites_in_place = True
 
-    def __init__(self, path: str, o_direct: bool):
+    def __init__(self, path: str, o_direct: bool, create: bool = True):
+        """``create``: make the file (or empty it); else open the existing one
+        (a second descriptor of a file being written in two modes)."""
         self.path = path
         self._lock = threading.Lock()
         self._retired: list = []
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | ((os.O_CREAT | os.O_TRUNC) if create else 0)
         self.direct = False
         self.fd = -1
         if o_direct and _O_DIRECT:
