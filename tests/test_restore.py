@@ -186,3 +186,27 @@ def test_a_failed_streaming_fill_never_leaves_damaged_bytes(tmp_path):
     for k, t in into.items():
         assert torch.equal(t, state[k]) or torch.equal(t, torch.full((40_000,), -1.0)), k
     assert torch.equal(into["t7"], torch.full((40_000,), -1.0))
+
+
+def test_a_process_forked_after_a_save_and_a_load_saves_and_loads(tmp_path):
+    """A child forked after its parent saved and loaded (a DataLoader worker,
+    a crash harness) has none of the parent's threads: the checksum pool the
+    parent started must not be the child's, or the child's first hash waits
+    forever."""
+    code = (
+        "import os, sys, torch, lazyckpt\n"
+        "torch.set_num_threads(1)    # torch's own intra-op pool is not fork-safe either\n"
+        "d = sys.argv[1]\n"
+        "state = {'w': torch.randn(1 << 20), 'v': torch.randn(1 << 20)}\n"
+        "lazyckpt.save(state, os.path.join(d, 'p.lzc'))\n"
+        "assert torch.equal(lazyckpt.load(os.path.join(d, 'p.lzc'))['w'], state['w'])\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    lazyckpt.save(state, os.path.join(d, 'c.lzc'))\n"
+        "    ok = torch.equal(lazyckpt.load(os.path.join(d, 'c.lzc'))['v'], state['v'])\n"
+        "    os._exit(0 if ok else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.waitstatus_to_exitcode(status))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["child", "0"], out.stdout + out.stderr

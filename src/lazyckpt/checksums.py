@@ -14,6 +14,7 @@ keep up with 2-3x the fastest disk measured.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 from typing import Optional
 
@@ -31,3 +32,15 @@ def pool() -> cf.ThreadPoolExecutor:
         if _pool is None:
             _pool = cf.ThreadPoolExecutor(THREADS, thread_name_prefix="lazyckpt-checksum")
         return _pool
+
+
+def _forget_in_child() -> None:
+    """After a fork: the parent's pool has no threads here (a job submitted to
+    it would wait forever) and its lock may be held; the child starts its own."""
+    global _pool, _lock
+    _pool = None
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -48,9 +48,9 @@ class Options:
     writer_threads: int = 4
     #: Threads that read entries on load.
     reader_threads: int = 4
-    #: O_DIRECT (True), buffered I/O (False), or "auto": per file system and
-    #: direction, whichever a short probe at first use measures faster (see
-    #: lazyckpt/storage/iomode.py). O_DIRECT falls back to buffered where refused.
+    #: O_DIRECT (True), buffered I/O (False), or "auto": each read and write
+    #: in whichever mode recent transfers on its file system measured faster
+    #: (see lazyckpt/storage/iomode.py). O_DIRECT falls back to buffered where refused.
     o_direct: Union[bool, str] = "auto"
     #: Size of one host-cache chunk: the unit of copy, write and checksum.
     chunk_bytes: int = 32 * MiB

@@ -109,6 +109,18 @@ def forget() -> None:
         _trackers.clear()
 
 
+def _forget_in_child() -> None:
+    """After a fork: a tracker's lock may have been held by a parent's thread;
+    the child measures afresh."""
+    global _lock
+    _lock = threading.Lock()
+    _trackers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 #: Transfers smaller than this neither teach a tracker nor explore: their time is latency.
 MIN_SAMPLE = 1 << 20
 #: The mode not in use is measured again (one transfer) once its last measure is this old.
