@@ -178,6 +178,12 @@ def main() -> None:
         # step it supersedes (keep_last=1: a 0.8 GB step deleted), ``latest``.
         writer.save(state, step=next(steps)).wait()
 
+    # One untimed load first: a process's first load reads into small pages and
+    # later ones (and the raw methods, which allocate as lazyckpt's reader does)
+    # into huge pages (storage/fileio.py read_buffer); without it the first
+    # repetition's methods before the first load would run on small pages. The
+    # restart, a process's only load, is --fresh-process.
+    lazyckpt.load(path("read.lzc"))
     reads = read_methods(path, like_state(state), opts)
     writes: Dict[str, Callable[[], object]] = {
         "raw O_DIRECT": lambda: raw.raw_write(path("save.bin"), nbytes, opts.writer_threads),
@@ -268,6 +274,9 @@ def main() -> None:
         summary["save_of_best_raw"] = gbps[("write", "lazyckpt.save")] / gbps[("write", best_write)]
         lines.append(f"lazyckpt.save (durable): {summary['save_of_best_raw']:.2f} of the best raw write "
                      f"(target >= 0.90)")
+    from lazyckpt.storage import iomode
+    for c in iomode.choices():
+        lines.append("I/O mode (o_direct='auto'): " + iomode.Choice(**c).describe())
     for line in lines:
         print(line)
     print("JSON " + json.dumps(summary))

@@ -19,10 +19,13 @@ Notes on SeaweedFS 4.x found while writing this:
   rebuilds its topology from the volume server's heartbeat and a restart is
   ready in ~3 s.  Data (volumes, filer metadata in leveldb) persists either
   way.
-* ``-volume.max=0 -master.volumeSizeLimitMB=64``: volumes are not
+* ``-volume.max=2000 -master.volumeSizeLimitMB=64``: volumes are not
   preallocated (``-master.volumePreallocate`` is off), a bucket is a
   collection that gets 7 sparse volumes at creation; disk use is what is
-  written.  ``-volume.max=0`` sizes the volume count from the free disk.
+  written.  Not ``-volume.max=0``, which sizes the count from the free disk
+  (free GB / 64 MB): with 31 GB free one worker's server ran out of volumes
+  after ~68 buckets and every later PUT failed with InternalError ("No
+  writable volumes and no free volumes left").
 * ``-s3.port.iceberg=0 -s3.port.lance=0``: otherwise it also listens on the
   fixed ports 8181 and 9101 (clash between parallel servers).
 * ``-master.telemetry=false`` (it would phone home).
@@ -131,7 +134,7 @@ class SeaweedServer:
             f"-master.port={self.master_port}",
             f"-volume.port={self.volume_port}",
             f"-filer.port={self.filer_port}",
-            "-volume.max=0", "-master.volumeSizeLimitMB=64",
+            "-volume.max=2000", "-master.volumeSizeLimitMB=64",
             "-master.resumeState=false", "-master.telemetry=false",
             "-volume.preStopSeconds=0",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
