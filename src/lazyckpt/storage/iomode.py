@@ -5,14 +5,13 @@ ran at 1.3-2.0 GB/s while O_DIRECT reads ran at 0.4-0.96 GB/s, and on other
 days O_DIRECT reads ran at 3 GB/s against 1.8 for buffered; NVMe usually
 favours O_DIRECT, tmpfs refused it before Linux 6.6. With the knob
 ``o_direct="auto"`` (the default) the mode follows the disk, per transfer:
-each file system keeps, in the process and per direction, the throughput
-recent reads (writes) got in each mode (:class:`ModeTracker`); a transfer
-uses the faster, and the other is measured again (one transfer) once its last
-measure is ``EXPLORE_S`` old, so a drifting disk is followed, within a long
-load or save too; a mode that slows below the other's last measure is left
-at once. A process's first load (save) moves its first blocks in both modes,
-side by side, under the same load. A file gets one descriptor per mode
-(:class:`AdaptiveInputFile`, :class:`AdaptiveOutputFile`).
+each file system has, in the process and per direction, a mode in use
+(:class:`ModeTracker`; O_DIRECT at first); one transfer in the other mode is
+measured at the first transfer, then every ``EXPLORE_S`` and whenever the
+mode in use slows, and the other mode is taken if that transfer ran
+``SWITCH_MARGIN`` faster than the transfers that ran beside it. So a drifting
+disk is followed, within a long load or save too. A file gets one descriptor
+per mode (:class:`AdaptiveInputFile`, :class:`AdaptiveOutputFile`).
 
 A buffered write's cost would show only at the file's fsync, so in this mode
 a buffered write is followed by ``sync_file_range`` over its bytes (start
@@ -35,14 +34,16 @@ checksums and durability do not depend on the choice.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import logging
 import os
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from .fileio import InputFile, OutputFile
 
@@ -125,96 +126,138 @@ if hasattr(os, "register_at_fork"):
 MIN_SAMPLE = 1 << 20
 #: The mode not in use is measured again (one transfer) once its last measure is this old.
 EXPLORE_S = 20.0
-#: Weight of a new transfer in a mode's running throughput.
-ALPHA = 0.3
+#: The other mode is taken only if its transfer ran this much faster than the
+#: transfers in the mode in use that ran beside it (noise does not flip it).
+SWITCH_MARGIN = 1.2
+#: A measure is judged once this many transfers of the mode in use overlapped it
+#: (or one started after it ended, or ``TRIAL_WAIT_S`` passed).
+NEIGHBOURS = 3
+TRIAL_WAIT_S = 1.0
+#: The mode in use slowed: its last ``RECENT_FOR_DROP`` transfers' median fell
+#: under ``DROP`` of its median when last judged: measure the other mode now
+#: (not sooner than ``DROP_GAP_S`` after the last measure: a transfer's speed
+#: varies 2-3x with its place in a load, and each measure costs one transfer
+#: in the slower mode).
+DROP = 0.6
+RECENT_FOR_DROP = 8
+DROP_GAP_S = 2.0
 
 
 class ModeTracker:
-    """The reads (or the writes) of one file system in this process: the
-    throughput recent transfers got in each mode (an exponential average of
-    each one's bytes per second, as it ran beside the others), and which mode
-    the next one takes.
+    """The reads (or the writes) of one file system in this process: which mode
+    is in use, and when to measure the other.
 
     Transfers run ``reader_threads`` (``writer_threads``) at a time, so one
-    transfer's throughput is its share of the disk; transfers in both modes
-    measured side by side share it the same way, which is what makes them
-    comparable. One in the slower mode costs its extra time on one thread of
-    several: the mode not in use is measured once every ``EXPLORE_S`` (1 read
-    of the 32 of a 0.8 GB load), not one transfer in every N, which cost a
-    0.8 GB load 6-10 % where buffered reads ran at 0.4 of O_DIRECT's speed."""
+    transfer's throughput is its share of the disk, and it varies 2-3x with
+    its place in a load (the first ones also fault their memory in, the last
+    run alone). So the other mode is judged against the transfers in the mode
+    in use that ran *beside* its measure (their intervals overlap; the median
+    of ``NEIGHBOURS`` of them), which shared the disk the same way at the same
+    moment, and taken only if ``SWITCH_MARGIN`` faster. An exponential
+    average of each mode's transfers, compared whole, flipped a 0.8 GB load
+    to buffered reads after one lucky buffered read at a load's start
+    (against O_DIRECT's average pulled down by the tail of the previous
+    load), and that load took 0.72 s instead of 0.47.
+
+    The other mode is measured once every ``EXPLORE_S`` (1 transfer of the 32
+    of a 0.8 GB load), and at once when the mode in use slows (``DROP``)."""
 
     def __init__(self, direction: str, device: int, where: str):
         self.direction, self.device, self.where = direction, device, where
         self._lock = threading.Lock()
-        self._gbps: Dict[bool, Optional[float]] = {True: None, False: None}
-        self._seen: Dict[bool, float] = {True: float("-inf"), False: float("-inf")}
-        self._trying: Dict[bool, int] = {True: 0, False: 0}
-        self._counts: Dict[bool, int] = {True: 0, False: 0}
+        self._mode = True                       # O_DIRECT until measured otherwise
         self._direct_refused = False
-        self._last_best: Optional[bool] = None
+        self._measured_at = float("-inf")       # when the other mode was last measured
+        self._measuring = False                 # a measure of the other mode in flight
+        self._trial: Optional[Dict[str, Any]] = None    # an ended measure awaiting its neighbours
+        self._recent: Deque[Tuple[float, float, float]] = collections.deque(maxlen=32)
+        self._level: Optional[float] = None     # the mode in use's median when last judged
+        self._last: Dict[bool, Optional[float]] = {True: None, False: None}   # for reports
+        self._counts: Dict[bool, int] = {True: 0, False: 0}
 
     def pick(self, nbytes: int) -> Tuple[bool, bool]:
-        """(O_DIRECT?, exploring?) for a read of ``nbytes``; every pick is
-        followed by :meth:`observe`, whatever happens to the read."""
+        """(O_DIRECT?, measuring the other mode?) for a transfer of ``nbytes``;
+        every pick is followed by :meth:`observe`, whatever happens to it."""
         with self._lock:
             if self._direct_refused:
                 return False, False
-            best = self._best()
-            if nbytes >= MIN_SAMPLE:
-                now = time.monotonic()
-                for mode in (True, False):
-                    if now - self._seen[mode] > EXPLORE_S and self._trying[mode] == 0:
-                        self._trying[mode] += 1     # not measured (lately): this read measures it
-                        return mode, True
-            # Nothing known yet (both modes' first reads in flight): O_DIRECT, the
-            # historical default, until they end.
-            return (True if best is None else best), False
-
-    def _best(self) -> Optional[bool]:
-        d, b = self._gbps[True], self._gbps[False]
-        if d is None and b is None:
-            return None
-        if d is None or b is None:
-            return d is not None
-        return d >= b
-
-    def observe(self, o_direct: bool, exploring: bool, nbytes: int, seconds: float) -> None:
-        """What a read picked with :meth:`pick` got (``nbytes`` 0: it failed)."""
-        with self._lock:
-            if exploring:
-                self._trying[o_direct] -= 1
-            if nbytes < MIN_SAMPLE or seconds <= 0:
-                return
-            gbps = nbytes / seconds / 1e9
             now = time.monotonic()
-            old = self._gbps[o_direct]
-            stale = old is None or now - self._seen[o_direct] > EXPLORE_S
-            self._gbps[o_direct] = gbps if stale else (1 - ALPHA) * old + ALPHA * gbps
-            self._seen[o_direct] = now
+            if self._trial is not None and now - self._trial["end"] > TRIAL_WAIT_S:
+                self._judge()                   # nothing more ran beside it: judged with what did
+            if nbytes >= MIN_SAMPLE and not self._measuring and self._trial is None and self._due(now):
+                self._measuring = True
+                return (not self._mode), True
+            return self._mode, False
+
+    def _due(self, now: float) -> bool:
+        if now - self._measured_at >= EXPLORE_S:
+            return True
+        if self._level is not None and len(self._recent) >= RECENT_FOR_DROP \
+                and now - self._measured_at >= DROP_GAP_S:
+            recent = statistics.median(g for _s, _e, g in list(self._recent)[-RECENT_FOR_DROP:])
+            return recent < DROP * self._level
+        return False
+
+    def observe(self, o_direct: bool, measuring: bool, nbytes: int, start: float, end: float) -> None:
+        """What a transfer picked with :meth:`pick` got, between ``start`` and
+        ``end`` (``time.monotonic``); ``nbytes`` 0: it failed."""
+        with self._lock:
+            if measuring:
+                self._measuring = False
+                self._measured_at = end
+            if nbytes < MIN_SAMPLE or end <= start:
+                return
+            gbps = nbytes / (end - start) / 1e9
             self._counts[o_direct] += 1
-            best = self._best()
-            if best != self._last_best and self._gbps[True] is not None and self._gbps[False] is not None:
-                log.debug("lazyckpt: %ss on %s now %s (O_DIRECT %.2f, buffered %.2f GB/s each)", self.direction,
-                          self.where, "O_DIRECT" if best else "buffered", self._gbps[True], self._gbps[False])
-                self._last_best = best
+            if measuring:
+                self._last[o_direct] = gbps
+                near = [g for s, e, g in self._recent if s < end and e > start]
+                self._trial = {"mode": o_direct, "start": start, "end": end, "gbps": gbps, "near": near}
+                if len(near) >= NEIGHBOURS:
+                    self._judge()
+                return
+            if o_direct != self._mode:
+                return                          # picked before a switch: says nothing of the mode in use
+            self._recent.append((start, end, gbps))
+            self._last[o_direct] = statistics.median(g for _s, _e, g in self._recent)
+            trial = self._trial
+            if trial is not None:
+                if start < trial["end"] and end > trial["start"]:
+                    trial["near"].append(gbps)
+                if len(trial["near"]) >= NEIGHBOURS or start >= trial["end"]:
+                    self._judge()
+
+    def _judge(self) -> None:
+        """The other mode's measure against the transfers that ran beside it (or,
+        where none did, the mode in use's recent median)."""
+        trial, self._trial = self._trial, None
+        recent = [g for _s, _e, g in self._recent]
+        ref = trial["near"] or recent
+        if ref and trial["gbps"] > SWITCH_MARGIN * statistics.median(ref):
+            log.debug("lazyckpt: %ss on %s now %s (%.2f GB/s against %.2f beside it)", self.direction, self.where,
+                      "O_DIRECT" if trial["mode"] else "buffered", trial["gbps"], statistics.median(ref))
+            self._mode = trial["mode"]
+            self._recent.clear()
+            self._level = None
+        elif recent:
+            self._level = statistics.median(recent)
 
     def refuse_direct(self) -> None:
         """The file system refused O_DIRECT: every later transfer is buffered."""
         with self._lock:
             self._direct_refused = True
-
-    def as_choice(self) -> Choice:
-        with self._lock:
-            best = self._best()
-            return Choice(self.direction, self.device, self.where, not self._direct_refused and best is not False,
-                          self._gbps[True], self._gbps[False],
-                          "the file system refuses O_DIRECT" if self._direct_refused else
-                          f"adaptive: {self._counts[True]} O_DIRECT and {self._counts[False]} buffered "
-                          f"{self.direction}s measured")
+            self._mode = False
 
     @property
     def direct_refused(self) -> bool:
         return self._direct_refused
+
+    def as_choice(self) -> Choice:
+        with self._lock:
+            return Choice(self.direction, self.device, self.where, self._mode, self._last[True], self._last[False],
+                          "the file system refuses O_DIRECT" if self._direct_refused else
+                          f"adaptive: {self._counts[True]} O_DIRECT and {self._counts[False]} buffered "
+                          f"{self.direction}s measured")
 
 
 _trackers: Dict[Tuple[int, str], ModeTracker] = {}
@@ -261,12 +304,17 @@ class AdaptiveInputFile:
                 f = self._files[o_direct] = InputFile(self.path, o_direct)
                 if o_direct and not f.direct:
                     self._tracker.refuse_direct()
+                if not f.direct and hasattr(os, "posix_fadvise"):
+                    # No readahead past each read: a read's time is then the cost of its
+                    # own bytes (readahead would charge them to the reads beside it).
+                    # Reads are whole runs of MiBs: 0.437 against 0.404 s for 0.8 GB.
+                    os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_RANDOM)
             return f
 
     def read_into(self, buf: memoryview, offset: int) -> int:
         """Read into ``buf`` until full or end of file; return bytes read."""
-        o_direct, exploring = self._tracker.pick(len(buf))
-        got, t = 0, time.perf_counter()
+        o_direct, measuring = self._tracker.pick(len(buf))
+        got, start = 0, time.monotonic()
         try:
             f = self._file(o_direct)
             got = f.read_into(buf, offset)
@@ -274,7 +322,7 @@ class AdaptiveInputFile:
                 self._tracker.refuse_direct()
             return got
         finally:
-            self._tracker.observe(o_direct, exploring, got, time.perf_counter() - t)
+            self._tracker.observe(o_direct, measuring, got, start, time.monotonic())
 
     def close(self) -> None:
         with self._lock:
@@ -316,8 +364,8 @@ class AdaptiveOutputFile:
 
     def pwrite_all(self, data: memoryview, offset: int) -> None:
         """Write all of ``data`` at ``offset`` (buffered: and written back)."""
-        o_direct, exploring = self._tracker.pick(len(data))
-        done, t = 0, time.perf_counter()
+        o_direct, measuring = self._tracker.pick(len(data))
+        done, start = 0, time.monotonic()
         try:
             f = self._file(o_direct)
             f.pwrite_all(data, offset)
@@ -327,7 +375,7 @@ class AdaptiveOutputFile:
                 write_back(f.fd, offset, len(data))
             done = len(data)
         finally:
-            self._tracker.observe(o_direct, exploring, done, time.perf_counter() - t)
+            self._tracker.observe(o_direct, measuring, done, start, time.monotonic())
 
     def will_rewrite(self, offsets: list) -> None:
         """Nothing to keep: a file's blocks are rewritten where they are."""
