@@ -6,11 +6,11 @@ days O_DIRECT reads ran at 3 GB/s against 1.8 for buffered; NVMe usually
 favours O_DIRECT, tmpfs refused it before Linux 6.6. With the knob
 ``o_direct="auto"`` (the default) the mode follows the disk, per transfer:
 each file system has, in the process and per direction, a mode in use
-(:class:`ModeTracker`; O_DIRECT at first); a burst of ``BURST`` transfers in
-the other mode is measured at the first transfer, then every ``EXPLORE_S``
-and whenever the mode in use slows, and the other mode is taken if the burst
-moved bytes ``SWITCH_MARGIN`` faster than the last ``BURST`` transfers in the
-mode in use. So a drifting disk is followed, within a long load or save too. A file gets one descriptor
+(:class:`ModeTracker`; O_DIRECT at first); one transfer in the other mode is
+measured at the first transfer, then every ``EXPLORE_S`` and whenever the
+mode in use slows, and the other mode is taken if that transfer ran
+``SWITCH_MARGIN`` faster than the transfers that ran beside it. So a drifting
+disk is followed, within a long load or save too. A file gets one descriptor
 per mode (:class:`AdaptiveInputFile`, :class:`AdaptiveOutputFile`).
 
 A buffered write's cost would show only at the file's fsync, so in this mode
@@ -126,51 +126,45 @@ if hasattr(os, "register_at_fork"):
 MIN_SAMPLE = 1 << 20
 #: The mode not in use is measured again (one transfer) once its last measure is this old.
 EXPLORE_S = 20.0
-#: The other mode is measured on this many transfers in a row (the reader's and
-#: the writer's default thread count): a burst that has the disk to itself.
-BURST = 4
-#: The other mode is taken only if its burst moved bytes this much faster than
-#: the last ``BURST`` transfers in the mode in use.
-SWITCH_MARGIN = 1.2
-#: A burst cut short (the file's transfers ended) is judged with what it has
-#: once this long has passed without a transfer.
+#: The other mode is taken only if its transfer ran this much faster than the
+#: transfers in the mode in use that ran beside it. Not less: a buffered read
+#: measured beside O_DIRECT ones gets more than its share of the disk (at 1.2,
+#: 0.8 GB loads switched to buffered for a quarter of their reads on a day
+#: when an all-buffered load ran 1.5x slower than an all-O_DIRECT one); the
+#: days when buffered won, it won by 2x or more.
+SWITCH_MARGIN = 1.5
+#: A measure is judged once this many transfers of the mode in use overlapped it
+#: (or one started after it ended, or ``TRIAL_WAIT_S`` passed).
+NEIGHBOURS = 3
 TRIAL_WAIT_S = 1.0
 #: The mode in use slowed: its last ``RECENT_FOR_DROP`` transfers' median fell
 #: under ``DROP`` of its median when last judged: measure the other mode now
 #: (not sooner than ``DROP_GAP_S`` after the last measure: a transfer's speed
-#: varies 2-3x with its place in a load, and each measure costs transfers
+#: varies 2-3x with its place in a load, and each measure costs one transfer
 #: in the slower mode).
 DROP = 0.6
 RECENT_FOR_DROP = 8
 DROP_GAP_S = 2.0
 
 
-def _window_gbps(transfers: List[Tuple[float, float, int]]) -> float:
-    """Bytes per second of transfers that ran together: their bytes over the
-    time from the first start to the last end."""
-    span = max(e for _s, e, _n in transfers) - min(s for s, _e, _n in transfers)
-    return sum(n for _s, _e, n in transfers) / span / 1e9 if span > 0 else 0.0
-
-
 class ModeTracker:
     """The reads (or the writes) of one file system in this process: which mode
     is in use, and when to measure the other.
 
-    The other mode is measured on a burst of ``BURST`` transfers in a row and
-    judged by the bytes per second the burst moved, against the same for the
-    last ``BURST`` transfers in the mode in use; it is taken if
-    ``SWITCH_MARGIN`` faster. Transfers run several at a time, so a burst has
-    the disk (nearly) to itself, as a whole load in that mode would. Two
-    designs failed here first, both measured: an exponential average of each
-    transfer's own throughput per mode flipped a 0.8 GB load to buffered after
-    one lucky read at a load's start (0.72 s instead of 0.47); and one
-    transfer judged against the transfers in the other mode that ran beside
-    it sent a quarter to two thirds of a bench's reads buffered even at a 1.5x
-    margin, because a buffered read beside O_DIRECT ones gets more than its
-    share of the disk, while an all-buffered load ran 1.5x slower.
+    Transfers run ``reader_threads`` (``writer_threads``) at a time, so one
+    transfer's throughput is its share of the disk, and it varies 2-3x with
+    its place in a load (the first ones also fault their memory in, the last
+    run alone). So the other mode is judged against the transfers in the mode
+    in use that ran *beside* its measure (their intervals overlap; the median
+    of ``NEIGHBOURS`` of them), which shared the disk the same way at the same
+    moment, and taken only if ``SWITCH_MARGIN`` faster. An exponential
+    average of each mode's transfers, compared whole, flipped a 0.8 GB load
+    to buffered reads after one lucky buffered read at a load's start
+    (against O_DIRECT's average pulled down by the tail of the previous
+    load), and that load took 0.72 s instead of 0.47.
 
-    The other mode is measured at the first transfer, then once every
-    ``EXPLORE_S``, and at once when the mode in use slows (``DROP``)."""
+    The other mode is measured once every ``EXPLORE_S`` (1 transfer of the 32
+    of a 0.8 GB load), and at once when the mode in use slows (``DROP``)."""
 
     def __init__(self, direction: str, device: int, where: str):
         self.direction, self.device, self.where = direction, device, where
@@ -178,12 +172,9 @@ class ModeTracker:
         self._mode = True                       # O_DIRECT until measured otherwise
         self._direct_refused = False
         self._measured_at = float("-inf")       # when the other mode was last measured
-        self._burst_left = 0                    # transfers still to pick for the burst
-        self._burst_out = 0                     # picked for the burst, not yet observed
-        self._burst: List[Tuple[float, float, int]] = []
-        self._burst_last_pick = 0.0
-        self._trial: Optional[Tuple[float, int]] = None     # an ended burst (GB/s, transfers) awaiting a reference
-        self._recent: Deque[Tuple[float, float, int]] = collections.deque(maxlen=32)
+        self._measuring = False                 # a measure of the other mode in flight
+        self._trial: Optional[Dict[str, Any]] = None    # an ended measure awaiting its neighbours
+        self._recent: Deque[Tuple[float, float, float]] = collections.deque(maxlen=32)
         self._level: Optional[float] = None     # the mode in use's median when last judged
         self._last: Dict[bool, Optional[float]] = {True: None, False: None}   # for reports
         self._counts: Dict[bool, int] = {True: 0, False: 0}
@@ -195,16 +186,10 @@ class ModeTracker:
             if self._direct_refused:
                 return False, False
             now = time.monotonic()
-            if self._burst_left and self._burst_out == 0 and now - self._burst_last_pick > TRIAL_WAIT_S:
-                self._end_burst()               # cut short: the transfers that needed it ended
-            if nbytes < MIN_SAMPLE:
-                return self._mode, False
-            if not self._burst_left and not self._burst_out and self._trial is None and self._due(now):
-                self._burst_left, self._burst = BURST, []
-            if self._burst_left:
-                self._burst_left -= 1
-                self._burst_out += 1
-                self._burst_last_pick = now
+            if self._trial is not None and now - self._trial["end"] > TRIAL_WAIT_S:
+                self._judge()                   # nothing more ran beside it: judged with what did
+            if nbytes >= MIN_SAMPLE and not self._measuring and self._trial is None and self._due(now):
+                self._measuring = True
                 return (not self._mode), True
             return self._mode, False
 
@@ -213,7 +198,7 @@ class ModeTracker:
             return True
         if self._level is not None and len(self._recent) >= RECENT_FOR_DROP \
                 and now - self._measured_at >= DROP_GAP_S:
-            recent = statistics.median(_window_gbps([t]) for t in list(self._recent)[-RECENT_FOR_DROP:])
+            recent = statistics.median(g for _s, _e, g in list(self._recent)[-RECENT_FOR_DROP:])
             return recent < DROP * self._level
         return False
 
@@ -221,48 +206,45 @@ class ModeTracker:
         """What a transfer picked with :meth:`pick` got, between ``start`` and
         ``end`` (``time.monotonic``); ``nbytes`` 0: it failed."""
         with self._lock:
-            taught = nbytes >= MIN_SAMPLE and end > start
-            if taught:
-                self._counts[o_direct] += 1
             if measuring:
-                self._burst_out -= 1
-                if taught:
-                    self._burst.append((start, end, nbytes))
-                if not self._burst_left and not self._burst_out:
-                    self._end_burst()
+                self._measuring = False
+                self._measured_at = end
+            if nbytes < MIN_SAMPLE or end <= start:
                 return
-            if not taught or o_direct != self._mode:
+            gbps = nbytes / (end - start) / 1e9
+            self._counts[o_direct] += 1
+            if measuring:
+                self._last[o_direct] = gbps
+                near = [g for s, e, g in self._recent if s < end and e > start]
+                self._trial = {"mode": o_direct, "start": start, "end": end, "gbps": gbps, "near": near}
+                if len(near) >= NEIGHBOURS:
+                    self._judge()
+                return
+            if o_direct != self._mode:
                 return                          # picked before a switch: says nothing of the mode in use
-            self._recent.append((start, end, nbytes))
-            self._last[o_direct] = statistics.median(_window_gbps([t]) for t in self._recent)
-            if self._trial is not None and len(self._recent) >= self._trial[1]:
-                self._judge()
-
-    def _end_burst(self) -> None:
-        self._burst_left = 0
-        self._measured_at = now = time.monotonic()
-        if self._recent and now - self._recent[-1][1] > TRIAL_WAIT_S:
-            self._recent.clear()                # the mode in use's figures are old: judge against new ones
-        if self._burst:
-            self._trial = (_window_gbps(self._burst), len(self._burst))
-            self._last[not self._mode] = self._trial[0]
-            if len(self._recent) >= self._trial[1]:
-                self._judge()
-        self._burst = []
+            self._recent.append((start, end, gbps))
+            self._last[o_direct] = statistics.median(g for _s, _e, g in self._recent)
+            trial = self._trial
+            if trial is not None:
+                if start < trial["end"] and end > trial["start"]:
+                    trial["near"].append(gbps)
+                if len(trial["near"]) >= NEIGHBOURS or start >= trial["end"]:
+                    self._judge()
 
     def _judge(self) -> None:
-        """The burst's bytes per second against as many of the last transfers in
-        the mode in use (before it, or after it where those were old)."""
-        (trial, count), self._trial = self._trial, None
-        reference = _window_gbps(list(self._recent)[-count:])
-        if trial > SWITCH_MARGIN * reference:
-            log.debug("lazyckpt: %ss on %s now %s (%.2f GB/s against %.2f)", self.direction, self.where,
-                      "buffered" if self._mode else "O_DIRECT", trial, reference)
-            self._mode = not self._mode
+        """The other mode's measure against the transfers that ran beside it (or,
+        where none did, the mode in use's recent median)."""
+        trial, self._trial = self._trial, None
+        recent = [g for _s, _e, g in self._recent]
+        ref = trial["near"] or recent
+        if ref and trial["gbps"] > SWITCH_MARGIN * statistics.median(ref):
+            log.debug("lazyckpt: %ss on %s now %s (%.2f GB/s against %.2f beside it)", self.direction, self.where,
+                      "O_DIRECT" if trial["mode"] else "buffered", trial["gbps"], statistics.median(ref))
+            self._mode = trial["mode"]
             self._recent.clear()
             self._level = None
-        else:
-            self._level = statistics.median(_window_gbps([t]) for t in self._recent)
+        elif recent:
+            self._level = statistics.median(recent)
 
     def refuse_direct(self) -> None:
         """The file system refused O_DIRECT: every later transfer is buffered."""
