@@ -181,9 +181,9 @@ def test_the_tracker_measures_the_other_mode_once_per_period_or_when_the_mode_in
         measured += _batch(tracker, clock, {True: 2.0, False: 1.0}).count(False)
         clock.now += 1
     assert measured == 3                                # the first, then one per period
-    # The mode in use slows to a third: measured again at once (after DROP_GAP_S), not a period later.
+    # The mode in use slows to a fifth: measured again at once (after DROP_GAP_S), not a period later.
     clock.now += iomode.DROP_GAP_S
-    modes = sum((_batch(tracker, clock, {True: 0.6, False: 1.0}) for _ in range(4)), [])
+    modes = sum((_batch(tracker, clock, {True: 0.4, False: 1.0}) for _ in range(4)), [])
     assert False in modes and tracker.as_choice().o_direct is False
     # Small transfers (latency) neither measure nor teach.
     clock.now += 10 * iomode.EXPLORE_S

@@ -128,11 +128,14 @@ MIN_SAMPLE = 1 << 20
 EXPLORE_S = 20.0
 #: The other mode is taken only if its transfer ran this much faster than the
 #: transfers in the mode in use that ran beside it. Not less: a buffered read
-#: measured beside O_DIRECT ones gets more than its share of the disk (at 1.2,
-#: 0.8 GB loads switched to buffered for a quarter of their reads on a day
-#: when an all-buffered load ran 1.5x slower than an all-O_DIRECT one); the
-#: days when buffered won, it won by 2x or more.
-SWITCH_MARGIN = 1.5
+#: measured beside O_DIRECT ones gets more than its share of the disk. On a day
+#: when an all-buffered 0.8 GB load ran 1.5x slower than an all-O_DIRECT one,
+#: a margin of 1.2 sent about a quarter of a bench's reads buffered and 1.5
+#: still 25-60 %; so did a burst of 4 transfers judged against the last 4 in
+#: the mode in use (40-58 %, loads at 0.77-0.83 of raw O_DIRECT). The days
+#: when buffered reads won here, they won by 2x or more (1.3-2.0 against
+#: 0.4-0.96 GB/s).
+SWITCH_MARGIN = 2.0
 #: A measure is judged once this many transfers of the mode in use overlapped it
 #: (or one started after it ended, or ``TRIAL_WAIT_S`` passed).
 NEIGHBOURS = 3
