@@ -130,9 +130,9 @@ EXPLORE_S = 20.0
 #: transfers in the mode in use that ran beside it. Not less: a buffered read
 #: measured beside O_DIRECT ones gets more than its share of the disk. On a day
 #: when an all-buffered 0.8 GB load ran 1.5x slower than an all-O_DIRECT one,
-#: a margin of 1.2 sent about a quarter of a bench's reads buffered and 1.5
-#: still 25-60 %; so did a burst of 4 transfers judged against the last 4 in
-#: the mode in use (40-58 %, loads at 0.77-0.83 of raw O_DIRECT). The days
+#: a margin of 1.2 sent up to 31 % of a bench's reads buffered and 1.5 26-63 %;
+#: so did a burst of 4 transfers judged against the last 4 in the mode in use
+#: (30-58 %, loads at 0.77-0.97 of raw O_DIRECT; BENCHMARKS section 33). The days
 #: when buffered reads won here, they won by 2x or more (1.3-2.0 against
 #: 0.4-0.96 GB/s).
 SWITCH_MARGIN = 2.0
