@@ -209,9 +209,10 @@ class CheckpointFile:
         thread); then ``finished`` counts the block."""
         done: cf.Future = cf.Future()
 
-        def verify() -> None:
+        def settle(check: Callable[[], None]) -> None:
+            # The block's last step: checked, counted, its future ended (either way).
             try:
-                self._verify_block(view, run_start, lo, hi, entries)
+                check()
                 if finished is not None:
                     finished.block_done()
             except BaseException as exc:
@@ -223,14 +224,12 @@ class CheckpointFile:
             try:
                 self._read_block(fd, view, run_start, lo, hi)
                 if self.options.verify_checksums:
-                    checksums.pool().submit(verify)
+                    checksums.pool().submit(settle, lambda: self._verify_block(view, run_start, lo, hi, entries))
                     return
-                if finished is not None:
-                    finished.block_done()
             except BaseException as exc:
                 done.set_exception(exc)
-            else:
-                done.set_result(None)
+                return
+            settle(lambda: None)
         # A pool shut down with its queue cancelled (Resources.close) never runs
         # ``read``: the block's future is cancelled with it, so nobody waits forever.
         pool.submit(read).add_done_callback(lambda job: job.cancelled() and done.cancel())
