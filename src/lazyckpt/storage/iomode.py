@@ -43,7 +43,7 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .fileio import InputFile, OutputFile
 
@@ -226,7 +226,6 @@ class ModeTracker:
             if o_direct != self._mode:
                 return                          # picked before a switch: says nothing of the mode in use
             self._recent.append((start, end, gbps))
-            self._last[o_direct] = statistics.median(g for _s, _e, g in self._recent)
             trial = self._trial
             if trial is not None:
                 if start < trial["end"] and end > trial["start"]:
@@ -243,6 +242,8 @@ class ModeTracker:
         if ref and trial["gbps"] > SWITCH_MARGIN * statistics.median(ref):
             log.debug("lazyckpt: %ss on %s now %s (%.2f GB/s against %.2f beside it)", self.direction, self.where,
                       "O_DIRECT" if trial["mode"] else "buffered", trial["gbps"], statistics.median(ref))
+            if recent:
+                self._last[self._mode] = statistics.median(recent)     # its figure, for reports
             self._mode = trial["mode"]
             self._recent.clear()
             self._level = None
@@ -259,9 +260,17 @@ class ModeTracker:
     def direct_refused(self) -> bool:
         return self._direct_refused
 
+    @property
+    def mode(self) -> bool:
+        """The mode in use (True: O_DIRECT)."""
+        return self._mode
+
     def as_choice(self) -> Choice:
         with self._lock:
-            return Choice(self.direction, self.device, self.where, self._mode, self._last[True], self._last[False],
+            figures = dict(self._last)
+            if self._recent:
+                figures[self._mode] = statistics.median(g for _s, _e, g in self._recent)
+            return Choice(self.direction, self.device, self.where, self._mode, figures[True], figures[False],
                           "the file system refuses O_DIRECT" if self._direct_refused else
                           f"adaptive: {self._counts[True]} O_DIRECT and {self._counts[False]} buffered "
                           f"{self.direction}s measured")
@@ -288,57 +297,79 @@ def tracker_for(path: str, direction: str) -> Optional[ModeTracker]:
         return tracker
 
 
-class AdaptiveInputFile:
+class _AdaptiveFile:
+    """What the adaptive input and output share: one descriptor per mode,
+    opened at its first use, and every transfer timed for the tracker."""
+
+    path: str
+
+    def __init__(self, tracker: ModeTracker):
+        self._tracker = tracker
+        self._files: Dict[bool, Any] = {}
+        self._lock = threading.Lock()
+
+    def _open(self, o_direct: bool) -> Any:
+        raise NotImplementedError
+
+    def _file(self, o_direct: bool) -> Any:
+        with self._lock:
+            f = self._files.get(o_direct)
+            if f is None:
+                f = self._files[o_direct] = self._open(o_direct)
+                if o_direct and not f.direct:
+                    self._tracker.refuse_direct()   # O_DIRECT refused at open: it is the buffered one
+                    self._files.setdefault(False, f)
+            return f
+
+    def _transfer(self, nbytes: int, move: Callable[[Any], int]) -> int:
+        """``move(descriptor)`` in the mode the tracker picks; returns what it moved."""
+        o_direct, measuring = self._tracker.pick(nbytes)
+        moved, start = 0, time.monotonic()
+        try:
+            f = self._file(o_direct)
+            moved = move(f)
+            if o_direct and not f.direct:       # O_DIRECT refused at the transfer: now buffered
+                self._tracker.refuse_direct()
+            return moved
+        finally:
+            self._tracker.observe(o_direct, measuring, moved, start, time.monotonic())
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files = {id(f): f for f in self._files.values()}, {}
+        for f in files.values():             # one descriptor may serve both modes
+            f.close()
+
+
+class AdaptiveInputFile(_AdaptiveFile):
     """A file read at explicit offsets by several threads, each read in the
     mode its file system's :class:`ModeTracker` picks (one descriptor per
     mode, opened at its first read)."""
 
     def __init__(self, path: str, tracker: ModeTracker):
+        super().__init__(tracker)
         self.path = path
-        self._tracker = tracker
         #: Reads are whole pages where either mode may read (harmless when buffered).
         self.direct = not tracker.direct_refused
-        self._files: Dict[bool, InputFile] = {}
-        self._lock = threading.Lock()
-        # Opened now in the mode a first read would take: a missing file is
-        # refused at open, as with a plain InputFile.
-        self._file(tracker.pick(0)[0])
+        # Opened now in the mode in use: a missing file is refused at open, as
+        # with a plain InputFile.
+        self._file(tracker.mode)
 
-    def _file(self, o_direct: bool) -> InputFile:
-        with self._lock:
-            f = self._files.get(o_direct)
-            if f is None:
-                f = self._files[o_direct] = InputFile(self.path, o_direct)
-                if o_direct and not f.direct:
-                    self._tracker.refuse_direct()
-                if not f.direct and hasattr(os, "posix_fadvise"):
-                    # No readahead past each read: a read's time is then the cost of its
-                    # own bytes (readahead would charge them to the reads beside it).
-                    # Reads are whole runs of MiBs: 0.437 against 0.404 s for 0.8 GB.
-                    os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_RANDOM)
-            return f
+    def _open(self, o_direct: bool) -> InputFile:
+        f = InputFile(self.path, o_direct)
+        if not f.direct and hasattr(os, "posix_fadvise"):
+            # No readahead past each read: a read's time is then the cost of its
+            # own bytes (readahead would charge them to the reads beside it).
+            # Reads are whole runs of MiBs: 0.437 against 0.404 s for 0.8 GB.
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return f
 
     def read_into(self, buf: memoryview, offset: int) -> int:
         """Read into ``buf`` until full or end of file; return bytes read."""
-        o_direct, measuring = self._tracker.pick(len(buf))
-        got, start = 0, time.monotonic()
-        try:
-            f = self._file(o_direct)
-            got = f.read_into(buf, offset)
-            if o_direct and not f.direct:       # O_DIRECT refused at the read: now buffered
-                self._tracker.refuse_direct()
-            return got
-        finally:
-            self._tracker.observe(o_direct, measuring, got, start, time.monotonic())
-
-    def close(self) -> None:
-        with self._lock:
-            files, self._files = list(self._files.values()), {}
-        for f in files:
-            f.close()
+        return self._transfer(len(buf), lambda f: f.read_into(buf, offset))
 
 
-class AdaptiveOutputFile:
+class AdaptiveOutputFile(_AdaptiveFile):
     """A new file written at explicit offsets by several threads, each write
     in the mode its file system's :class:`ModeTracker` picks; a buffered write
     is written back before it returns (:func:`write_back`), so that its time
@@ -348,41 +379,23 @@ class AdaptiveOutputFile:
     rewrites_in_place = True
 
     def __init__(self, path: str, tracker: ModeTracker):
+        super().__init__(tracker)
         self.path = path
-        self._tracker = tracker
-        self._lock = threading.Lock()
-        wanted = tracker.pick(0)[0]
-        first = OutputFile(path, wanted)
-        if wanted and not first.direct:
-            tracker.refuse_direct()             # O_DIRECT refused at open
-        self._first = first
-        self._files: Dict[bool, OutputFile] = {first.direct: first}
+        self._first = self._file(tracker.mode)
         #: Windows are whole pages where either mode may write (finish() cuts the file).
         self.direct = not tracker.direct_refused
 
-    def _file(self, o_direct: bool) -> OutputFile:
-        with self._lock:
-            f = self._files.get(o_direct)
-            if f is None:
-                f = self._files[o_direct] = OutputFile(self.path, o_direct, create=False)
-                if o_direct and not f.direct:
-                    self._tracker.refuse_direct()
-            return f
+    def _open(self, o_direct: bool) -> OutputFile:
+        return OutputFile(self.path, o_direct, create=not self._files)
 
     def pwrite_all(self, data: memoryview, offset: int) -> None:
         """Write all of ``data`` at ``offset`` (buffered: and written back)."""
-        o_direct, measuring = self._tracker.pick(len(data))
-        done, start = 0, time.monotonic()
-        try:
-            f = self._file(o_direct)
+        def move(f: OutputFile) -> int:
             f.pwrite_all(data, offset)
-            if o_direct and not f.direct:       # O_DIRECT refused at the write: now buffered
-                self._tracker.refuse_direct()
             if not f.direct:
                 write_back(f.fd, offset, len(data))
-            done = len(data)
-        finally:
-            self._tracker.observe(o_direct, measuring, done, start, time.monotonic())
+            return len(data)
+        self._transfer(len(data), move)
 
     def will_rewrite(self, offsets: list) -> None:
         """Nothing to keep: a file's blocks are rewritten where they are."""
@@ -391,12 +404,6 @@ class AdaptiveOutputFile:
         """Cut the file to its exact size and make it durable (one fsync covers
         what every descriptor wrote: they share the file)."""
         self._first.finish(size)
-
-    def close(self) -> None:
-        with self._lock:
-            files, self._files = list(self._files.values()), {}
-        for f in files:
-            f.close()
 
 
 def open_local_input(path: str, options: Any) -> Any:
