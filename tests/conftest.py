@@ -11,6 +11,7 @@ import pytest
 
 import lazyckpt
 import lazyckpt.api
+import lazyckpt.checksums
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +71,10 @@ def knobs(request):
 
 
 def _functional_api_threads() -> set:
-    """Threads of the process-wide pools behind lazyckpt.save/load, which are
-    kept on purpose: those of any Resources object held by lazyckpt.api."""
+    """Threads of the process-wide pools, which are kept on purpose: those of
+    any Resources object held by lazyckpt.api (behind lazyckpt.save/load) and
+    the shared checksum threads (lazyckpt.checksums), which start one at a
+    time as hashing needs them, so a test may start the second."""
     from lazyckpt.saving.engine import Resources
     found = []
     for value in vars(lazyckpt.api).values():
@@ -84,7 +87,7 @@ def _functional_api_threads() -> set:
         for pool in (getattr(res, "writers", None), getattr(res, "readers", None),
                      getattr(res, "serializer", None)):
             out |= set(getattr(pool, "_threads", ()))
-    return out
+    return out | lazyckpt.checksums.threads()
 
 
 @pytest.fixture

@@ -12,11 +12,13 @@ import torch
 
 import lazyckpt
 from lzc_tools import clone_state
+from lazyckpt import checksums
 from lazyckpt.storage import fileio
 
 
 def _lazy_threads():
-    return {t for t in threading.enumerate() if t.name.startswith("lazyckpt-")}
+    """lazyckpt's threads, less the checksum threads kept for the process."""
+    return {t for t in threading.enumerate() if t.name.startswith("lazyckpt-")} - checksums.threads()
 
 
 def _model(seed=0):

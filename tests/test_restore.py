@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import lazyckpt
+from lazyckpt import checksums
 
 
 @contextlib.contextmanager
@@ -210,3 +211,16 @@ def test_a_process_forked_after_a_save_and_a_load_saves_and_loads(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["child", "0"], out.stdout + out.stderr
+
+
+def test_checksum_threads_a_test_starts_are_kept_for_the_process_not_leaked(tmp_path, monkeypatch,
+                                                                            no_leaked_threads):
+    """The checksum threads start one at a time as hashing needs them and are
+    kept for the process: a test that starts the first (or the second) has not
+    leaked them. CI failed on this once (a Trainer test was the first in its
+    worker to hash two blocks at once)."""
+    monkeypatch.setattr(checksums, "_pool", None)           # as in a fresh process: this test starts them
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(8)}
+    lazyckpt.save(state, tmp_path / "s.lzc")
+    assert torch.equal(lazyckpt.load(tmp_path / "s.lzc")["t7"], state["t7"])
+    assert checksums.threads() and all(t.name.startswith("lazyckpt-checksum") for t in checksums.threads())

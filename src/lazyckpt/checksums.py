@@ -34,6 +34,14 @@ def pool() -> cf.ThreadPoolExecutor:
         return _pool
 
 
+def threads() -> frozenset:
+    """The pool's threads now (it starts them one at a time as hashing needs
+    them, up to THREADS): what a check for leaked threads must allow, since
+    they are kept for the process on purpose."""
+    current = _pool
+    return frozenset(getattr(current, "_threads", ())) if current is not None else frozenset()
+
+
 def _forget_in_child() -> None:
     """After a fork: the parent's pool has no threads here (a job submitted to
     it would wait forever) and its lock may be held; the child starts its own."""
