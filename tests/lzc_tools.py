@@ -112,6 +112,10 @@ def assert_same(a: Any, b: Any, where: str = "<root>") -> None:
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
         assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), f"{where}: array differs"
+    elif isinstance(a, (np.str_, np.bytes_)):
+        # As the str/bytes they are (a[:]): numpy's str(), repr() and item()
+        # strip trailing NULs, so np.str_('\\x00') would show as np.str_('').
+        assert a.dtype == b.dtype and a[:] == b[:], f"{where}: {a.dtype} {a[:]!a} != {b.dtype} {b[:]!a}"
     elif isinstance(a, np.generic):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{where}: {a!r} != {b!r}"
     elif isinstance(a, (dict, collections.OrderedDict)):

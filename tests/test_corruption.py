@@ -358,6 +358,18 @@ UNKNOWN_CASES = {
     "torch-size-not-ints": ("step", R, {"$": "torch", "t": "size", "v": ["a"]}),
     "numpy-scalar-wrong-size": ("step", R, {"$": "numpy", "t": "scalar", "dtype": "<f8", "v": "00"}),
     "numpy-scalar-not-hex": ("step", R, {"$": "numpy", "t": "scalar", "dtype": "<i4", "v": "zzzzzzzz"}),
+    "numpy-str-len-past-width": ("step", R, {"$": "numpy", "t": "scalar", "dtype": "<U1", "v": "00000000",
+                                             "len": 2}),
+    "numpy-str-len-negative": ("step", R, {"$": "numpy", "t": "scalar", "dtype": "<U1", "v": "00000000",
+                                           "len": -1}),
+    "numpy-str-len-not-int": ("step", R, {"$": "numpy", "t": "scalar", "dtype": "<U1", "v": "00000000",
+                                          "len": True}),
+    "numpy-str-len-cuts-chars": ("step", R, {"$": "numpy", "t": "scalar", "dtype": "<U2", "v": "6100000062000000",
+                                             "len": 1}),
+    "numpy-str-bad-code-point": ("step", R, {"$": "numpy", "t": "scalar", "dtype": "<U1", "v": "ffffffff",
+                                             "len": 1}),
+    "numpy-bytes-len-cuts-bytes": ("step", R, {"$": "numpy", "t": "scalar", "dtype": "|S2", "v": "6162", "len": 1}),
+    "numpy-len-on-a-number": ("step", R, {"$": "numpy", "t": "scalar", "dtype": "<i4", "v": "00000000", "len": 4}),
     "bytes-entry-missing": ("step", R, {"$": "bytes", "e": 1000}),
 }
 

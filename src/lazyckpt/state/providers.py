@@ -450,7 +450,15 @@ class NumpyProvider(Provider):
         if isinstance(value, np.generic):
             # Through a 0-d array: an empty np.str_ has itemsize 0 but tobytes() of 4.
             scalar = np.asarray(value)
-            return {"$": "numpy", "t": "scalar", "dtype": scalar.dtype.str, "v": scalar.tobytes().hex()}
+            node = {"$": "numpy", "t": "scalar", "dtype": scalar.dtype.str, "v": scalar.tobytes().hex()}
+            if isinstance(value, (np.str_, np.bytes_)):
+                # A str/bytes whose trailing NULs its fixed-width bytes cannot
+                # tell from padding: its length says where it ends. (value[:] is
+                # the whole str; numpy's str() and item() strip the NULs.)
+                whole = value[:]
+                if len(whole) != len(whole.rstrip("\0" if isinstance(whole, str) else b"\0")):
+                    node["len"] = len(whole)
+            return node
         array = value if value.flags.c_contiguous else np.ascontiguousarray(value)
         flat = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
         index = ctx.add(Source("data", data=flat, length=array.nbytes))
@@ -466,6 +474,8 @@ class NumpyProvider(Provider):
             raw = bytes.fromhex(node["v"])
             if len(raw) != dtype.itemsize:
                 raise ctx.corrupt("numpy scalar has the wrong size")
+            if "len" in node:
+                return _string_of_length(raw, dtype, node["len"], ctx)
             return np.frombuffer(raw, dtype=dtype)[0]
         shape = node["shape"]
         if not _int_list(shape) or any(s < 0 for s in shape):
@@ -478,6 +488,25 @@ class NumpyProvider(Provider):
             return np.empty(shape, dtype=dtype)
         flat = torch.empty((0,), dtype=torch.uint8).set_(storage).numpy()
         return flat.view(dtype).reshape(shape)
+
+
+def _string_of_length(raw: bytes, dtype: np.dtype, length: Any, ctx) -> Any:
+    """An np.str_/np.bytes_ scalar of exactly `length` characters: its first
+    `length` characters, trailing NULs kept; the rest must be padding."""
+    if dtype.kind not in "US":
+        raise ctx.corrupt(f"'len' given for a numpy {dtype.str} scalar")
+    if dtype.kind == "S":
+        units = np.frombuffer(raw, dtype=np.uint8)
+    else:
+        units = np.frombuffer(raw, dtype=np.dtype(np.uint32).newbyteorder(dtype.byteorder))
+    if type(length) is not int or not 0 <= length <= len(units) or units[length:].any():
+        raise ctx.corrupt(f"numpy string scalar length {length!r} does not fit its {dtype.str} bytes")
+    if dtype.kind == "S":
+        return np.bytes_(raw[:length])
+    try:
+        return np.str_("".join(map(chr, units[:length].tolist())))
+    except ValueError as exc:                    # a code point above U+10FFFF
+        raise ctx.corrupt(f"numpy string scalar: {exc}") from None
 
 
 class BytesProvider(Provider):
