@@ -179,7 +179,9 @@ def test_the_tracker_takes_the_other_mode_only_when_it_ran_faster_beside_the_mod
     assert _batch(tracker, clock, {True: 0.5, False: 1.8}) == [False, True, True, True]
     assert tracker.as_choice().o_direct is False
     modes = sum((_batch(tracker, clock, {True: 0.5, False: 1.8}) for _ in range(5)), [])
-    assert modes == [False] * 20
+    # One O_DIRECT read confirms the switch after RECENT_FOR_DROP buffered ones; buffered is kept.
+    assert modes.count(True) == 1 and modes.index(True) == iomode.RECENT_FOR_DROP, modes
+    assert tracker.mode is False
     # A measure only a little faster (under SWITCH_MARGIN) changes nothing: noise does not flip it.
     clock.now += iomode.EXPLORE_S
     _batch(tracker, clock, {True: 1.9, False: 1.8})
@@ -312,3 +314,19 @@ def test_o_direct_is_taken_back_at_a_smaller_margin_than_buffered_is_taken(monke
     clock.now += iomode.EXPLORE_S
     _batch(tracker, clock, {True: 2.0, False: 1.5})             # O_DIRECT 1.33x beside buffered: taken back
     assert tracker.mode is True
+
+
+def test_a_switch_to_buffered_is_confirmed_by_measuring_o_direct_again_soon(monkeypatch):
+    """Buffered reads after the switch do not slow (no DROP) but O_DIRECT now
+    runs faster: O_DIRECT is measured after RECENT_FOR_DROP buffered reads,
+    not EXPLORE_S later, and taken back; a switch back to O_DIRECT asks no
+    such confirmation."""
+    clock = _Clock()
+    monkeypatch.setattr(iomode.time, "monotonic", clock)
+    tracker = iomode.ModeTracker("read", 1, "/disk")
+    _batch(tracker, clock, {True: 1.0, False: 2.5})
+    assert tracker.mode is False
+    modes = sum((_batch(tracker, clock, {True: 3.0, False: 2.0}) for _ in range(3)), [])
+    assert modes.count(True) == 1 and tracker.mode is True, modes
+    modes = sum((_batch(tracker, clock, {True: 3.0, False: 2.0}) for _ in range(10)), [])
+    assert modes == [True] * 40                     # no confirmation of O_DIRECT

@@ -205,6 +205,7 @@ class ModeTracker:
         self._trial: Optional[Dict[str, Any]] = None    # an ended measure awaiting its neighbours
         self._recent: Deque[Tuple[float, float, float]] = collections.deque(maxlen=32)
         self._level: Optional[float] = None     # the mode in use's median when last judged
+        self._confirm = False                   # switched to buffered: measure O_DIRECT again soon
         self._last: Dict[bool, Optional[float]] = {True: None, False: None}   # for reports
         self._counts: Dict[bool, int] = {True: 0, False: 0}
 
@@ -219,11 +220,14 @@ class ModeTracker:
                 self._judge()                   # nothing more ran beside it: judged with what did
             if nbytes >= MIN_SAMPLE and not self._measuring and self._trial is None and self._due(now):
                 self._measuring = True
+                self._confirm = False
                 return (not self._mode), True
             return self._mode, False
 
     def _due(self, now: float) -> bool:
         if now - self._measured_at >= EXPLORE_S:
+            return True
+        if self._confirm and len(self._recent) >= RECENT_FOR_DROP:
             return True
         if self._level is not None and len(self._recent) >= RECENT_FOR_DROP \
                 and now - self._measured_at >= DROP_GAP_S:
@@ -277,6 +281,11 @@ class ModeTracker:
             # then run under DROP of it (a lucky measure), the other mode is
             # measured again within DROP_GAP_S, not EXPLORE_S later.
             self._level = trial["gbps"]
+            # A switch away from O_DIRECT is confirmed: O_DIRECT is measured
+            # again after RECENT_FOR_DROP transfers, at whatever speed they
+            # ran (one transfer in the slower mode if the switch was right).
+            # Not the other way: that would let two biased measures alternate.
+            self._confirm = not trial["mode"]
         elif recent:
             self._level = statistics.median(recent)
 
