@@ -330,3 +330,33 @@ def test_a_switch_to_buffered_is_confirmed_by_measuring_o_direct_again_soon(monk
     assert modes.count(True) == 1 and tracker.mode is True, modes
     modes = sum((_batch(tracker, clock, {True: 3.0, False: 2.0}) for _ in range(10)), [])
     assert modes == [True] * 40                     # no confirmation of O_DIRECT
+
+
+def test_a_measure_moves_only_its_first_bytes_in_the_other_mode(tmp_path, fresh, monkeypatch):
+    """A process's first 32 MiB read measures buffered on its first
+    MEASURE_BYTES only; the rest is read with O_DIRECT (the mode in use),
+    and the bytes are the file's."""
+    from lazyckpt.storage import fileio
+    path = tmp_path / "f"
+    data = os.urandom(32 * MiB)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)         # on disk, not in the page cache
+    os.close(fd)
+    calls = []
+    real = fileio.InputFile.read_into
+
+    def recording(self, buf, offset):
+        calls.append((self.direct, offset, len(buf)))
+        return real(self, buf, offset)
+    monkeypatch.setattr(fileio.InputFile, "read_into", recording)
+    f = iomode.open_local_input(str(path), lazyckpt.Options())
+    try:
+        buf = memoryview(fileio.anonymous_buffer(32 * MiB, huge_pages=False))
+        assert f.read_into(buf, 0) == 32 * MiB
+        assert bytes(buf) == data
+    finally:
+        f.close()
+    m = iomode.MEASURE_BYTES
+    assert calls == [(False, 0, m), (True, m, 32 * MiB - m)], calls
