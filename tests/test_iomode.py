@@ -119,7 +119,7 @@ def test_a_buffered_measure_of_bytes_in_the_page_cache_is_not_a_measure_of_the_d
     """A file just written buffered is in the page cache: a buffered read of it
     is a copy from memory. Measured as the disk's buffered speed, judged
     against O_DIRECT reads of the disk, it sent a bench's first repetition
-    buffered (BENCHMARKS 33). Such reads run buffered and teach nothing."""
+    buffered (BENCHMARKS section 34). Such reads run buffered and teach nothing."""
     state = _state(16)
     path = tmp_path / "cached.lzc"
     lazyckpt.save(state, path, o_direct=False, chunk_bytes=4 * MiB)     # its pages stay cached

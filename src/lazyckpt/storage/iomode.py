@@ -163,8 +163,9 @@ SWITCH_MARGIN = 2.0
 #: Back to O_DIRECT from buffered, a smaller margin: an O_DIRECT transfer
 #: measured beside buffered ones gets less than its share of the disk (the
 #: same bias, the other way), so one that still ran faster is O_DIRECT
-#: winning. At 2x both ways, a switch to buffered on a lucky measure held
-#: while O_DIRECT read at 0.98 GB/s against buffered's 0.49 (BENCHMARKS 33).
+#: winning. In the bench run where a lucky measure had switched reads to
+#: buffered, O_DIRECT transfers ran 0.98 GB/s against buffered's 0.49: just
+#: the 2x a switch back would have needed (BENCHMARKS section 34).
 RETURN_MARGIN = 1.2
 #: A measure is judged once this many transfers of the mode in use overlapped it
 #: (or one started after it ended, or ``TRIAL_WAIT_S`` passed).
