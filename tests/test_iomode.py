@@ -360,3 +360,33 @@ def test_a_measure_moves_only_its_first_bytes_in_the_other_mode(tmp_path, fresh,
         f.close()
     m = iomode.MEASURE_BYTES
     assert calls == [(False, 0, m), (True, m, 32 * MiB - m)], calls
+
+
+def test_a_measure_after_one_served_by_the_page_cache_also_moves_only_its_first_bytes(tmp_path, fresh, monkeypatch):
+    """The first 4 MiB of a read are in the page cache: its measure is not
+    one, and the next 4 MiB measure instead; the rest is read with O_DIRECT."""
+    from lazyckpt.storage import fileio
+    path = tmp_path / "f"
+    data = os.urandom(32 * MiB)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.pread(fd, iomode.MEASURE_BYTES, 0)                       # the first 4 MiB cached
+    os.close(fd)
+    calls = []
+    real = fileio.InputFile.read_into
+
+    def recording(self, buf, offset):
+        calls.append((self.direct, offset, len(buf)))
+        return real(self, buf, offset)
+    monkeypatch.setattr(fileio.InputFile, "read_into", recording)
+    f = iomode.open_local_input(str(path), lazyckpt.Options())
+    try:
+        buf = memoryview(fileio.anonymous_buffer(32 * MiB, huge_pages=False))
+        assert f.read_into(buf, 0) == 32 * MiB
+        assert bytes(buf) == data
+    finally:
+        f.close()
+    m = iomode.MEASURE_BYTES
+    assert calls == [(False, 0, m), (False, m, m), (True, 2 * m, 32 * MiB - 2 * m)], calls

@@ -375,19 +375,21 @@ class _AdaptiveFile:
     def _transfer(self, nbytes: int, move: Callable[[Any, int, int], int], offset: int = -1) -> int:
         """``move(descriptor, skip, length)`` (bytes ``[skip, skip + length)``
         of the transfer) in the mode the tracker picks; returns what it
-        moved. A measure of the other mode takes the first ``MEASURE_BYTES``
-        only, the rest is a transfer in the mode in use: a whole 32 MiB read
+        moved. A measure of the other mode takes ``MEASURE_BYTES`` only, the
+        rest is picked again (the mode in use, or a measure again if this one
+        was not one: its bytes were in the page cache): a whole 32 MiB read
         in the slower mode (buffered at 0.18 GB/s, O_DIRECT at 0.66, a
         process's first load) was the read every other waited for."""
-        o_direct, measuring = self._tracker.pick(nbytes)
-        if not measuring or nbytes < 2 * MEASURE_BYTES:
-            return self._move(o_direct, measuring, nbytes, 0, move, offset)
-        moved = self._move(o_direct, True, MEASURE_BYTES, 0, move, offset)
-        if moved < MEASURE_BYTES:
-            return moved                        # the end of the file
-        rest = nbytes - MEASURE_BYTES
-        o_direct, measuring = self._tracker.pick(rest)
-        return moved + self._move(o_direct, measuring, rest, MEASURE_BYTES, move, offset)
+        done = 0
+        while done < nbytes:
+            rest = nbytes - done
+            o_direct, measuring = self._tracker.pick(rest)
+            length = MEASURE_BYTES if measuring and rest >= 2 * MEASURE_BYTES else rest
+            moved = self._move(o_direct, measuring, length, done, move, offset)
+            done += moved
+            if moved < length:
+                break                           # the end of the file
+        return done
 
     def _move(self, o_direct: bool, measuring: bool, length: int, skip: int,
               move: Callable[[Any, int, int], int], offset: int) -> int:
