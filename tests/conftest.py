@@ -70,7 +70,7 @@ def knobs(request):
     return dict(request.param)
 
 
-def _functional_api_threads() -> set:
+def _kept_threads() -> set:
     """Threads of the process-wide pools, which are kept on purpose: those of
     any Resources object held by lazyckpt.api (behind lazyckpt.save/load) and
     the shared checksum threads (lazyckpt.checksums), which start one at a
@@ -99,7 +99,7 @@ def no_leaked_threads():
     yield
     leaked = [t for t in threading.enumerate()
               if t not in before and t.is_alive() and t.name.startswith("lazyckpt-")
-              and t not in _functional_api_threads()]
+              and t not in _kept_threads()]
     assert not leaked, f"lazyckpt threads left running: {sorted(t.name for t in leaked)}"
     capture = [t for t in threading.enumerate()
                if t not in before and t.is_alive() and t.name == "lazyckpt-capture"]

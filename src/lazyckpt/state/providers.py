@@ -456,7 +456,7 @@ class NumpyProvider(Provider):
                 # tell from padding: its length says where it ends. (value[:] is
                 # the whole str; numpy's str() and item() strip the NULs.)
                 whole = value[:]
-                if len(whole) != len(whole.rstrip("\0" if isinstance(whole, str) else b"\0")):
+                if whole[-1:] in ("\0", b"\0"):
                     node["len"] = len(whole)
             return node
         array = value if value.flags.c_contiguous else np.ascontiguousarray(value)
