@@ -11,7 +11,7 @@ import pytest
 
 import lazyckpt
 import lazyckpt.api
-import lazyckpt.checksums
+import lazyckpt.keptpools
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +73,8 @@ def knobs(request):
 def _kept_threads() -> set:
     """Threads of the process-wide pools, which are kept on purpose: those of
     any Resources object held by lazyckpt.api (behind lazyckpt.save/load) and
-    the shared checksum threads (lazyckpt.checksums), which start one at a
-    time as hashing needs them, so a test may start the second."""
+    those of lazyckpt.keptpools (the checksum threads, the release thread),
+    which start one at a time as work needs them, so a test may start one."""
     from lazyckpt.saving.engine import Resources
     found = []
     for value in vars(lazyckpt.api).values():
@@ -87,7 +87,7 @@ def _kept_threads() -> set:
         for pool in (getattr(res, "writers", None), getattr(res, "readers", None),
                      getattr(res, "serializer", None)):
             out |= set(getattr(pool, "_threads", ()))
-    return out | lazyckpt.checksums.threads()
+    return out | lazyckpt.keptpools.threads()
 
 
 @pytest.fixture

@@ -12,13 +12,13 @@ import torch
 
 import lazyckpt
 from lzc_tools import clone_state
-from lazyckpt import checksums
+from lazyckpt import keptpools
 from lazyckpt.storage import fileio
 
 
 def _lazy_threads():
-    """lazyckpt's threads, less the checksum threads kept for the process."""
-    return {t for t in threading.enumerate() if t.name.startswith("lazyckpt-")} - checksums.threads()
+    """lazyckpt's threads, less those of the pools kept for the process."""
+    return {t for t in threading.enumerate() if t.name.startswith("lazyckpt-")} - keptpools.threads()
 
 
 def _model(seed=0):

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.loggers.utilities import _scan_checkpoints  # noqa: E402
 
-from lazyckpt import checksums  # noqa: E402
+from lazyckpt import keptpools  # noqa: E402
 from lazyckpt.integrations import lightning as lzl  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -272,7 +272,7 @@ def test_a_load_outside_a_run_leaves_no_thread(tmp_path):
     reader = lzl.LazyCheckpointIO(file_format="lazyckpt")          # kept, as Lightning's strategy keeps it
     loaded = reader.load_checkpoint(str(tmp_path / "w.ckpt"))
     assert torch.equal(loaded["w"], torch.arange(4.0).repeat(1 << 20))
-    kept = checksums.threads()                                    # the process's, started as hashing needs them
+    kept = keptpools.threads()                                    # the process's, started as work needs them
     started = [t.name for t in threading.enumerate()
                if t not in before and t not in kept and t.name.startswith("lazyckpt-")]
     assert not started, started

@@ -22,6 +22,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import checksums
+from lazyckpt.keptpools import KeptPool
 
 
 @contextlib.contextmanager
@@ -219,7 +220,8 @@ def test_checksum_threads_a_test_starts_are_kept_for_the_process_not_leaked(tmp_
     kept for the process: a test that starts the first (or the second) has not
     leaked them. CI failed on this once (a Trainer test was the first in its
     worker to hash two blocks at once)."""
-    monkeypatch.setattr(checksums, "_pool", None)           # as in a fresh process: this test starts them
+    # As in a fresh process: this test starts them.
+    monkeypatch.setattr(checksums, "_pool", KeptPool(checksums.THREADS, "lazyckpt-checksum"))
     state = {f"t{i}": torch.randn(1 << 20) for i in range(8)}
     lazyckpt.save(state, tmp_path / "s.lzc")
     assert torch.equal(lazyckpt.load(tmp_path / "s.lzc")["t7"], state["t7"])

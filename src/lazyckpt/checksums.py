@@ -14,41 +14,21 @@ keep up with 2-3x the fastest disk measured.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import threading
-from typing import Optional
+
+from lazyckpt.keptpools import KeptPool
 
 #: Threads hashing at once (each ~20 GB/s of xxh3 on this machine).
 THREADS = 2
 
-_pool: Optional[cf.ThreadPoolExecutor] = None
-_lock = threading.Lock()
+_pool = KeptPool(THREADS, "lazyckpt-checksum")
 
 
 def pool() -> cf.ThreadPoolExecutor:
     """The shared pool, started at first use and kept for the process."""
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = cf.ThreadPoolExecutor(THREADS, thread_name_prefix="lazyckpt-checksum")
-        return _pool
+    return _pool.get()
 
 
 def threads() -> frozenset:
     """The pool's threads now (it starts them one at a time as hashing needs
-    them, up to THREADS): what a check for leaked threads must allow, since
-    they are kept for the process on purpose."""
-    current = _pool
-    return frozenset(getattr(current, "_threads", ())) if current is not None else frozenset()
-
-
-def _forget_in_child() -> None:
-    """After a fork: the parent's pool has no threads here (a job submitted to
-    it would wait forever) and its lock may be held; the child starts its own."""
-    global _pool, _lock
-    _pool = None
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+    them, up to THREADS): kept for the process on purpose."""
+    return _pool.threads()
