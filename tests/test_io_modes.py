@@ -81,10 +81,11 @@ def _data_opens(calls):
     """Opens of checkpoint data files for bulk I/O (not directories, not
     manifests, not the small buffered header/footer read, which opens the file
     non-blocking to refuse FIFOs, not the save's lease, which opens it
-    read-write only to lock it)."""
+    read-write only to lock it, not the O_PATH hold on a file a save
+    replaces, which moves no byte)."""
     return [(p, f) for p, f in calls
             if (p.endswith(".lzc") or ".lzc.tmp-" in p) and not f & os.O_NONBLOCK
-            and f & os.O_ACCMODE != os.O_RDWR]
+            and f & os.O_ACCMODE != os.O_RDWR and not f & getattr(os, "O_PATH", 0)]
 
 
 def test_o_direct_is_really_used_and_really_avoided(tmp_path, spy_open):
@@ -320,3 +321,99 @@ def test_functional_api_is_thread_safe_across_options(tmp_path):
         done.set()
         thread.join(60)
     assert not errors, f"concurrent load failed: {type(errors[0]).__name__}: {errors[0]!r}"
+
+
+# -- a save over the last one: the old file's blocks freed off the save's path ----------
+
+def _holders_of(inode: int, dev: int) -> list:
+    """This process's descriptors on the file (device, inode)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.fstat(int(name))
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (dev, inode):
+            out.append(int(name))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not hasattr(os, "O_PATH"), reason="needs Linux")
+def test_a_save_over_the_last_one_frees_the_old_file_on_the_release_thread(tmp_path, no_leaked_threads):
+    """Replacing a file frees its blocks inside the rename: a synchronous TRIM
+    on a file system mounted with ``discard`` (0.36 s for 0.8 GB on this
+    machine's ext4). The save holds the old file across the rename and the
+    release thread's close frees it: with that thread busy, the save still
+    returns, the old file is an orphan this process holds, the new one loads;
+    once the thread runs, nothing holds the old file."""
+    path = tmp_path / "model.lzc"
+    lazyckpt.save({"w": torch.zeros(1 << 16)}, path)
+    old = os.stat(path)
+    gate = threading.Event()
+    busy = lazyckpt.storage.fileio._releaser.get().submit(gate.wait, 30)
+    try:
+        lazyckpt.save({"w": torch.ones(1 << 16)}, path)
+        held = _holders_of(old.st_ino, old.st_dev)
+        assert len(held) == 1 and os.fstat(held[0]).st_nlink == 0       # an orphan, held
+        assert os.stat(path).st_ino != old.st_ino
+        assert torch.equal(lazyckpt.load(path)["w"], torch.ones(1 << 16))
+    finally:
+        gate.set()
+        busy.result(timeout=30)
+    lazyckpt.storage.fileio.wait_for_releases(timeout=30)
+    assert _holders_of(old.st_ino, old.st_dev) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not hasattr(os, "O_PATH"), reason="needs Linux")
+def test_a_replace_that_fails_holds_nothing_and_leaves_both_names(tmp_path):
+    """The rename refused (a directory in the way): the error is the caller's,
+    the descriptor taken on the old name is closed, nothing is moved."""
+    src, dst = tmp_path / "new", tmp_path / "dir"
+    src.write_bytes(b"new")
+    dst.mkdir()
+    (dst / "inside").write_bytes(b"x")
+    before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError):
+        lazyckpt.storage.fileio.replace_releasing_later(str(src), str(dst))
+    lazyckpt.storage.fileio.wait_for_releases(timeout=30)
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert src.read_bytes() == b"new" and (dst / "inside").read_bytes() == b"x"
+
+
+def test_a_save_over_a_symlink_replaces_the_link_and_never_touches_its_target(tmp_path):
+    """The descriptor held across the rename is on the link itself (O_NOFOLLOW):
+    the file it pointed at is neither replaced nor held."""
+    target = tmp_path / "elsewhere.lzc"
+    lazyckpt.save({"w": torch.zeros(8)}, target)
+    link = tmp_path / "model.lzc"
+    link.symlink_to(target)
+    lazyckpt.save({"w": torch.ones(8)}, link)
+    lazyckpt.storage.fileio.wait_for_releases(timeout=30)
+    assert not link.is_symlink()
+    assert torch.equal(lazyckpt.load(link)["w"], torch.ones(8))
+    assert torch.equal(lazyckpt.load(target)["w"], torch.zeros(8))
+    st = os.stat(target)
+    assert _holders_of(st.st_ino, st.st_dev) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not hasattr(os, "O_PATH"), reason="needs Linux")
+def test_a_removed_checkpoint_file_is_freed_on_the_release_thread(tmp_path):
+    """The same cause, elsewhere: a store's ``delete_file`` (Lightning's top-k
+    removal, on the training thread) drops the name at once and leaves the
+    freeing of the blocks to the release thread."""
+    from lazyckpt.storage.stores import for_path
+    path = str(tmp_path / "epoch=1.ckpt")
+    lazyckpt.save({"w": torch.zeros(1 << 16)}, path)
+    old = os.stat(path)
+    gate = threading.Event()
+    busy = lazyckpt.storage.fileio._releaser.get().submit(gate.wait, 30)
+    try:
+        for_path(path).delete_file(path, lazyckpt.Options())
+        assert not os.path.lexists(path)
+        held = _holders_of(old.st_ino, old.st_dev)
+        assert len(held) == 1 and os.fstat(held[0]).st_nlink == 0
+    finally:
+        gate.set()
+        busy.result(timeout=30)
+    lazyckpt.storage.fileio.wait_for_releases(timeout=30)
+    assert _holders_of(old.st_ino, old.st_dev) == []

@@ -68,7 +68,8 @@ from lazyckpt.loading.loader import _find_pickle, load_file
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.engine import CommitStrategy, FilePart, Job, SaveEngine
 from lazyckpt.state.providers import flatten, register_provider
-from lazyckpt.storage.fileio import fsync_dir, make_dirs_durable, remove_quietly, write_file_atomic
+from lazyckpt.storage.fileio import (fsync_dir, make_dirs_durable, remove_quietly, replace_releasing_later,
+                                     write_file_atomic)
 from lazyckpt.storage.sidefiles import sibling_temp
 from lazyckpt.storage.stores import for_path
 from ._async import is_lazyckpt_file
@@ -107,7 +108,7 @@ class TagCommit(CommitStrategy):
         return self.store.open_output(path, options, block_bytes)
 
     def part_done(self, job: Job, part: FilePart) -> None:
-        os.replace(part.path, part.final_path)
+        replace_releasing_later(part.path, part.final_path)     # a tag saved again: its old file freed off this path
         fsync_dir(os.path.dirname(part.final_path))
 
     def commit(self, job: Job) -> None:

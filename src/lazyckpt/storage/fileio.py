@@ -9,7 +9,9 @@ import os
 import shutil
 import stat
 import threading
-from typing import Optional
+from typing import Callable, Optional
+
+from lazyckpt.keptpools import KeptPool
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -258,6 +260,65 @@ def write_file_atomic(path: str, data: bytes) -> None:
         remove_quietly(tmp)         # a full disk must not also leave a temporary behind
         raise
     fsync_dir(directory)
+
+
+#: Closes the descriptors :func:`replace_releasing_later` and
+#: :func:`unlink_releasing_later` hold: the close that frees a dropped
+#: file's blocks runs here, one at a time.
+_releaser = KeptPool(1, "lazyckpt-release")
+
+
+def replace_releasing_later(src: str, dst: str) -> None:
+    """``os.replace(src, dst)``, with the blocks of the file it replaces freed
+    on a kept thread, not the caller's. A rename over a file frees that file's
+    blocks inside the rename; on a file system mounted with ``discard`` (this
+    machine's ext4, many cloud disks) that is a synchronous TRIM: 0.36 s for a
+    0.8 GB file here, a third of saving it again. A descriptor held on the old
+    file across the rename leaves it an orphan (crash-safe: the file system
+    drops orphans at mount); the descriptor's close, on the release thread,
+    frees the blocks. A process forked meanwhile holds its copy until it
+    exits or execs (the descriptor is close-on-exec)."""
+    _releasing_later(dst, lambda: os.replace(src, dst))
+
+
+def unlink_releasing_later(path: str) -> None:
+    """``os.unlink(path)``, the file's blocks freed on the release thread (see
+    :func:`replace_releasing_later`): a Lightning top-k removal runs on the
+    training thread."""
+    _releasing_later(path, lambda: os.unlink(path))
+
+
+def _releasing_later(path: str, drop_name: Callable[[], None]) -> None:
+    """``drop_name()`` (which drops ``path``'s name) with a descriptor held on
+    what ``path`` names, closed afterwards on the release thread."""
+    held = _hold(path)
+    try:
+        drop_name()
+    except BaseException:
+        if held is not None:
+            os.close(held)
+        raise
+    if held is not None:
+        _releaser.get().submit(os.close, held)
+
+
+def wait_for_releases(timeout: Optional[float] = None) -> None:
+    """Return once the files replaced so far are freed (benchmarks isolate
+    their methods with it; tests check nothing stays held)."""
+    _releaser.get().submit(lambda: None).result(timeout)
+
+
+def _hold(path: str) -> Optional[int]:
+    """A descriptor on what ``path`` names (a symlink itself, never its
+    target; no read permission needed, a FIFO does not block), or None where
+    there is nothing or the platform has no O_PATH."""
+    o_path = getattr(os, "O_PATH", 0)
+    if not o_path:
+        return None
+    try:
+        return os.open(path, o_path | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
 
 
 def replace_with_link(target: str, linkpath: str, hard: bool = False) -> None:

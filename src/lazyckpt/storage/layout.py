@@ -32,7 +32,8 @@ from lazyckpt.history import Committing, Event, event_problem, manifest_event
 from lazyckpt.storage.record import LocalRecord
 from .scan import BackgroundScan
 from .base import Leftover, StepRecord
-from .fileio import fsync_dir, make_dirs_durable, read_small_file, remove_quietly, remove_tree, write_file_atomic
+from .fileio import (fsync_dir, make_dirs_durable, read_small_file, remove_quietly, remove_tree,
+                     replace_releasing_later, write_file_atomic)
 from .iomode import open_local_output
 from .sidefiles import sibling_temp
 from . import locks
@@ -819,7 +820,9 @@ class PendingSiblingFile:
         return Lease(self.path, heartbeat_s)
 
     def publish(self) -> None:
-        os.replace(self.path, self.final)
+        # A save over the last one (the same path every epoch) frees the old
+        # file's blocks off the save's path.
+        replace_releasing_later(self.path, self.final)
         fsync_dir(os.path.dirname(self.final))
 
     def discard(self) -> None:

@@ -15,7 +15,7 @@ from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
 from .base import HeldStep, Input, Located, Store
 from .fileio import (NotARegularFile, OutputFile, make_dirs_durable, open_regular, read_small_file,
-                     replace_with_link, write_file_atomic)
+                     replace_with_link, unlink_releasing_later, write_file_atomic)
 from .iomode import open_local_input, open_local_output
 from .layout import CheckpointDir, PendingSiblingFile
 from .locks import StepDir, deleted_while_reading
@@ -85,7 +85,7 @@ class LocalStore(Store):
 
     def delete_file(self, path: str, options: Options) -> None:
         if os.path.islink(path) or os.path.isfile(path):
-            os.unlink(path)
+            unlink_releasing_later(path)         # a removal on the training thread (Lightning's top-k)
         elif os.path.isdir(path):
             shutil.rmtree(path)
 

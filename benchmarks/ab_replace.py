@@ -1,0 +1,94 @@
+"""A/B: a save over the file the last save wrote (a job saving to one path
+every epoch), the replaced file freed on lazyckpt's release thread (the
+default) vs inside the save's rename (the previous behaviour, restored here
+by patching the rename the file commit uses); a save of a new file and the
+raw O_DIRECT write of the same bytes alongside. Same process, shuffled order
+every repetition (seeded), everything durable before the clock stops; the
+release of a replaced file is waited for, untimed, before the next method.
+
+On a file system mounted with ``discard`` (this machine's ext4) freeing a
+file's blocks is a synchronous TRIM, paid by whoever drops its last reference.
+
+    python benchmarks/ab_replace.py --gib 0.75 --tensors 64 --reps 7 --dir /work/bench-restore
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import lazyckpt  # noqa: E402
+import lazyckpt.storage.layout as layout  # noqa: E402
+from _common import machine_line, median_spread  # noqa: E402
+from lazyckpt.cli import bench as raw  # noqa: E402
+from lazyckpt.storage import fileio  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=0.75)
+    p.add_argument("--tensors", type=int, default=64)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-restore"))
+    args = p.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    state = raw.make_state(int(args.gib * (1 << 30)), args.tensors, raw.parse_dtypes("fp32,bf16"))
+    nbytes = raw.state_bytes(state)
+    path = lambda name: os.path.join(args.dir, name)  # noqa: E731
+    deferred = layout.replace_releasing_later
+
+    def over_last(replace, name):
+        def go():
+            layout.replace_releasing_later = replace
+            try:
+                lazyckpt.save(state, path(name))
+            finally:
+                layout.replace_releasing_later = deferred
+        return go
+
+    def new_file():
+        raw.remove(path("new.lzc"))
+        os.sync()
+        t = time.perf_counter()
+        lazyckpt.save(state, path("new.lzc"))
+        return time.perf_counter() - t
+
+    def raw_write():
+        raw.remove(path("raw.bin"))
+        os.sync()
+        return raw.raw_write(path("raw.bin"), nbytes, lazyckpt.Options().writer_threads)[0]
+    methods = {"raw O_DIRECT, new file": raw_write,
+               "save, new file": new_file,
+               "save over the last, released later": over_last(deferred, "later.lzc"),
+               "save over the last, freed in the rename": over_last(os.replace, "inline.lzc")}
+    for name in ("later.lzc", "inline.lzc"):
+        lazyckpt.save(state, path(name))
+    times = {k: [] for k in methods}
+    for rep in range(args.reps):
+        names = list(methods)
+        random.Random(rep).shuffle(names)
+        for name in names:
+            os.sync()
+            t = time.perf_counter()
+            r = methods[name]()
+            times[name].append(r if isinstance(r, float) else time.perf_counter() - t)
+            fileio.wait_for_releases()
+    print(machine_line())
+    print(f"{nbytes / 1e9:.3f} GB in {len(state)} tensors, {args.reps} shuffled repetitions, durable saves")
+    ceiling = statistics.median(times["raw O_DIRECT, new file"])
+    for name, v in times.items():
+        print(f"{name:42s} {median_spread(v)} s  {nbytes / statistics.median(v) / 1e9:.2f} GB/s  "
+              f"{ceiling / statistics.median(v):.2f} of raw O_DIRECT")
+    later, inline = times["save over the last, released later"], times["save over the last, freed in the rename"]
+    print(f"released later / freed in the rename: {statistics.median(later) / statistics.median(inline):.2f} (time)")
+    for name in ("later.lzc", "inline.lzc", "new.lzc", "raw.bin"):
+        raw.remove(path(name))
+
+
+if __name__ == "__main__":
+    main()
