@@ -2,8 +2,8 @@
 
 Two kinds of work run beside every save and load and must not wait for a pool
 to start or be torn down with a Checkpointer: the checksums computed next to
-the I/O (:mod:`lazyckpt.checksums`) and the release of a replaced file's
-blocks (:func:`lazyckpt.storage.fileio.replace_releasing_later`). A check for
+the I/O (:mod:`lazyckpt.checksums`) and the freeing of a replaced or removed
+file's blocks (:func:`lazyckpt.storage.fileio.replace_releasing_later`). A check for
 leaked threads allows exactly :func:`threads`.
 """
 

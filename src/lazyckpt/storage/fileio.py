@@ -4,6 +4,7 @@ reads, and the fsyncs a commit needs."""
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import shutil
@@ -14,6 +15,7 @@ from typing import Callable, Optional
 from lazyckpt.keptpools import KeptPool
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+log = logging.getLogger("lazyckpt")
 
 
 class OutputFile:
@@ -299,7 +301,14 @@ def _releasing_later(path: str, drop_name: Callable[[], None]) -> None:
             os.close(held)
         raise
     if held is not None:
-        _releaser.get().submit(os.close, held)
+        _releaser.get().submit(_release, held, path)
+
+
+def _release(fd: int, path: str) -> None:
+    try:
+        os.close(fd)
+    except OSError as exc:      # nobody waits for this close: say it, do not lose it
+        log.warning("lazyckpt: %s: freeing the file this name had was refused: %s", path, exc)
 
 
 def wait_for_releases(timeout: Optional[float] = None) -> None:
@@ -339,7 +348,7 @@ def replace_with_link(target: str, linkpath: str, hard: bool = False) -> None:
             os.symlink(os.path.relpath(target, directory), tmp)
     except OSError:
         shutil.copy(target, tmp)
-    os.replace(tmp, linkpath)
+    replace_releasing_later(tmp, linkpath)      # the old link may have been a file's last name
     fsync_dir(directory)
 
 
