@@ -97,3 +97,29 @@ def state_bytes(state: Dict) -> int:
         elif isinstance(v, torch.Tensor):
             total += v.numel() * v.element_size()
     return total
+
+
+def restore_state_args(description: str, reps: int):
+    """The arguments of the restore A/B scripts (``--gib --tensors --reps
+    --dir``), parsed; the directory made. Returns (args, state, nbytes): the
+    state of fp32 and bf16 tensors the issue-38 benchmarks use."""
+    import argparse
+    from lazyckpt.cli import bench as raw
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--gib", type=float, default=0.75)
+    p.add_argument("--tensors", type=int, default=64)
+    p.add_argument("--reps", type=int, default=reps)
+    p.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-restore"))
+    args = p.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    state = raw.make_state(int(args.gib * (1 << 30)), args.tensors, raw.parse_dtypes("fp32,bf16"))
+    return args, state, raw.state_bytes(state)
+
+
+def print_against(times: Dict[str, List[float]], ceiling: str, nbytes: int, width: int = 34) -> None:
+    """One line per method: median with half-range, GB/s, and the fraction of
+    ``ceiling``'s median (the raw method of the same run)."""
+    top = statistics.median(times[ceiling])
+    for name, v in times.items():
+        print(f"{name:{width}s} {median_spread(v)} s  {nbytes / statistics.median(v) / 1e9:.2f} GB/s  "
+              f"{top / statistics.median(v):.2f} of {ceiling}")

@@ -14,7 +14,6 @@ file's blocks is a synchronous TRIM, paid by whoever drops its last reference.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -24,21 +23,13 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import lazyckpt  # noqa: E402
 import lazyckpt.storage.layout as layout  # noqa: E402
-from _common import machine_line, median_spread  # noqa: E402
+from _common import machine_line, print_against, restore_state_args  # noqa: E402
 from lazyckpt.cli import bench as raw  # noqa: E402
 from lazyckpt.storage import fileio  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gib", type=float, default=0.75)
-    p.add_argument("--tensors", type=int, default=64)
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-restore"))
-    args = p.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    state = raw.make_state(int(args.gib * (1 << 30)), args.tensors, raw.parse_dtypes("fp32,bf16"))
-    nbytes = raw.state_bytes(state)
+    args, state, nbytes = restore_state_args(__doc__.splitlines()[0], reps=7)
     path = lambda name: os.path.join(args.dir, name)  # noqa: E731
     deferred = layout.replace_releasing_later
 
@@ -80,10 +71,7 @@ def main() -> None:
             fileio.wait_for_releases()
     print(machine_line())
     print(f"{nbytes / 1e9:.3f} GB in {len(state)} tensors, {args.reps} shuffled repetitions, durable saves")
-    ceiling = statistics.median(times["raw O_DIRECT, new file"])
-    for name, v in times.items():
-        print(f"{name:42s} {median_spread(v)} s  {nbytes / statistics.median(v) / 1e9:.2f} GB/s  "
-              f"{ceiling / statistics.median(v):.2f} of raw O_DIRECT")
+    print_against(times, "raw O_DIRECT, new file", nbytes, width=42)
     later, inline = times["save over the last, released later"], times["save over the last, freed in the rename"]
     print(f"released later / freed in the rename: {statistics.median(later) / statistics.median(inline):.2f} (time)")
     for name in ("later.lzc", "inline.lzc", "new.lzc", "raw.bin"):

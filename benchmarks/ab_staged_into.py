@@ -9,7 +9,6 @@ file, same process, interleaved, page cache dropped before every read.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -20,22 +19,14 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import lazyckpt  # noqa: E402
 import lazyckpt.loading.loader as loader  # noqa: E402
-from _common import machine_line, median_spread  # noqa: E402
+from _common import machine_line, print_against, restore_state_args  # noqa: E402
 from lazyckpt.cli import bench as raw  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gib", type=float, default=0.75)
-    p.add_argument("--tensors", type=int, default=64)
-    p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-restore"))
-    args = p.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
+    args, state, nbytes = restore_state_args(__doc__.splitlines()[0], reps=9)
     if not raw.drop_caches_global():
         sys.exit("needs to drop the page cache (root)")
-    state = raw.make_state(int(args.gib * (1 << 30)), args.tensors, raw.parse_dtypes("fp32,bf16"))
-    nbytes = raw.state_bytes(state)
     path = os.path.join(args.dir, "ab.lzc")
     lazyckpt.save(state, path)
     into = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -69,10 +60,7 @@ def main() -> None:
         assert torch.equal(into[k], v), k
     print(machine_line())
     print(f"{nbytes / 1e9:.3f} GB in {len(state)} tensors, {args.reps} interleaved repetitions, cold cache")
-    ceiling = statistics.median(times["raw O_DIRECT"])
-    for name, v in times.items():
-        print(f"{name:28s} {median_spread(v)} s  {nbytes / statistics.median(v) / 1e9:.2f} GB/s  "
-              f"{ceiling / statistics.median(v):.2f} of raw O_DIRECT")
+    print_against(times, "raw O_DIRECT", nbytes, width=28)
     print(f"staged / fresh buffers: {statistics.median(times['load(into=) staged']) / statistics.median(times['load(into=) fresh buffers']):.2f} (time)")
     os.unlink(path)
 
