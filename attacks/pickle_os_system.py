@@ -63,6 +63,24 @@ def make(directory: str):
         cases.append({"name": f"pickle hidden {name}", "path": write(os.path.join(directory, f"hidden_{name}.lzc"),
                                                                       with_doc(data, doc)),
                       "expect": "UnsafeObjectError", "marker": marker})
+    # Inside a tensor node, which is decoded without decoding anything in it (the
+    # loader's pickle check skips tensor nodes for speed): never unpickled, so
+    # the load may succeed; or the tensor's own entry is the pickle one: a
+    # tensor's bytes must be a data entry.
+    inside_tensor = {
+        "in-tensor-field": ({"$": "tensor", "dtype": "float32", "shape": [2], "stride": [1], "offset": 0,
+                             "device": "meta", "e": None, "x": {"$": "pickle", "type": "x", "e": 0}},
+                            {"expect": "UnsafeObjectError", "may_load": True}),
+        "as-tensor-bytes": ({"$": "tensor", "dtype": "uint8", "shape": [1], "stride": [1], "offset": 0,
+                             "device": "cpu", "e": 0}, {"expect": "CorruptCheckpointError"}),
+    }
+    for name, (node, outcome) in inside_tensor.items():
+        doc = footer_doc(data)
+        doc["entries"][0]["kind"] = "pickle"
+        doc["tree"]["v"][0] = node
+        cases.append({"name": f"pickle hidden {name}", "path": write(os.path.join(directory, f"hidden_{name}.lzc"),
+                                                                      with_doc(data, doc)),
+                      "marker": marker, **outcome})
     return cases
 
 
