@@ -488,3 +488,81 @@ def test_model_and_adamw_resume_trains_identically(tmp_path):
     assert opt2.param_groups[0]["lr"] == 1e-2 and opt2.param_groups[0]["betas"] == (0.9, 0.95)
     resumed = _train(model2, opt2, 3, out["step"])
     assert resumed == reference[3:]
+
+
+# -- the tree decoded while the reads run ------------------------------------------
+
+def _early_decodes(monkeypatch):
+    """Records, per load, whether the decode during the reads produced the state."""
+    from lazyckpt.loading import loader
+    seen = []
+    real = loader._EarlyDecode.run
+
+    def run(self, storages):
+        real(self, storages)
+        seen.append(self.done)
+    monkeypatch.setattr(loader._EarlyDecode, "run", run)
+    return seen
+
+
+def test_a_plain_load_decodes_its_tensors_while_the_reads_run_and_returns_them_read(tmp_path, monkeypatch):
+    """Views, aliasing, Parameters and the bytes themselves come out as saved."""
+    seen = _early_decodes(monkeypatch)
+    base = torch.randn(64, 64)
+    state = {"w": torch.nn.Parameter(torch.randn(300, 70)), "b": base, "view": base[3:9, ::2],
+             "opt": {"step": torch.tensor(7), "m": [torch.randn(5000), torch.zeros(0)]}, "lr": 0.1, "name": "x"}
+    lazyckpt.save(state, tmp_path / "s.lzc", chunk_bytes=64 << 10)
+    out = lazyckpt.load(tmp_path / "s.lzc")
+    assert seen == [True]
+    assert_same(out, state)
+    assert_same_aliasing(state, out)
+    assert type(out["w"]) is torch.nn.Parameter
+
+
+@pytest.mark.parametrize("case", ["numpy", "bytes", "custom", "map_location"])
+def test_a_value_that_needs_its_bytes_sends_the_decode_after_the_reads(tmp_path, monkeypatch, case):
+    """numpy arrays, bytes, a registered provider's from_state (which may read a
+    tensor's values) and a storage the mapper moves are decoded after the reads:
+    their values are the saved ones, never bytes that had not arrived."""
+    from lazyckpt.state import providers
+
+    class Box:
+        def __init__(self, total):
+            self.total = total
+    seen = _early_decodes(monkeypatch)
+    t = torch.arange(1.0, 100_001.0)
+    value = {"numpy": np.arange(10), "bytes": b"abc", "custom": Box(t), "map_location": None}[case]
+    if case == "custom":
+        monkeypatch.setattr(providers._registry, "custom", dict(providers._registry.custom))
+        lazyckpt.register_provider(Box, lambda b: {"t": b.total}, lambda s: Box(float(s["t"].sum())))
+    lazyckpt.save({"t": t, "v": value}, tmp_path / "s.lzc")
+    kwargs = {"map_location": lambda storage, loc: storage.clone()} if case == "map_location" else {}
+    out = lazyckpt.load(tmp_path / "s.lzc", **kwargs)
+    assert seen == [False]
+    assert torch.equal(out["t"], t)
+    if case == "custom":
+        assert out["v"].total == float(t.sum())
+    elif case != "map_location":
+        assert_same(out["v"], value)
+
+
+def test_a_decode_that_may_only_make_views_never_runs_a_from_state():
+    from lazyckpt.state import providers
+    ctx = providers.LoadContext(entry_value=None, storage=None, allow_pickle=False, path="p", views_only=True)
+    ran = []
+    provider = providers.CustomProvider(dict, "anything", dict, ran.append)
+    with pytest.raises(providers.BytesNotReady):
+        provider.load({"$": "custom", "name": "anything", "v": 1}, ctx)
+    assert ran == []
+
+
+def test_a_damaged_block_fails_the_load_though_its_tree_was_decoded_during_the_reads(tmp_path, monkeypatch):
+    from lzc_tools import flip_byte
+    seen = _early_decodes(monkeypatch)
+    lazyckpt.save({"w": torch.randn(100_000)}, tmp_path / "s.lzc")
+    p = parse(tmp_path / "s.lzc")
+    entry = p.doc["entries"][0]
+    flip_byte(tmp_path / "s.lzc", entry["offset"] + entry["length"] // 2)
+    with pytest.raises(lazyckpt.CorruptCheckpointError):
+        lazyckpt.load(tmp_path / "s.lzc")
+    assert seen == [True]

@@ -80,14 +80,18 @@ class CheckpointFile:
 
     def read_entries(self, indices: Iterable[int], pool: cf.ThreadPoolExecutor,
                      on_entry: Optional[Callable[[int, torch.UntypedStorage], None]] = None,
-                     staged: Collection[int] = ()) -> Dict[int, torch.UntypedStorage]:
+                     staged: Collection[int] = (),
+                     while_reading: Optional[Callable[[Dict[int, torch.UntypedStorage]], None]] = None,
+                     ) -> Dict[int, torch.UntypedStorage]:
         """Read (and verify) the given entries in parallel. ``on_entry(index,
         storage)`` is called, on a reader thread, as soon as an entry's bytes
         are read and every block of it verified (per run of adjacent entries),
         while other runs are still being read; its errors fail the read.
         ``staged``: entries ``on_entry`` copies out and nobody reads after it
         returns; their bytes are read into reused buffers and they are not in
-        the result."""
+        the result. ``while_reading(storages)`` runs on this thread once every
+        read is submitted, before they are waited for: the storages (whose
+        bytes may not have arrived) must not be read there."""
         wanted = set(indices)
         for i in wanted:
             if type(i) is not int or not 0 <= i < len(self.entries):
@@ -109,6 +113,8 @@ class CheckpointFile:
                 if on_entry is not None:
                     on_entry(i, out[i])
         if not runs:
+            if while_reading is not None:
+                while_reading(out)
             return out
         fd = self._open_input()
         staging = StagingBuffers(2 * max(1, self.options.reader_threads) * self.options.chunk_bytes,
@@ -145,6 +151,8 @@ class CheckpointFile:
                     # Back to the staging buffers once every read of the run has ended
                     # (after on_entry copied it out, or after a failure).
                     _when_all_done(run_jobs, lambda buf=buf: staging.give(buf))
+            if while_reading is not None:
+                while_reading(out)
             # Every job ends before this returns or raises: none may still be
             # filling buffers (or, through on_entry, the caller's tensors) after.
             cf.wait(jobs)

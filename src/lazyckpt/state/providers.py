@@ -162,6 +162,15 @@ class SaveContext:
                 self.path.pop()
 
 
+class BytesNotReady(BaseException):
+    """Raised by a decode that may only build views (``LoadContext.views_only``:
+    the loader decoding a tree while its reads run) where a value needs its
+    bytes, another file, a device copy or a user's ``from_state``: the loader
+    then decodes the tree after the reads. A BaseException, so that
+    :meth:`LoadContext.decode`, which turns a provider's every Exception into
+    a corrupt-file error, lets it through."""
+
+
 @dataclass
 class LoadContext:
     entry_value: Callable[..., torch.UntypedStorage]            # entry, kind -> CPU bytes
@@ -174,6 +183,9 @@ class LoadContext:
     #: id(node) -> what builds that node's value instead of its provider (the
     #: loader's rows-only path for plain tensors loaded into DTensors).
     overrides: Dict[int, Callable[[Dict[str, Any], "LoadContext"], Any]] = field(default_factory=dict)
+    #: The storages' bytes may not have arrived: only views of them may be made
+    #: (``storage`` gives them; ``entry_value`` raises :class:`BytesNotReady`).
+    views_only: bool = False
 
     def corrupt(self, why: str) -> CorruptCheckpointError:
         name = "/".join(self.trail) or "<root>"
@@ -652,6 +664,8 @@ class CustomProvider(Provider):
         return {"$": "custom", "name": self.name, "v": ctx.encode(self.to_state(value))}
 
     def load(self, node, ctx):
+        if ctx.views_only:
+            raise BytesNotReady()           # a user's from_state may read tensors' values
         return self.from_state(ctx.decode(node["v"]))
 
 
