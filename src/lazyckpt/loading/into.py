@@ -119,9 +119,11 @@ def staged_entries(tree: Any, direct: Dict[int, List[tuple]]) -> Set[int]:
         if isinstance(node, dict):
             if type(node.get("e")) is int:
                 uses[node["e"]] += 1
-            stack.extend(v for k, v in node.items() if k != "e")
+            if node.get("$") == "tensor":
+                continue                # nothing inside a tensor node is decoded
+            stack.extend(v for k, v in node.items() if k != "e" and isinstance(v, (dict, list)))
         elif isinstance(node, list):
-            stack.extend(node)
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
     return {e for e, fills in direct.items() if uses[e] == len(fills)}
 
 
