@@ -332,18 +332,30 @@ def test_a_switch_to_buffered_is_confirmed_by_measuring_o_direct_again_soon(monk
     assert modes == [True] * 40                     # no confirmation of O_DIRECT
 
 
-def test_a_measure_moves_only_its_first_bytes_in_the_other_mode(tmp_path, fresh, monkeypatch):
-    """A process's first 32 MiB read measures buffered on its first
-    MEASURE_BYTES only; the rest is read with O_DIRECT (the mode in use),
-    and the bytes are the file's."""
-    from lazyckpt.storage import fileio
+def _file_off_the_page_cache(tmp_path, cached: int = 0):
+    """A 32 MiB file of random bytes (and the bytes) on disk, none of it in
+    the page cache but its first ``cached`` bytes."""
     path = tmp_path / "f"
     data = os.urandom(32 * MiB)
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)         # on disk, not in the page cache
-    os.close(fd)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if cached:
+            # Those bytes only: without FADV_RANDOM the kernel's readahead sometimes
+            # cached the next ones too (a test failed 4 runs in 6).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.pread(fd, cached, 0)
+    finally:
+        os.close(fd)
+    return path, data
+
+
+def _reads_of_one_transfer(path, data, monkeypatch) -> list:
+    """(O_DIRECT?, offset, length) of each read that one 32 MiB ``read_into``
+    of ``path`` made, in this process's first transfer; its bytes checked."""
+    from lazyckpt.storage import fileio
     calls = []
     real = fileio.InputFile.read_into
 
@@ -358,6 +370,14 @@ def test_a_measure_moves_only_its_first_bytes_in_the_other_mode(tmp_path, fresh,
         assert bytes(buf) == data
     finally:
         f.close()
+    return calls
+
+
+def test_a_measure_moves_only_its_first_bytes_in_the_other_mode(tmp_path, fresh, monkeypatch):
+    """A process's first 32 MiB read measures buffered on its first
+    MEASURE_BYTES only; the rest is read with O_DIRECT (the mode in use),
+    and the bytes are the file's."""
+    calls = _reads_of_one_transfer(*_file_off_the_page_cache(tmp_path), monkeypatch)
     m = iomode.MEASURE_BYTES
     assert calls == [(False, 0, m), (True, m, 32 * MiB - m)], calls
 
@@ -365,31 +385,6 @@ def test_a_measure_moves_only_its_first_bytes_in_the_other_mode(tmp_path, fresh,
 def test_a_measure_after_one_served_by_the_page_cache_also_moves_only_its_first_bytes(tmp_path, fresh, monkeypatch):
     """The first 4 MiB of a read are in the page cache: its measure is not
     one, and the next 4 MiB measure instead; the rest is read with O_DIRECT."""
-    from lazyckpt.storage import fileio
-    path = tmp_path / "f"
-    data = os.urandom(32 * MiB)
-    path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    # The first 4 MiB cached, and only they: without FADV_RANDOM the kernel's
-    # readahead sometimes cached the next ones too (this test failed 4 runs in 6).
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    os.pread(fd, iomode.MEASURE_BYTES, 0)
-    os.close(fd)
-    calls = []
-    real = fileio.InputFile.read_into
-
-    def recording(self, buf, offset):
-        calls.append((self.direct, offset, len(buf)))
-        return real(self, buf, offset)
-    monkeypatch.setattr(fileio.InputFile, "read_into", recording)
-    f = iomode.open_local_input(str(path), lazyckpt.Options())
-    try:
-        buf = memoryview(fileio.anonymous_buffer(32 * MiB, huge_pages=False))
-        assert f.read_into(buf, 0) == 32 * MiB
-        assert bytes(buf) == data
-    finally:
-        f.close()
     m = iomode.MEASURE_BYTES
+    calls = _reads_of_one_transfer(*_file_off_the_page_cache(tmp_path, cached=m), monkeypatch)
     assert calls == [(False, 0, m), (False, m, m), (True, 2 * m, 32 * MiB - 2 * m)], calls
