@@ -2,7 +2,8 @@
 every epoch), the replaced file freed on lazyckpt's release thread (the
 default) vs inside the save's rename (the previous behaviour, restored here
 by patching the rename the file commit uses); a save of a new file and the
-raw O_DIRECT write of the same bytes alongside. Same process, shuffled order
+raw O_DIRECT and buffered writes of the same bytes alongside (the faster
+one is the ceiling). Same process, shuffled order
 every repetition (seeded), everything durable before the clock stops; the
 release of a replaced file is waited for, untimed, before the next method.
 
@@ -53,7 +54,12 @@ def main() -> None:
         raw.remove(path("raw.bin"))
         os.sync()
         return raw.raw_write(path("raw.bin"), nbytes, lazyckpt.Options().writer_threads)[0]
+    def raw_write_buffered():
+        raw.remove(path("raw.bin"))
+        os.sync()
+        return raw.raw_write_buffered(path("raw.bin"), nbytes)
     methods = {"raw O_DIRECT, new file": raw_write,
+               "raw buffered, new file": raw_write_buffered,
                "save, new file": new_file,
                "save over the last, released later": over_last(deferred, "later.lzc"),
                "save over the last, freed in the rename": over_last(os.replace, "inline.lzc")}
@@ -71,7 +77,8 @@ def main() -> None:
             fileio.wait_for_releases()
     print(machine_line())
     print(f"{nbytes / 1e9:.3f} GB in {len(state)} tensors, {args.reps} shuffled repetitions, durable saves")
-    print_against(times, "raw O_DIRECT, new file", nbytes, width=42)
+    best = min(("raw O_DIRECT, new file", "raw buffered, new file"), key=lambda k: statistics.median(times[k]))
+    print_against(times, best, nbytes, width=42)
     later, inline = times["save over the last, released later"], times["save over the last, freed in the rename"]
     print(f"released later / freed in the rename: {statistics.median(later) / statistics.median(inline):.2f} (time)")
     for name in ("later.lzc", "inline.lzc", "new.lzc", "raw.bin"):
