@@ -7,7 +7,8 @@ import threading
 from typing import Any, Dict, Iterable, Optional
 
 from lazyckpt.formats.manifest import check_metadata
-from lazyckpt.loading.loader import KeySpec, MapLocation, load_path
+from lazyckpt.loading.loader import load_path
+from lazyckpt.loading.request import KeySpec, LoadRequest, MapLocation
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import FilePart, run_now
@@ -95,10 +96,14 @@ def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[Ke
     ``map_location`` works as in ``torch.load``. Pickled objects are refused
     unless ``allow_pickle=True``.
     """
+    request = LoadRequest(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle,
+                          strict=strict)
     path = os.fspath(path)
-    opts = resolve(options, **knobs)
-    kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
-    return load_path(path, for_path(path), opts, _resources(opts).readers, **kwargs)
+    return _load(path, request, resolve(options, **knobs))
+
+
+def _load(path: str, request: LoadRequest, opts: Options) -> Any:
+    return load_path(path, for_path(path), opts, _resources(opts).readers, request=request)
 
 
 def load_async(path: str, map_location: MapLocation = None, keys: Optional[Iterable[KeySpec]] = None,
@@ -108,9 +113,12 @@ def load_async(path: str, map_location: MapLocation = None, keys: Optional[Itera
     once; ``handle.wait()`` returns the state (or raises). With ``into``, do
     not use its tensors before the barrier (``handle.attach(optimizer)`` and
     ``handle.guard(model)`` install it as hooks). A path that does not exist
-    is refused here; every other error surfaces at the barrier."""
+    is refused here, and so are arguments of a wrong type or value; every
+    other error surfaces at the barrier."""
+    request = LoadRequest(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle,
+                          strict=strict)
     path = os.fspath(path)
     if not for_path(path).is_remote and not os.path.exists(path):     # a remote path costs a request: checked at the barrier
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
     opts = resolve(options, **knobs)
-    return RestoreHandle(lambda: load(path, map_location, keys, into, allow_pickle, strict, options=opts), path)
+    return RestoreHandle(lambda: _load(path, request, opts), path)

@@ -22,6 +22,7 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats.datafile import MAGIC
 from lazyckpt.knobs import Options, resolve, resolve_for
 from lazyckpt.loading.loader import _find_pickle, load_file
+from lazyckpt.loading.request import KeySpec, LoadRequest, MapLocation
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import FilePart, SaveEngine, SaveHandle
@@ -174,14 +175,18 @@ class AsyncFileWriter:
         """Drain every pending save, stop the thread, free the cache and remove the hooks."""
         self._engine.close(raise_errors=raise_errors)
 
-    def load(self, path: str, **kwargs: Any) -> Any:
-        """Load a file this (or any) writer produced, waiting for its pending save."""
+    def load(self, path: str, map_location: MapLocation = None, keys: Optional[List[KeySpec]] = None,
+             into: Any = None, allow_pickle: bool = False, strict: bool = True) -> Any:
+        """Load a file this (or any) writer produced, waiting for its pending
+        save; the options are ``lazyckpt.load``'s."""
+        request = LoadRequest(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle,
+                              strict=strict)
         path = file_location(path)
         self.wait(path, raise_errors=False)
         store = for_path(path)
         if not store.exists(path, self.options) or (not store.is_remote and not os.path.isfile(path)):
             raise CheckpointNotFoundError(f"{path}: no such checkpoint file", path=path)
-        return load_file(path, self.options, self._engine.resources.readers, store, **kwargs)
+        return load_file(path, self.options, self._engine.resources.readers, store, request)
 
     def _warn_pickles(self, tree: Any, path: str) -> None:
         if self._warned_pickles:

@@ -65,6 +65,7 @@ from lazyckpt.distributed import RankInfo, agree, depart, rank_info, refuse
 from lazyckpt.errors import CheckpointError
 from lazyckpt.knobs import Options, resolve
 from lazyckpt.loading.loader import _find_pickle, load_file
+from lazyckpt.loading.request import LoadRequest
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.engine import CommitStrategy, FilePart, Job, SaveEngine
 from lazyckpt.state.providers import flatten, register_provider
@@ -198,8 +199,8 @@ class LazyCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         self.wait()                         # read-your-writes: this engine's pending tags first
         if is_lazyckpt_file(path):
-            return load_file(path, self.options, self._engine.resources.readers, for_path(path), map_location=map_location,
-                             allow_pickle=self.allow_pickle)
+            request = LoadRequest(map_location=map_location, allow_pickle=self.allow_pickle)
+            return load_file(path, self.options, self._engine.resources.readers, for_path(path), request)
         # torch.save zips (this engine's default format, or DeepSpeed's own engine's):
         # weights_only, with DeepSpeed's few state classes allowed (the loss scaler, the
         # ZeRO stage enum, fragment_address) unless allow_pickle.

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -27,29 +27,15 @@ from lazyckpt.storage.base import Store
 from .graft import graft_missing, grafted_node, restrict_to
 from .into import direct_fills, fill_into, staged_entries, unfilled_tensors
 from .reader import CheckpointFile, RefResolver, resolver_for
+from .request import DEFAULT, KeySpec, LoadRequest, MapLocation  # noqa: F401  (KeySpec, MapLocation: re-exported)
 from .stepfiles import StepFiles, plain_into_dtensor, slice_loader
 
 log = logging.getLogger("lazyckpt")
 
-MapLocation = Union[None, str, torch.device, Dict[str, str], Callable[..., Any]]
-KeySpec = Union[str, Tuple[Any, ...]]
-
-
-def _normalize_keys(keys: Iterable[KeySpec]) -> list:
-    if isinstance(keys, (str, tuple)):
-        keys = [keys]
-    out = []
-    for k in keys:
-        out.append(tuple(k) if isinstance(k, tuple) else (k,))
-        if not out[-1]:
-            raise ValueError("an empty key path selects nothing")
-    return out
-
-
-def select(tree: Any, keys: Iterable[KeySpec], ctx: LoadContext) -> Any:
-    """The part of ``tree`` reached by the key paths, keeping its nesting."""
-    paths = _normalize_keys(keys)
-    return _select(tree, paths, ctx, ())
+def select(tree: Any, paths: Iterable[Tuple[Any, ...]], ctx: LoadContext) -> Any:
+    """The part of ``tree`` reached by the key paths (``LoadRequest.keys``:
+    normalized), keeping its nesting."""
+    return _select(tree, list(paths), ctx, ())
 
 
 def _select(node: Any, paths: list, ctx: LoadContext, trail: tuple) -> Any:
@@ -172,17 +158,18 @@ def _storage_mapper(map_location: MapLocation) -> Callable[[torch.UntypedStorage
     return mapper
 
 
-def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, store: Store, **kwargs: Any) -> Any:
+def load_file(path: str, options: Options, pool: cf.ThreadPoolExecutor, store: Store,
+              request: LoadRequest = DEFAULT) -> Any:
     """Load one checkpoint file (written by a single rank) on ``store`` (the
-    caller's: looked up once, where the path entered)."""
+    caller's: looked up once, where the path entered), as ``request`` asks."""
     # A lone file inside DIR/step_X/ may refer to DIR's earlier steps (where the store holds references).
     refs = resolver_for(path, options) if store.holds_references else contextlib.nullcontext(None)
     with _os_errors_as_read_errors(path), refs as refs:
-        return load_tree(CheckpointFile(path, options, refs, store=store), None, pool, **kwargs)
+        return load_tree(CheckpointFile(path, options, refs, store=store), None, pool, request)
 
 
 def load_step(path: str, manifest: Optional[Dict[str, Any]], options: Options, pool: cf.ThreadPoolExecutor,
-              rank: Optional[int] = None, *, store: Store, **kwargs: Any) -> Any:
+              rank: Optional[int] = None, *, store: Store, request: LoadRequest = DEFAULT) -> Any:
     """Load a committed step on ``store`` (its parsed manifest, or None to
     read it here, under the hold).
 
@@ -204,7 +191,7 @@ def load_step(path: str, manifest: Optional[Dict[str, Any]], options: Options, p
             if rank is None:
                 rank = _current_rank()
             step = StepFiles(path, manifest, options, refs, store=store)
-            return load_tree(step.file(rank % manifest["world_size"]), step, pool, **kwargs)
+            return load_tree(step.file(rank % manifest["world_size"]), step, pool, request)
         except (CheckpointError, OSError) as exc:
             if not held.still_there():
                 raise held.deleted() from exc
@@ -246,16 +233,18 @@ class _os_errors_as_read_errors:
                                   errno_=exc.errno) from exc
 
 
-def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoolExecutor, *,
-              map_location: MapLocation = None, keys: Optional[Iterable[KeySpec]] = None,
-              into: Any = None, allow_pickle: bool = False, strict: bool = True) -> Any:
-    """Rebuild the state described by ``f``'s tree. ``step`` resolves entries
+def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoolExecutor,
+              request: LoadRequest = DEFAULT) -> Any:
+    """Rebuild the state described by ``f``'s tree, as ``request`` asks
+    (its fields, checked when it was built). ``step`` resolves entries
     held by other ranks' files and DTensor shards (multi-rank checkpoints).
     With ``into``, every tensor of ``into`` (under ``keys``, if given) must get
     a value from the checkpoint: otherwise ``MissingKeyError`` is raised before
     anything is read or filled, unless ``strict=False`` (then a warning names
     what kept its old value)."""
     path = f.path
+    map_location, keys, into = request.map_location, request.keys, request.into
+    allow_pickle, strict = request.allow_pickle, request.strict
     storages: Dict[int, torch.UntypedStorage] = {}
     kinds: Dict[int, str] = {}
     mapped: Dict[int, torch.UntypedStorage] = {}
@@ -276,8 +265,6 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     ctx = LoadContext(entry_value=entry_value, storage=storage, allow_pickle=allow_pickle, path=path)
     tree = f.footer.tree
     graft: Dict[int, Tuple[CheckpointFile, int]] = {}
-    if keys is not None:
-        keys = _normalize_keys(keys)
     if step is not None and (into is not None or keys is not None):
         try:
             tree = graft_missing(tree, f, step, into, keys, ctx, graft)
@@ -422,15 +409,17 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
 
 
 def load_path(path: str, store: Store, options: Options, pool: cf.ThreadPoolExecutor, rank: Optional[int] = None,
-              **kwargs: Any) -> Any:
+              *, request: LoadRequest = DEFAULT) -> Any:
     """Load what ``path`` designates on ``store`` (``Store.locate``): one data
-    file, a committed step, or the latest step of a Checkpointer directory."""
+    file, a committed step, or the latest step of a Checkpointer directory,
+    as ``request`` asks."""
     for attempt in range(3):
         located = store.locate(path, options)
         if located.kind == "file":
-            return load_file(located.path, options, pool, store, **kwargs)
+            return load_file(located.path, options, pool, store, request)
         try:
-            return load_step(located.step_path, None, options, pool, rank, store=store, **kwargs)   # its manifest: read under the hold
+            return load_step(located.step_path, None, options, pool, rank, store=store,
+                             request=request)   # its manifest: read under the hold
         except CheckpointNotFoundError:
             # The latest step, read from where its commit left it before the rename, moved
             # under its name meanwhile: found again there.
