@@ -210,6 +210,15 @@ def check_metadata(metadata: Dict[str, Any], policies: Iterable[Tuple[str, Optio
                              f"ranks steps by; pass save(..., metadata={{{example}}})")
 
 
+def saved_metadata(manifest: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``metadata=`` a save recorded, from its parsed manifest (without the
+    ``step`` the Checkpointer adds to it)."""
+    recorded = manifest.get("metadata")
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: v for k, v in recorded.items() if k != "step"}
+
+
 # --------------------------------------------------------------------------- the one rule storage applies
 
 
@@ -267,4 +276,4 @@ def plan(policy: Optional[Policy], steps: List[int], metadata: Callable[[int], D
 
 
 __all__ = ["StepInfo", "Policy", "KeepLast", "KeepEvery", "KeepBest", "AnyOf", "as_policy", "keeps_superseded",
-           "missing_metrics", "check_metadata", "Plan", "plan", "need"]
+           "missing_metrics", "check_metadata", "saved_metadata", "Plan", "plan", "need"]

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from lazyckpt.errors import CheckpointError
 from lazyckpt.knobs import resolve as resolve_options
+from lazyckpt.retention import KeepLast
 from lazyckpt.storage.stores import for_path
 from .inspect import list_directory
 
@@ -47,7 +48,8 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
         options = dataclasses.replace(options, lease_expiry_s=0.0)
     layout = store.checkpoint_dir(directory, options)
     rows = {r["step"]: r for r in listing["steps"]}
-    doomed, referred = layout.retention_plan(keep)       # newest first; referred-to steps stay
+    policy = KeepLast(keep)
+    doomed, referred = layout.retention_plan(policy)     # newest first; referred-to steps stay
     actions: List[PruneAction] = [PruneAction(rows[s]["name"], "step", rows[s]["bytes"], s)
                                   for s in doomed if s in rows]
     kept_leftovers, removable = [], []
@@ -62,7 +64,7 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
         # The library's own retention: newest first, a step being read stays and
         # so does every step it refers to.
         try:
-            deleted = set(layout.retire_old(keep)[0])       # (a set: one lookup per step)
+            deleted = set(layout.retire_old(policy)[0])     # (a set: one lookup per step)
         except CheckpointError as exc:
             deleted = set()
             for action in actions:

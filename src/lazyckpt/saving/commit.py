@@ -30,6 +30,7 @@ from lazyckpt.errors import CheckpointError
 from lazyckpt.formats import datafile, manifest
 from lazyckpt.history import Event
 from lazyckpt.knobs import Options, resolve
+from lazyckpt.retention import Policy, keeps_superseded
 from lazyckpt.storage.base import Directory, Output, PendingFile, Store
 from lazyckpt.storage.sidefiles import new_token
 from .costs import merge
@@ -101,7 +102,7 @@ class StepCommit(CommitStrategy):
     commit round, and the manifest lists what it planned."""
 
     def __init__(self, layout: Directory, dist: RankInfo, step: int, call: int, *,
-                 keep_last: Optional[int], metadata: Dict[str, Any], heartbeat_s: float,
+                 keep: Optional[Policy], metadata: Dict[str, Any], heartbeat_s: float,
                  history: Any = None, options: Optional[Options] = None, job: Any = None,
                  job_round: bool = False):
         self.layout = layout
@@ -114,7 +115,8 @@ class StepCommit(CommitStrategy):
         self.dist = dist
         self.step = step
         self.call = call
-        self.keep_last = keep_last
+        #: The directory's retention policy (None: keep every step, superseded ones aside).
+        self.keep = keep
         self.metadata = metadata            # the user's, as it goes into the manifest
         self.heartbeat_s = heartbeat_s
         self.key = f"c{call}"
@@ -232,7 +234,7 @@ class StepCommit(CommitStrategy):
         if self.job_round and self.seq is not None:
             # Phase one: durable and marked here, the line unchanged; no node commits
             # before every node is here (a crash from now on is decided at the next open).
-            self.pending.prepare(raw, Event(self.step, self.save_id, self.seq), self.keep_last is None)
+            self.pending.prepare(raw, Event(self.step, self.save_id, self.seq), keeps_superseded(self.keep))
             self.job.prepared(self.call, self.step)
         self._publish(raw)
         return planner.outcome(done)
@@ -250,7 +252,7 @@ class StepCommit(CommitStrategy):
 
     def _publish(self, raw: bytes) -> None:
         event = Event(self.step, self.save_id, self.seq) if self.seq is not None else None
-        self.pending.publish(raw, event, keep_superseded=self.keep_last is None)
+        self.pending.publish(raw, event, keep_superseded=keeps_superseded(self.keep))
 
     def _refuse_unreported(self, error: BaseException) -> None:
         """A failed job: if this rank has not reported to the commit round, the
@@ -274,7 +276,7 @@ class StepCommit(CommitStrategy):
             return
         if self.costs is not None:
             self.costs[0].committed(self.step, self.cost)
-        self.layout.apply_retention(self.keep_last)
+        self.layout.apply_retention(self.keep)
         # Superseding made the step just committed the newest one.
         self.layout.write_latest(self.step)
         self.layout.tidy()              # what needs another look, not a listing (issue 34)

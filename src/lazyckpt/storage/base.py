@@ -317,8 +317,12 @@ class Directory(Protocol):
     def write_latest(self, step: int) -> None:
         """Record ``step`` as the advisory ``latest`` (readers trust the listing)."""
 
-    def apply_retention(self, keep_last: Optional[int]) -> List[int]:
-        """Delete all but the ``keep_last`` newest steps; return those deleted."""
+    def apply_retention(self, policy: Any) -> List[int]:
+        """Delete the steps ``policy`` (a ``lazyckpt.retention`` policy, an int for
+        ``KeepLast``, or None: keep every step) does not keep -- as
+        ``retention.plan`` decides: never the newest, never one a kept step
+        refers to -- and the superseded steps unless ``retention.keeps_superseded``;
+        a step being read stays until a later pass. Returns those deleted."""
 
     def reading(self, step: int) -> ContextManager[Any]:
         """Hold committed ``step`` while it is read or sent to another tier (not
@@ -399,11 +403,11 @@ class Directory(Protocol):
         name -> None when gone, or why it was kept. One that became live since
         it was listed stays where the store can tell."""
 
-    def retention_plan(self, keep: int) -> Tuple[List[int], List[int]]:
-        """(steps to delete to keep the ``keep`` newest, newest first; older steps
+    def retention_plan(self, policy: Any) -> Tuple[List[int], List[int]]:
+        """(steps ``policy`` does not keep, to delete newest first; older steps
         kept because a kept step refers to them)."""
 
-    def retire_old(self, keep: int) -> Tuple[List[int], List[int]]:
+    def retire_old(self, policy: Any) -> Tuple[List[int], List[int]]:
         """Apply :meth:`retention_plan`: (deleted, kept because referred to or
         being read)."""
 

@@ -23,12 +23,13 @@ import re
 import shutil
 import threading
 import time
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, PREPARED, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
 from lazyckpt.history import Committing, Event, event_problem, manifest_event
+from lazyckpt.retention import Plan, Policy, as_policy, keeps_superseded, need, plan, saved_metadata
 from lazyckpt.storage.record import LocalRecord
 from .scan import BackgroundScan
 from .base import Leftover, StepRecord
@@ -120,10 +121,11 @@ class CheckpointDir:
     def __init__(self, path: str, lease_expiry_s: float = DEFAULT_EXPIRY_S):
         self.path = os.path.abspath(os.fspath(path))
         self.lease_expiry_s = lease_expiry_s
-        #: (step, the manifest's inode, mtime, ctime, size) -> its references: a committed
-        #: manifest never changes in place, so retention parses each one once, not
-        #: every kept step's at every commit (keep_last=K cost K parses a commit).
-        self._references: Dict[Tuple[int, int, int, int, int], Optional[List[int]]] = {}
+        #: (step, the manifest's inode, mtime, ctime, size) -> (its references, its save's
+        #: metadata): a committed manifest never changes in place, so retention parses each
+        #: one once, not every kept step's at every commit (a policy keeping K steps would
+        #: cost K parses a commit). Bounded by the steps present (:meth:`_plan`).
+        self._manifests: Dict[Tuple[int, int, int, int, int], Tuple[Optional[List[int]], Dict[str, Any]]] = {}
         #: The writer lease this process holds here (``WriterLease``), checked at every commit.
         self.writer: Optional["WriterLease"] = None
         self._lock_depth = 0
@@ -420,73 +422,77 @@ class CheckpointDir:
 
     # ---------------------------------------------------------------- retention
 
-    def apply_retention(self, keep_last: Optional[int]) -> List[int]:
-        """Delete all but the ``keep_last`` newest steps -- except steps a kept
-        step refers to (incremental checkpoints) -- and abandoned steps. A step
+    def apply_retention(self, policy: Union[None, int, Policy]) -> List[int]:
+        """Delete the steps ``policy`` does not keep (None: keep every step) --
+        never the newest, never a step a kept step refers to (incremental
+        checkpoints) -- and, unless the policy keeps superseded steps
+        (``retention.keeps_superseded``), those a rollback set aside. A step
         another process is reading is kept until a later pass."""
-        if keep_last is None:
+        policy = as_policy(policy)
+        if policy is None:
             return []
-        deleted, _kept = self.retire_old(keep_last)
-        for leftover in self.leftovers():
-            if leftover.kind == "abandoned":
-                self._remove_trash(os.path.join(self.path, leftover.name))
+        deleted, _kept = self.retire_old(policy)
+        if not keeps_superseded(policy):
+            for leftover in self.leftovers():
+                if leftover.kind == "abandoned":
+                    self._remove_trash(os.path.join(self.path, leftover.name))
         return deleted
 
-    def references(self, step: int) -> Optional[List[int]]:
-        """The earlier steps whose files hold bytes of ``step`` (its manifest);
-        None if the manifest cannot be read (then it may need any of them)."""
+    def _manifest_facts(self, step: int) -> Tuple[Optional[List[int]], Dict[str, Any]]:
+        """(the earlier steps ``step`` refers to, or None if its manifest cannot be
+        read; its save's metadata), parsed once per manifest (``_manifests``)."""
         path = os.path.join(self.step_path(step), MANIFEST)
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            return []                                  # gone meanwhile: needs nothing
+            return [], {}                              # gone meanwhile: needs nothing
         key = (step, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
-        if key in self._references:
-            return self._references[key]
+        if key in self._manifests:
+            return self._manifests[key]
         raw = read_small_file(path, manifests.MAX_MANIFEST_BYTES)
         if raw is None:
-            return []
+            return [], {}
         try:
-            refs: Optional[List[int]] = manifests.references(manifests.parse(raw, self.step_path(step)))
+            parsed = manifests.parse(raw, self.step_path(step))
+            facts: Tuple[Optional[List[int]], Dict[str, Any]] = (manifests.references(parsed),
+                                                                 saved_metadata(parsed))
         except Exception:                              # unreadable: assume it needs everything older
-            refs = None
-        self._references[key] = refs
-        return refs
+            facts = (None, {})
+        self._manifests[key] = facts
+        return facts
 
-    def retention_plan(self, keep: int) -> Tuple[List[int], List[int]]:
+    def references(self, step: int) -> Optional[List[int]]:
+        """The earlier steps whose files hold bytes of ``step`` (its manifest);
+        None if the manifest cannot be read (then it may need any of them)."""
+        return self._manifest_facts(step)[0]
+
+    def step_metadata(self, step: int) -> Dict[str, Any]:
+        """The ``metadata=`` the save of committed ``step`` recorded ({} if unreadable)."""
+        return self._manifest_facts(step)[1]
+
+    def retention_plan(self, policy: Union[None, int, Policy]) -> Tuple[List[int], List[int]]:
         """(steps to delete, newest first; older steps kept because a kept step
         refers to them). Deleting newest first never leaves a remaining step
         referring to a deleted one, whatever instant a crash hits."""
-        return self._plan(keep)[1:]
+        found = self._plan(as_policy(policy))
+        return found.doomed, found.referred
 
-    def _plan(self, keep: int) -> Tuple[List[int], List[int], List[int]]:
-        """(every step, from one listing; then :meth:`retention_plan`'s answer)."""
+    def _plan(self, policy: Optional[Policy]) -> Plan:
+        """:func:`lazyckpt.retention.plan` over every step, from one listing."""
         steps = self.steps()
         present = set(steps)
-        for key in [k for k in list(self._references) if k[0] not in present]:
-            del self._references[key]                  # bounded by the steps present
-        kept = steps[-keep:]
-        needed = set(kept)
-        for step in sorted(kept, reverse=True):
-            self._need(step, needed, steps)
-        doomed = [s for s in reversed(steps) if s not in needed]
-        return steps, doomed, sorted(needed - set(kept))
+        for key in [k for k in list(self._manifests) if k[0] not in present]:
+            del self._manifests[key]                   # bounded by the steps present
+        return plan(policy, steps, self.step_metadata, self.references)
 
     def _need(self, step: int, needed: set, steps: List[int]) -> None:
-        todo = [step]
-        while todo:
-            current = todo.pop()
-            refs = self.references(current)
-            for r in ([s for s in steps if s < current] if refs is None else refs):
-                if r not in needed:
-                    needed.add(r)
-                    todo.append(r)
+        need([step], needed, steps, self.references)
 
-    def retire_old(self, keep: int) -> Tuple[List[int], List[int]]:
+    def retire_old(self, policy: Union[None, int, Policy]) -> Tuple[List[int], List[int]]:
         """Apply ``retention_plan``: returns (deleted, kept because referred to
         or being read)."""
-        steps, doomed, referred = self._plan(keep)
-        needed = set(steps) - set(doomed)
+        steps, _kept, needed, doomed, referred = self._plan(as_policy(policy))
+        needed = set(needed)
         deleted, kept = [], list(referred)
         for step in doomed:                            # newest first
             if step in needed:                         # a busy step below needs it
@@ -535,8 +541,8 @@ class CheckpointDir:
         finally:
             if fd is not None:
                 os.close(fd)
-        for key in [k for k in list(self._references) if k[0] == step]:
-            del self._references[key]   # a step committed again under this number is parsed anew
+        for key in [k for k in list(self._manifests) if k[0] == step]:
+            del self._manifests[key]    # a step committed again under this number is parsed anew
         return trash
 
     def _remove_trash(self, trash: str) -> None:

@@ -23,7 +23,7 @@ import json
 import logging
 import re
 import threading
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple, Union
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
@@ -31,6 +31,7 @@ from lazyckpt.formats.names import LATEST, MANIFEST, rank_filename, step_dirname
 from lazyckpt.history import (EVENTS_PREFIX, Event, event_key, event_problem, line, manifest_event, max_seq,
                               parse_event_key, prunable)
 from lazyckpt.knobs import Options
+from lazyckpt.retention import Plan, Policy, as_policy, plan, saved_metadata
 from .scan import BackgroundScan
 from .base import Leftover, StepRecord
 from .s3leases import FENCES, LEASE_PREFIX, READERS, ObjectLease, ObjectWriterLease, reading_object_step
@@ -66,6 +67,9 @@ class ObjectCheckpointDir:
         self._watch: set = set()
         self._watch_mutex = threading.Lock()
         self._scan = BackgroundScan(self.clean_leftovers, self.url)
+        #: (step, save id) -> the metadata its save recorded, for the policies that rank
+        #: by it: read once per save; bounded by the steps present (:meth:`_plan`).
+        self._metadata: Dict[Tuple[int, str], Dict[str, Any]] = {}
 
     def _key(self, *names: str) -> str:
         return "/".join(([self.prefix] if self.prefix else []) + list(names))
@@ -399,22 +403,56 @@ class ObjectCheckpointDir:
             return False
         return self._drop(step, committed[step], even_if_read)
 
-    def apply_retention(self, keep_last: Optional[int]) -> List[int]:
-        if keep_last is None:
+    def apply_retention(self, policy: Union[None, int, Policy]) -> List[int]:
+        """Delete the committed steps ``policy`` does not keep (None: keep every
+        step; never the newest), newest first, and the saves a rollback
+        abandoned here whatever the policy (superseded steps are never kept
+        aside on an object store); a step being read stays until a later pass."""
+        policy = as_policy(policy)
+        if policy is None:
             return []
         committed, events = self.listing()
-        # Counted on the line of history: an abandoned save left here (its
+        # Decided on the line of history: an abandoned save left here (its
         # superseding step still uploading) is no kept step; it goes too.
         live = dict(line(events + [Event(s, sid, None) for s, sid in committed.items()]))
-        kept = set([s for s in sorted(committed) if live.get(s) == committed[s]][-keep_last:])
-        old = [s for s in sorted(committed) if s not in kept]
+        on_line = {s: sid for s, sid in committed.items() if live.get(s) == sid}
+        doomed = set(self._plan(policy, on_line).doomed) | {s for s in committed if s not in on_line}
         # A step being read (a live reader lease) stays until a later pass.
+        old = sorted(doomed, reverse=True)
         busy = [s for s in old if not self._drop(s, committed[s], even_if_read=False)]
         if busy:
             log.info("lazyckpt: %s: step(s) %s are being read; deleting them later", self.url, busy)
-        old = [s for s in old if s not in busy]
         self.prune_events()
-        return old
+        return sorted(s for s in old if s not in busy)
+
+    def _plan(self, policy: Optional[Policy], committed: Dict[int, str]) -> Plan:
+        """:func:`lazyckpt.retention.plan` over ``committed`` (step -> save id, from
+        one listing). No step refers to another here (incremental steps are
+        local only). A save's metadata is read (one GET) only when the policy
+        ranks by it, once per save: a save id's manifest never changes."""
+        present = set(committed.items())
+        for key in [k for k in self._metadata if k not in present]:
+            del self._metadata[key]                     # bounded by the steps present
+        return plan(policy, sorted(committed), lambda step: self._saved_metadata(step, committed[step]))
+
+    def _saved_metadata(self, step: int, save_id: str) -> Dict[str, Any]:
+        key = (step, save_id)
+        found = self._metadata.get(key)
+        if found is not None:
+            return found
+        # A store that fails the GET fails the pass (raised): guessing {} would
+        # delete a step the policy keeps.
+        raw = self.store.get(self._key(step_dirname(step), save_id, MANIFEST), manifests.MAX_MANIFEST_BYTES)
+        if raw is None:
+            return {}                           # deleted meanwhile: nothing to keep
+        try:
+            found = saved_metadata(manifests.parse(raw, f"{self.save_url(step, save_id)}/{MANIFEST}"))
+        except CheckpointError as exc:          # damaged: never among the best (a load of it fails too)
+            log.warning("lazyckpt: %s: step %d: its metadata cannot be read for retention: %s", self.url,
+                        step, exc)
+            found = {}
+        self._metadata[key] = found
+        return found
 
     # ---------------------------------------------------------------- leftovers
 
@@ -565,17 +603,18 @@ class ObjectCheckpointDir:
                 out[lo.name] = "written to since it was listed (a save may be in progress); kept"
         return out
 
-    def retention_plan(self, keep: int, committed: Optional[Dict[int, str]] = None) -> Tuple[List[int], List[int]]:
-        """No references here (incremental steps are local only): the older steps, newest first."""
-        steps = sorted(self.committed() if committed is None else committed)
-        return list(reversed(steps[:-keep] if keep else steps)), []
+    def retention_plan(self, policy: Union[None, int, Policy],
+                       committed: Optional[Dict[int, str]] = None) -> Tuple[List[int], List[int]]:
+        """(the steps ``policy`` does not keep, newest first; [] -- no step refers
+        to another here: incremental steps are local only)."""
+        return self._plan(as_policy(policy), self.committed() if committed is None else committed).doomed, []
 
-    def retire_old(self, keep: int) -> Tuple[List[int], List[int]]:
+    def retire_old(self, policy: Union[None, int, Policy]) -> Tuple[List[int], List[int]]:
         """Each step's manifest first, then its data; a step with a live reader
         lease stays, as a locked one does locally. Then the history events of
         the deleted steps (FORMAT.md §11.10)."""
         committed = self.committed()        # one listing for every step (one per step made
-        doomed, _ = self.retention_plan(keep, committed)     # a prune of N steps list N times)
+        doomed, _ = self.retention_plan(policy, committed)   # a prune of N steps list N times)
         deleted, kept = [], []
         for step in doomed:
             if self._drop(step, committed[step], even_if_read=False) or step not in self.committed():

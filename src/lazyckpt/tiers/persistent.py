@@ -12,13 +12,14 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Union
 
 from lazyckpt.distributed import agree
 from lazyckpt.errors import CheckpointError, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, rank_filename
 from lazyckpt.history import Event, line, max_seq
 from lazyckpt.knobs import Options
+from lazyckpt.retention import Policy, as_policy, keeps_superseded
 from lazyckpt.saving.tierstate import PERSISTENT
 from lazyckpt.storage.fileio import anonymous_buffer, open_for_read, pread_into
 from lazyckpt.storage.base import Store
@@ -87,8 +88,9 @@ class PersistentTier(NewestWinsDrain):
     choice_what = "the coordinator's choice of step to persist"
     choice_of = "persist"
 
-    def __init__(self, store: Store, url: str, options: Options, dist: Any, keep_last: Optional[int]):
-        """``store``: ``url``'s, looked up by the Checkpointer that was given it."""
+    def __init__(self, store: Store, url: str, options: Options, dist: Any, keep: Union[None, int, Policy]):
+        """``store``: ``url``'s, looked up by the Checkpointer that was given it;
+        ``keep``: this tier's own retention policy (None: keep every step)."""
         if not store.is_remote:
             # Its saves need no directory created before the ranks upload (and the
             # Checkpointer refuses a local persist_to before it gets here).
@@ -105,7 +107,7 @@ class PersistentTier(NewestWinsDrain):
         self.dir = store.checkpoint_dir(self.url, options)
         super().__init__(dist, self.url)
         self.options = options
-        self.keep_last = keep_last
+        self.keep = as_policy(keep, "Persist(keep)")
         self._stop = threading.Event()
         self._limit = RateLimit(options.persist_bandwidth)
         self._pool = cf.ThreadPoolExecutor(max(1, options.writer_threads), thread_name_prefix="lazyckpt-persist")
@@ -256,7 +258,8 @@ class PersistentTier(NewestWinsDrain):
                     raise CheckpointError(f"step {item.step} was abandoned by a rollback while it uploaded")
                 with open(os.path.join(item.local_path, MANIFEST), "rb") as f:
                     raw = f.read()
-                pending.publish(raw, None, keep_superseded=False)    # its event went up at enqueue
+                # Its event went up at enqueue. (A store has no place to keep superseded steps aside.)
+                pending.publish(raw, None, keep_superseded=keeps_superseded(self.keep))
             if d.distributed:
                 agree(d, key, report, item.step, commit)
                 if not report["ok"]:
@@ -265,7 +268,7 @@ class PersistentTier(NewestWinsDrain):
                 commit({0: report})
             if d.coordinator:
                 try:
-                    self.dir.apply_retention(self.keep_last)
+                    self.dir.apply_retention(self.keep)
                     self.dir.write_latest(item.step)
                 except CheckpointError as exc:
                     log.warning("lazyckpt: %s: step %d persisted, tidying up failed: %s", self.url, item.step, exc)
