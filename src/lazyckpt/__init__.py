@@ -24,6 +24,8 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadErr
                      CorruptCheckpointError, MissingKeyError, StateMismatchError,
                      UnsafeObjectError, UnsupportedVersionError)
 from .knobs import Options
+from .preemption import Preemption
+from .schedule import Auto, Every
 from .study import diff, trajectory
 
 __version__ = "0.1.0"
@@ -33,4 +35,5 @@ __all__ = [
     "CheckpointError", "CorruptCheckpointError", "CheckpointNotFoundError",
     "UnsupportedVersionError", "UnsafeObjectError", "CheckpointWriteError", "CheckpointReadError",
     "MissingKeyError", "StateMismatchError", "FORMAT_VERSION", "SUPPORTED_VERSIONS",
+    "Every", "Auto", "Preemption",
 ]
