@@ -14,6 +14,8 @@ import os
 import re
 from typing import Any, Dict, Optional, Tuple, Union
 
+from .sizes import parse_size as parse_size_of
+
 MiB = 1 << 20
 #: "content" (True) compares the bytes; "version-counters" trusts torch's version
 #: counters, which many in-place writers do not bump (lazyckpt/saving/incremental.py).
@@ -102,6 +104,10 @@ class Options:
     advise_mtbf: Any = ""
 
     def __post_init__(self) -> None:
+        for name in SIZE_FIELDS:
+            object.__setattr__(self, name, parse_size_of(getattr(self, name), name))
+        if isinstance(self.lease_expiry_s, str):
+            object.__setattr__(self, "lease_expiry_s", _duration_of(self.lease_expiry_s, "lease_expiry_s"))
         for name in ("writer_threads", "reader_threads", "max_pending_saves"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -169,10 +175,35 @@ class Options:
 _FIELDS = {f.name for f in dataclasses.fields(Options)}
 
 
+#: Options fields that are sizes: an int, or a string with a unit (lazyckpt/sizes.py).
+SIZE_FIELDS = ("host_cache_bytes", "chunk_bytes", "max_footer_bytes", "persist_bandwidth")
+#: A field's variable is LAZYCKPT_<FIELD>; these fields also take the name of
+#: their option group's field (lazyckpt/options.py IO), which wins when both are set.
+ENV_ALIASES = {"queue_policy": "WHEN_FULL", "exit_policy": "AT_EXIT", "lease_expiry_s": "LEASE_EXPIRY"}
+
+
+def _duration_of(value: Any, name: str) -> float:
+    try:
+        return float(value)          # a bare number is seconds, as it always was here
+    except ValueError:
+        pass
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
 def _env_value(name: str, default: Any) -> Any:
-    raw = os.environ.get("LAZYCKPT_" + name.upper())
+    variable = "LAZYCKPT_" + name.upper()
+    if name in ENV_ALIASES and "LAZYCKPT_" + ENV_ALIASES[name] in os.environ:
+        variable = "LAZYCKPT_" + ENV_ALIASES[name]
+    raw = os.environ.get(variable)
     if raw is None:
         return default
+    if name in SIZE_FIELDS:
+        return parse_size_of(raw, variable)
+    if name == "lease_expiry_s":
+        return _duration_of(raw, variable)
     if isinstance(default, bool):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if isinstance(default, int):
@@ -215,15 +246,10 @@ def resolve_for(integration: str, refused: Dict[str, str], **knobs: Any) -> Opti
     return resolve(None, **{k: v for k, v in knobs.items() if not (k in refused and k not in _FIELDS)})
 
 
-def parse_size(text: str) -> int:
-    """'256M', '1G', '1.5GiB', '4096', '512k' -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"bad size {text!r} (examples: 256M, 1G, 1.5GiB, 4096)")
-    value = float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2).lower() or " ")))
-    if value < 1:
-        raise ValueError(f"size must be at least 1 byte, got {text!r}")
-    return int(value)
+def parse_size(text: Any, name: str = "size") -> int:
+    """'256M', '1.5GiB', '4096' -> bytes, at least 1 (lazyckpt.sizes.parse_size:
+    a unit alone or with iB is binary, with B alone decimal: '5GB' is 5e9)."""
+    return parse_size_of(text, name, minimum=1)
 
 
 _UNITS = {"s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "mins": 60,
