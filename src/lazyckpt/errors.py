@@ -84,6 +84,14 @@ class CheckpointReadError(CheckpointError, OSError):
         return Exception.__str__(self)
 
 
+class WrongReaderError(CheckpointError, AttributeError):
+    """A checkpoint was handed to a reader of another format (DCP's default
+    ``FileSystemReader`` given what ``LazyStorageWriter`` wrote in lazyckpt's
+    format); the message names the reader to use. An ``AttributeError`` too,
+    since that reader asked the checkpoint's metadata for a field it lacks:
+    code that probes with ``hasattr`` sees a missing field, as before."""
+
+
 class StateMismatchError(CheckpointError):
     """``into=`` holds a tensor whose shape or dtype differs from the checkpoint."""
 

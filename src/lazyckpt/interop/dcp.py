@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from lazyckpt import api
-from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError
+from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeObjectError,
+                             WrongReaderError)
 from lazyckpt.formats.datafile import ALIGNMENT, align_up
 from lazyckpt.knobs import resolve
 from lazyckpt.saving.torchzip import fast_crc32
@@ -49,6 +50,30 @@ class LazyStorageInfo:
     """Where one DCP item lives: a lazyckpt file of the checkpoint and its key."""
     relative_path: str
     key: str
+
+    # DCP's default reader (FileSystemReader) takes every storage entry for its own
+    # _StorageInfo and first asks it for the byte range of the item in its file
+    # (offset, length, then transform_descriptors): there, instead of an AttributeError
+    # from inside torch, the error says which reader reads this checkpoint.
+    @property
+    def offset(self) -> Any:
+        raise self._wrong_reader("offset")
+
+    @property
+    def length(self) -> Any:
+        raise self._wrong_reader("length")
+
+    @property
+    def transform_descriptors(self) -> Any:
+        raise self._wrong_reader("transform_descriptors")
+
+    def _wrong_reader(self, field: str) -> WrongReaderError:
+        return WrongReaderError(
+            f"{self.relative_path}: this DCP checkpoint was written by lazyckpt's LazyStorageWriter in "
+            f"lazyckpt's file format, which DCP's default reader (FileSystemReader) cannot read (it asked "
+            f"for the {field!r} of a DCP data file). Load it with dcp.load(state_dict, storage_reader="
+            f"lazyckpt.integrations.dcp.LazyStorageReader(path)), or write checkpoints that plain dcp.load "
+            f"reads with LazyStorageWriter(path, file_format=\"dcp\")", path=self.relative_path)
 
 
 # Pickled (into .metadata, and between ranks by DCP's planning) under its home until issue 23,
