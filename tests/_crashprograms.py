@@ -172,6 +172,30 @@ def takeover_program() -> Program:
     return Program("takeover-save", prepare, _save_run(3, NEW, takeover=True), [before, after])
 
 
+def preempted_save_program() -> Program:
+    """A loop saving with ``interval=Every(steps=2)`` and ``preemption=True`` gets
+    SIGTERM at step 3: ``should_save(3)`` says save (the interval would not),
+    the ``save()`` of step 3 returns once it is committed, and the loop stops.
+    The operation is that loop: after it returns (power mode's last point), step 3
+    must be there; the close is not counted."""
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        import signal
+        import lazyckpt
+        ck = _ck(ctx, interval=lazyckpt.Every(steps=2), preemption=True)
+        with icp.operation():
+            for step in (3, 4):
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if ck.should_save(step):
+                    ck.save(NEW, step=step)
+                if ck.preempted:
+                    break
+        ck.close()
+    before = World("before", 2, _line(2), (1, 2))
+    after = World("after", 3, {**_line(2), 3: NEW}, (1, 2, 3))
+    return Program("preempted-save", _prepare_line(2), run, [before, after])
+
+
 def lightning_s3_program() -> Program:
     """``LazyCheckpointIO`` on an ``s3://`` dirpath as ``ModelCheckpoint(save_top_k=1,
     save_last=True)`` drives it for a new step: the new top-k object, last.ckpt's
@@ -343,7 +367,8 @@ TOPK = "epoch=0-step={}.ckpt"
 def local_programs() -> List[Program]:
     return [save_program(None), save_program(2), rollback_program(None), rollback_program(2),
             incremental_program(None), incremental_program(1), prune_program(2), leftovers_program(),
-            file_program(), takeover_program(), first_save_program(), dcp_program("lazyckpt"), dcp_program("dcp")]
+            file_program(), takeover_program(), first_save_program(), preempted_save_program(),
+            dcp_program("lazyckpt"), dcp_program("dcp")]
 
 
 def persist_programs() -> List[Program]:
