@@ -76,7 +76,7 @@ def run(mode: str, args, workdir: str):
     times, blocking, durable, losses = [], [], [], []
     ckpt = None
     if mode == "lazyckpt":
-        ckpt = lazyckpt.Checkpointer(os.path.join(workdir, "lazy"), keep_last=2)
+        ckpt = lazyckpt.Checkpointer(os.path.join(workdir, "lazy"), keep=2)
         ckpt.attach(opt)                      # the barrier before each optimizer step
     handles = []
     for step in range(args.steps):

@@ -234,10 +234,11 @@ def test_no_module_outside_storage_imports_a_store_implementation():
 
 
 #: Where a path enters lazyckpt (issue 36): the facade, the Checkpointer (and the builder
-#: that assembles it), the cli, the framework integrations, the converters and the study
-#: tools look a path's store up once and pass it down; the engine, the planner, the loader
-#: and the tiers never do.
-PATH_ENTRIES = {None, "api", "checkpointer", "builder", "cli", "integrations", "interop", "study", "storage"}
+#: that assembles it, and the option group Persist whose URL it checks), the cli, the framework
+#: integrations, the converters and the study tools look a path's store up once and pass it
+#: down; the engine, the planner, the loader and the tiers never do.
+PATH_ENTRIES = {None, "api", "checkpointer", "builder", "options", "cli", "integrations", "interop", "study",
+                "storage"}
 
 
 def test_for_path_is_called_only_where_a_path_enters():

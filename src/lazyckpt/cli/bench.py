@@ -1253,7 +1253,7 @@ def run_timeline(size: int, iters: int = 12, every: int = 3, directory: Optional
         opt.zero_grad(set_to_none=True)
     own_dir = directory is None
     workdir = tempfile.mkdtemp(prefix=".lazyckpt-timeline-", dir=os.getcwd() if own_dir else directory)
-    ckpt = lazyckpt.Checkpointer(workdir, keep_last=2)
+    ckpt = lazyckpt.Checkpointer(workdir, keep=2)
     start = time.perf_counter()
     now = lambda: time.perf_counter() - start  # noqa: E731
     iterations: List[Dict[str, float]] = []
