@@ -5,7 +5,9 @@ Public surface::
     lazyckpt.save(state, path)            # one file, synchronous, durable on return
     lazyckpt.load(path, map_location=None, keys=None, into=None, allow_pickle=False, strict=True)
     lazyckpt.load_async(...) -> RestoreHandle   # the same in the background; handle.wait() is the barrier
-    lazyckpt.Checkpointer(directory, keep_last=None, host_cache_bytes=None, ...)
+    lazyckpt.Checkpointer(directory, keep=None, host_cache_bytes=None, interval=None, preemption=False,
+                          persist=None, replicas=None, incremental=False, distributed=None, io=None)
+    lazyckpt.Persist, Replicas, Incremental, Distributed, IO   # the option groups
     lazyckpt.register_provider(cls, to_state, from_state)
     lazyckpt.export_hf(step_or_run_dir, out_dir, ...)   # -> a Hugging Face model directory
     lazyckpt.import_hf(hf_dir, out_file)                  # <- one, loadable into= any sharding
@@ -24,6 +26,7 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadErr
                      CorruptCheckpointError, MissingKeyError, StateMismatchError,
                      UnsafeObjectError, UnsupportedVersionError)
 from .knobs import Options
+from .options import IO, Distributed, Incremental, Persist, Replicas
 from .preemption import Preemption
 from .schedule import Auto, Every
 from .study import diff, trajectory
@@ -36,4 +39,5 @@ __all__ = [
     "UnsupportedVersionError", "UnsafeObjectError", "CheckpointWriteError", "CheckpointReadError",
     "MissingKeyError", "StateMismatchError", "FORMAT_VERSION", "SUPPORTED_VERSIONS",
     "Every", "Auto", "Preemption",
+    "Persist", "Replicas", "Incremental", "Distributed", "IO",
 ]

@@ -10,6 +10,7 @@ retention, leftovers, leases). See docs/FORMAT.md §11 for the layout.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Union
@@ -33,7 +34,7 @@ from .distributed import depart, refuse
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from .history import abandoned
 from .builder import assemble
-from .knobs import Options
+from .options import IO, Distributed, Incremental, Persist, Replicas, settle
 
 log = logging.getLogger("lazyckpt")
 
@@ -43,50 +44,60 @@ class Checkpointer:
 
     ``save()`` returns at once: it walks the state (no data copied) and queues
     it. A background thread copies the state's bytes into a bounded host
-    cache, writer threads flush it to disk, and the checkpoint is committed
+    cache (``host_cache_bytes``: an int or "2GiB"; default: sized to the first
+    state), writer threads flush it to disk, and the checkpoint is committed
     (fsync, rename) when complete. ``attach(optimizer)`` makes every
     ``optimizer.step()`` wait until the pending captures have copied their
-    data; with ``guard_buffers`` (default) a training-mode forward of a module
-    whose persistent buffers are being captured (BatchNorm) waits too. See
-    docs/ARCHITECTURE.md for the contract.
+    data; with ``IO(guard_buffers=True)`` (default) a training-mode forward of
+    a module whose persistent buffers are being captured (BatchNorm) waits
+    too. See docs/ARCHITECTURE.md for the contract.
 
-    With ``incremental=True`` (a knob, = ``"content"``; ``full_every``) a
+    The options come in groups (lazyckpt/options.py): ``keep`` (retention: an
+    int or a policy), ``interval``/``preemption`` (when to save:
+    ``should_save(step)``), ``persist=Persist(url, ...)`` (a persistent tier),
+    ``replicas=Replicas(k, ...)`` (copies on partner nodes),
+    ``incremental=Incremental(...)``, ``distributed=Distributed(...)``,
+    ``io=IO(...)``. The old flat keywords (``keep_last=``, ``persist_to=``,
+    ``writer_threads=``, ...) still work, each with a DeprecationWarning naming
+    its new spelling; any other keyword is a TypeError.
+
+    With ``incremental=True`` (= ``"content"``; ``Incremental(full_every=)``) a
     tensor whose bytes are unchanged since the previous committed step (block
     checksums compared at save time; ``"version-counters"`` trusts torch's
-    counters instead and misses fused optimizers and more) is not written again: the new step refers to the earlier bytes, and retention
-    keeps every step a kept step refers to (see lazyckpt/saving/incremental.py).
+    counters instead and misses fused optimizers and more) is not written
+    again: the new step refers to the earlier bytes, and retention keeps every
+    step a kept step refers to (see lazyckpt/saving/incremental.py).
 
     Steps form one line of history: saving step S supersedes every committed
     step >= S (a run resumed from an older step abandons the newer ones; they
-    are deleted under ``keep_last``, kept aside as ``.abandoned-*`` otherwise),
-    so the latest step is always the most recently committed one.
+    are deleted under a ``keep`` policy, kept aside as ``.abandoned-*`` with
+    ``keep=None``), so the latest step is always the most recently committed one.
 
     Under torch.distributed (an initialized default group) creating it and
     every ``save()`` are collective: each rank writes its own file and the
-    step commits when all have (``commit_timeout_s`` bounds the wait for a
-    dead rank). ``replicated`` names top-level keys identical on every rank
-    (DDP), written once; ``replicated="auto"`` finds them by content (keys
-    whose bytes agree on every rank are written once, the others per rank,
-    checked at every save); left unset, the first commit warns if it finds
-    identical keys, with the bytes naming them would save. ``process_group=False``
-    makes it local to this process.
+    step commits when all have (``Distributed(commit_timeout=)`` bounds the
+    wait for a dead rank). ``Distributed(identical_keys=)`` names top-level
+    keys identical on every rank (DDP), written once; ``"auto"`` finds them by
+    content (keys whose bytes agree on every rank are written once, the others
+    per rank, checked at every save); left unset, the first commit warns if it
+    finds identical keys, with the bytes naming them would save.
+    ``Distributed(process_group=False)`` makes it local to this process.
     """
 
-    def __init__(self, directory: str, keep_last: Optional[int] = None,
-                 host_cache_bytes: Optional[int] = None, *, options: Optional[Options] = None,
-                 replicated: Union[None, str, List[Any]] = None, process_group: Any = None,
-                 commit_timeout_s: float = 600.0, guard_buffers: bool = True,
-                 persist_to: Optional[str] = None, persist_keep_last: Optional[int] = None,
-                 storage_options: Optional[Dict[str, Any]] = None, replicas: int = 0,
-                 node_size: Optional[int] = None, replica_bandwidth: float = 0.0, takeover: bool = False,
-                 **knobs: Any):
-        # What it is made of, from the arguments (lazyckpt/builder.py); then it opens the directory.
-        parts = assemble(directory, keep_last, host_cache_bytes, options=options, replicated=replicated,
-                         process_group=process_group, commit_timeout_s=commit_timeout_s,
-                         guard_buffers=guard_buffers, persist_to=persist_to, persist_keep_last=persist_keep_last,
-                         storage_options=storage_options, replicas=replicas, node_size=node_size,
-                         replica_bandwidth=replica_bandwidth, **knobs)
-        self.keep_last = parts.keep_last
+    def __init__(self, directory: Union[str, "os.PathLike[str]"], *, keep: Any = None,
+                 host_cache_bytes: Union[None, int, str] = None, interval: Any = None, preemption: Any = False,
+                 persist: Union[None, str, Persist] = None, replicas: Union[None, int, Replicas] = None,
+                 incremental: Union[bool, str, Incremental] = False, distributed: Optional[Distributed] = None,
+                 io: Optional[IO] = None, **deprecated: Any):
+        # The arguments checked and in their groups (lazyckpt/options.py; the old flat spellings
+        # warn there, naming their new one), what it is made of (lazyckpt/builder.py); then it
+        # opens the directory.
+        groups = settle(directory, keep=keep, host_cache_bytes=host_cache_bytes, interval=interval,
+                        preemption=preemption, persist=persist, replicas=replicas, incremental=incremental,
+                        distributed=distributed, io=io, deprecated=deprecated, stacklevel=3)
+        parts = assemble(directory, groups)
+        #: The retention policy (lazyckpt.retention; None: keep every step).
+        self.keep = parts.keep
         self.options = parts.options
         #: The store the directory is on (its one lookup: the tiers and loads get it from here).
         self.store = parts.store
@@ -122,7 +133,7 @@ class Checkpointer:
         self.history = parts.history
         #: One writer per directory: the lease is taken by the first save() (a Checkpointer
         #: that only loads never needs it), held by the commit group's coordinator.
-        self._takeover = takeover
+        self._takeover = groups.distributed.takeover
         self._writer: Optional[WriterLease] = None
         #: Where the last load() read from: {"step", "tier", "path"}.
         self.loaded_from: Optional[Dict[str, Any]] = None
