@@ -298,3 +298,29 @@ def test_preemption_needs_the_main_thread():
     t.join()
     assert len(errors) == 1 and "only in the main thread" in errors[0]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"interval": 100}, TypeError, r"Every\(steps=100\)"),
+    ({"interval": "hourly"}, ValueError, "the only string is 'auto'"),
+    ({"preemption": "yes"}, TypeError, "preemption= must be"),
+])
+def test_the_checkpointer_refuses_a_bad_schedule_before_opening_the_directory(kwargs, error, match, tmp_path):
+    with pytest.raises(error, match=match):
+        lazyckpt.Checkpointer(str(tmp_path / "d"), **kwargs)
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_checkpointer_with_preemption_outside_the_main_thread_is_refused_before_opening(tmp_path):
+    errors = []
+
+    def make():
+        try:
+            lazyckpt.Checkpointer(str(tmp_path / "d"), preemption=True)
+        except ValueError as exc:
+            errors.append(str(exc))
+    t = threading.Thread(target=make)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "only in the main thread" in errors[0]
+    assert not (tmp_path / "d").exists()

@@ -421,8 +421,12 @@ def settle(directory: Any, *, keep: Any = None, host_cache_bytes: Any = None, in
     options = old.get("options")
     if options is not None and not isinstance(options, Options):
         raise TypeError(f"options must be a lazyckpt.Options, got {type(options).__name__}")
-    return Groups(keep=keep, host_cache_bytes=host_cache_bytes, interval=interval, preemption=preemption,
-                  persist=persist, replicas=replicas, incremental=incremental, distributed=distributed, io=io,
+    # Checked here, before the directory is opened (the schedule installs its handlers last).
+    from .preemption import as_preemption
+    from .schedule import as_interval
+    return Groups(keep=keep, host_cache_bytes=host_cache_bytes, interval=as_interval(interval),
+                  preemption=as_preemption(preemption), persist=persist, replicas=replicas, incremental=incremental,
+                  distributed=distributed, io=io,
                   options=options, advise_mtbf=old.get("advise_mtbf"))
 
 

@@ -79,12 +79,18 @@ def as_preemption(value: Any) -> Optional[Preemption]:
     """``preemption=``: False/None (off), True (= ``Preemption()``) or a ``Preemption``."""
     if value is None or value is False:
         return None
-    if value is True:
-        return Preemption()
-    if isinstance(value, Preemption):
-        return value
-    raise TypeError(f"preemption= must be True, False or lazyckpt.Preemption(signals=..., grace=...), "
-                    f"got {value!r}")
+    if value is not True and not isinstance(value, Preemption):
+        raise TypeError(f"preemption= must be True, False or lazyckpt.Preemption(signals=..., grace=...), "
+                        f"got {value!r}")
+    _require_main_thread()
+    return Preemption() if value is True else value
+
+
+def _require_main_thread() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise ValueError("preemption= installs signal handlers, which Python allows only in the main "
+                         "thread: create the Checkpointer in the main thread (or pass preemption=False "
+                         "and end the loop on your own signal handling)")
 
 
 class SignalWatch:
@@ -92,10 +98,7 @@ class SignalWatch:
     chains the handler it replaced, restores them on ``close()``."""
 
     def __init__(self, preemption: Preemption):
-        if threading.current_thread() is not threading.main_thread():
-            raise ValueError("preemption= installs signal handlers, which Python allows only in the main "
-                             "thread: create the Checkpointer in the main thread (or pass preemption=False "
-                             "and end the loop on your own signal handling)")
+        _require_main_thread()
         self.preemption = preemption
         #: The first preemption signal received (set by the handler), and when (time.monotonic()).
         self.signum: Optional[int] = None
