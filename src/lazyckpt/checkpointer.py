@@ -35,6 +35,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadErro
 from .history import abandoned
 from .builder import assemble
 from .options import IO, Distributed, Incremental, Persist, Replicas, settle
+from .schedule import SaveSchedule
 
 log = logging.getLogger("lazyckpt")
 
@@ -166,6 +167,12 @@ class Checkpointer:
                 self._resume_drain()
             elif self._dist.coordinator:
                 self.persistent.open_outbox()
+        #: When to save (lazyckpt/schedule.py): interval= and preemption= (signal handlers installed
+        #: last, once nothing above can fail). Every rank of the job saves the same step: under
+        #: replicas= the world, not this node's commit group, agrees.
+        self._schedule = SaveSchedule(groups.interval, groups.preemption,
+                                      dist=self._replicas.world if self._replicas is not None else self._dist)
+
 
     # ------------------------------------------------------------------ saving
 
@@ -195,7 +202,7 @@ class Checkpointer:
             # commits it before every node has it prepared (lazyckpt/saving/jobcommit.py).
             job_round = self._job is not None and self._job.needs_round(step)
             self._hold_writer_lease()
-            metadata = check_metadata(metadata)
+            metadata = self._schedule.annotate(check_metadata(metadata))
             replicated = self._replicated_keys(state)
             # A hit leaves the tensors' checks to the capture thread (lazyckpt/state/plancache.py).
             flat = self._plans.gather(state, self._dist.rank, self._dist.world_size, replicated)
@@ -208,9 +215,11 @@ class Checkpointer:
             part = FilePart(flat, strategy.footer_metadata(),
                             record_events(flat.live_tensors()))
             drain = self._drain if self.persistent is not None or self._replicas is not None else None
+            drain = self._fed_to_schedule(drain)
             job = self._engine.submit(strategy, [part], name=f"step {step}", step=step, t0=t0, planner=planner,
                                       on_committed=drain)
             self._costs.queued(step, job.handle, t0)
+            preempted_save = self._schedule.saved(step)
         except BaseException as exc:
             if job_round:
                 self._job.refuse(call, exc)
@@ -220,6 +229,8 @@ class Checkpointer:
                     refuse(self._dist, f"auto/c{call}", exc)
             raise
         job.handle.persistent = self.on_object_store
+        if preempted_save:
+            self._wait_preempted(job.handle)
         return job.handle
 
     def _hold_writer_lease(self) -> None:
@@ -341,6 +352,72 @@ class Checkpointer:
         The first optimizer attached also times the iterations, for the save costs
         recorded in the manifests (lazyckpt/saving/costs.py, ``lazyckpt advise``)."""
         self._engine.barrier.attach(optimizer, after_wait=self._costs.clock_for(self._engine))
+
+    # ------------------------------------------------------------------ when to save
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step`` now (ask at every step boundary, on every rank):
+        True when ``interval=`` says so, or once a preemption signal arrived (then
+        ``preempted`` is True and the ``save()`` of this step blocks until the step
+        is committed -- and persisted, with a persistent tier -- bounded by the grace).
+        The pattern::
+
+            if ckpt.should_save(step):
+                ckpt.save(state, step)
+            if ckpt.preempted:
+                break
+
+        Under torch.distributed it is collective (one small round through the commit
+        store) when preemption= is on or the interval is a clock (seconds, "auto"),
+        so that every rank saves the same step; with ``Every(steps=)`` alone it is local."""
+        self._check_open()
+        return self._schedule.should_save(step)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a preemption signal arrived (``preemption=``): the loop should stop
+        after this step's save. Under torch.distributed, set on every rank by the same
+        ``should_save`` call (the signal may reach one rank only)."""
+        return self._schedule.preempted
+
+    def _wait_preempted(self, handle: SaveHandle) -> None:
+        """The preempted save: committed (and persisted) before save() returns, bounded by
+        the grace; a failure is raised, a save still running at the grace's end is left
+        to close() with a warning. Then the user's own handler of the signal runs."""
+        try:
+            left = self._schedule.grace_left()
+            deadline = None if left is None else time.monotonic() + left
+            if not handle._done.wait(left):
+                log.warning("lazyckpt: preempted: step %s not committed within the grace (%.0f s); "
+                            "close() goes on waiting for it", handle.step, self._schedule.preemption.grace)
+                return
+            handle.wait()                   # its failure, if it failed
+            if self.persistent is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    handle.wait(left, persisted=True)
+                except CheckpointError:
+                    if handle.persist_state != "pending":
+                        raise
+                    log.warning("lazyckpt: preempted: step %s committed here but not on the persistent "
+                                "tier %s within the grace", handle.step, self.persistent.url)
+            log.info("lazyckpt: preempted: step %s committed%s", handle.step,
+                     " and persisted" if self.persistent is not None else "")
+        finally:
+            self._schedule.chain()
+
+    def _fed_to_schedule(self, drain: Any) -> Any:
+        """The job's on_committed: with interval="auto", the committed save's merged cost
+        (lazyckpt/saving/costs.py, the coordinator's) goes to the schedule first."""
+        if not self._schedule.wants_costs:
+            return drain
+        schedule = self._schedule
+
+        def committed(job: Job) -> None:
+            schedule.observe(job.strategy.step, job.strategy.cost)
+            if drain is not None:
+                drain(job)
+        return committed
 
     def _check_open(self) -> None:
         if self._engine.closed:
@@ -529,6 +606,9 @@ class Checkpointer:
                     # The widest group: under replicas= the world, not this node's group.
                     widest = self._replicas.world if self._replicas is not None else self._dist
                     depart(widest, bound_s=10.0 if cancel else None)
+                    # Last: the signal handlers restored, then the user's own handler of a
+                    # preemption signal not yet passed on (it may end the process).
+                    self._schedule.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
