@@ -680,6 +680,8 @@ class Program:
     kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     persist: bool = False
     restart_values: Any = None
+    #: The restart's save's metadata= (a policy ranking steps by a metric refuses a save without it).
+    restart_metadata: Optional[Dict[str, Any]] = None
     #: Longer programs: the worlds given the crash record's tag (None: the program ended).
     worlds_at: Optional[Callable[[Optional[str]], List[World]]] = None
     #: Imports to make once in the fork server, not in every child (a framework: seconds).
@@ -882,7 +884,7 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
         new_step = (world.latest if world is not None and world.latest is not None else 0) + 1
         values = program.restart_values if program.restart_values is not None else make_state(999)
         try:
-            h = ckpt.save(values, step=new_step)
+            h = ckpt.save(values, step=new_step, metadata=program.restart_metadata)
             h.wait(**({"persisted": True} if program.persist else {}))
             got = ckpt.load()
             if ckpt.loaded_from["step"] != new_step or differs(values, got):

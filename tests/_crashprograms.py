@@ -92,6 +92,43 @@ def incremental_program(keep_last: Optional[int]) -> Program:
                    [before, after], kwargs={"keep_last": keep_last, "incremental": True})
 
 
+#: The losses the policy programs' saves record (metadata={"loss": ...}); NEW's is LOSS_NEW.
+LOSSES = {1: 0.5, 2: 3.0, 3: 1.0, 4: 4.0, 5: 5.0}
+LOSS_NEW = 2.0
+
+
+def policy_program(which: str) -> Program:
+    """A line of 5 steps saved without retention (keep=None); the operation opens
+    the directory with a retention policy and saves step 6, whose retention
+    deletes what the policy does not keep, newest first: ``"last-every"``,
+    ``keep=KeepLast(2) | KeepEvery(3)``, keeps 3, 5 and 6 (deletes 4, 2, 1);
+    ``"best"``, ``keep=KeepBest(2)`` over the saves' ``loss``, keeps 1 and 3
+    (the best) and 6 (the newest), deleting 5, 4 and 2; ``"best-rollback"``:
+    the same policy, the run resumed from step 2 saves step 3 (loss -1),
+    superseding 3, 4 and 5, and its retention deletes 2."""
+    from lazyckpt.retention import KeepBest, KeepEvery, KeepLast
+    policy = KeepLast(2) | KeepEvery(3) if which == "last-every" else KeepBest(2)
+    step, kept = {"last-every": (6, (3, 5)), "best": (6, (1, 3)), "best-rollback": (3, (1,))}[which]
+    loss = -1.0 if which == "best-rollback" else LOSS_NEW
+
+    def prepare(ctx: Ctx) -> None:
+        with _ck(ctx, keep=None) as ck:
+            for i in range(1, 6):
+                ck.save(S[i], step=i, metadata={"loss": LOSSES[i]}).wait()
+
+    def run(ctx: Ctx, icp: Interceptor) -> None:
+        ck = _ck(ctx, keep=policy)
+        with icp.operation():
+            if which == "best-rollback":
+                ck.load(step=2)
+            ck.save(NEW, step=step, metadata={"loss": loss}).wait()
+            ck.close()
+    before = World("before", 5, _line(5), (1, 2, 3, 4, 5))
+    after = World("after", step, {**_line(step - 1), step: NEW}, kept + (step,))
+    return Program(f"policy-{which}", prepare, run, [before, after], kwargs={"keep": policy},
+                   restart_metadata={"loss": 9.0})
+
+
 def prune_program(keep: int = 2) -> Program:
     def run(ctx: Ctx, icp: Interceptor) -> None:
         from lazyckpt.cli.prune import prune
@@ -366,7 +403,8 @@ TOPK = "epoch=0-step={}.ckpt"
 
 def local_programs() -> List[Program]:
     return [save_program(None), save_program(2), rollback_program(None), rollback_program(2),
-            incremental_program(None), incremental_program(1), prune_program(2), leftovers_program(),
+            incremental_program(None), incremental_program(1), policy_program("last-every"), policy_program("best"),
+            policy_program("best-rollback"), prune_program(2), leftovers_program(),
             file_program(), takeover_program(), first_save_program(), preempted_save_program(),
             dcp_program("lazyckpt"), dcp_program("dcp")]
 
