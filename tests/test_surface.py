@@ -138,7 +138,7 @@ def test_an_old_flat_keyword_works_and_warns_naming_its_new_spelling(name, tmp_p
 def test_the_replicas_old_keywords_build_the_replicas_group(name, tmp_path):
     kwargs, new, group = REPLICA_OLD[name]
     with pytest.warns(DeprecationWarning, match=r"is deprecated: " + new.replace("(", r"\(").replace(")", r"\)")):
-        groups = settle(tmp_path, replicas=1, deprecated=kwargs, stacklevel=2)
+        groups = settle(replicas=1, deprecated=kwargs, stacklevel=2)
     assert groups.replicas == group
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="needs torch.distributed"):
         lazyckpt.Checkpointer(tmp_path / "run", replicas=1, **kwargs)
@@ -147,7 +147,7 @@ def test_the_replicas_old_keywords_build_the_replicas_group(name, tmp_path):
 def test_old_distributed_and_io_spellings_land_in_their_groups(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        groups = settle(tmp_path, deprecated=dict(commit_timeout_s=30, guard_buffers=False, takeover=True,
+        groups = settle(deprecated=dict(commit_timeout_s=30, guard_buffers=False, takeover=True,
                                                   replicated="auto", process_group=False))
     assert groups.distributed == Distributed(False, identical_keys="auto", commit_timeout=30.0, takeover=True)
     assert groups.io == IO(guard_buffers=False)

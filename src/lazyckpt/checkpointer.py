@@ -93,7 +93,7 @@ class Checkpointer:
         # The arguments checked and in their groups (lazyckpt/options.py; the old flat spellings
         # warn there, naming their new one), what it is made of (lazyckpt/builder.py); then it
         # opens the directory.
-        groups = settle(directory, keep=keep, host_cache_bytes=host_cache_bytes, interval=interval,
+        groups = settle(keep=keep, host_cache_bytes=host_cache_bytes, interval=interval,
                         preemption=preemption, persist=persist, replicas=replicas, incremental=incremental,
                         distributed=distributed, io=io, deprecated=deprecated, stacklevel=3)
         parts = assemble(directory, groups)

@@ -319,7 +319,7 @@ def _shown(name: str, value: Any) -> str:
     return "{...}" if name == "storage_options" else repr(value)      # it may hold credentials
 
 
-def settle(directory: Any, *, keep: Any = None, host_cache_bytes: Any = None, interval: Any = None,
+def settle(*, keep: Any = None, host_cache_bytes: Any = None, interval: Any = None,
            preemption: Any = False, persist: Any = None, replicas: Any = None, incremental: Any = False,
            distributed: Any = None, io: Any = None, deprecated: Dict[str, Any], stacklevel: int = 3) -> Groups:
     """The Checkpointer's arguments as one checked :class:`Groups`. Each old flat
