@@ -17,7 +17,7 @@ from lazyckpt.saving.foreign import plan_layout
 from lazyckpt.saving.resources import Resources
 from lazyckpt.state.providers import flatten
 from lazyckpt.storage.stores import for_path
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, CheckpointWriteError
 from .knobs import Options, resolve
 
 #: Host cache of the synchronous functional save (the Checkpointer's default is larger:
@@ -76,6 +76,12 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
     else:
         part = FilePart(flatten(state), check_metadata(metadata))
     store = for_path(path)
+    if not store.is_remote and os.path.isdir(path):
+        # Else the rename of the finished file over it fails (IsADirectoryError).
+        raise CheckpointWriteError(
+            f"{path} is a directory; lazyckpt.save writes one file: give a file path (e.g. "
+            f"{os.path.join(path, 'checkpoint.lzc')}), or use lazyckpt.Checkpointer({path!r}) for a directory "
+            f"of numbered steps", path=path)
     store.check(path, opts)     # credentials, a bucket: one clear error first
     strategy = FileCommit(store, path, opts.lease_heartbeat_s, message="save failed", options=opts, make_parents=False)
     handle = run_now(strategy, [part], _resources(opts), opts, name=path)

@@ -108,6 +108,10 @@ def assemble(directory: Any, groups: Optional[Groups] = None) -> Parts:
     if on_object_store:
         store.check(directory, options)     # wrong credentials, a missing bucket: one clear error, now
     else:
+        if os.path.isfile(directory):
+            raise CheckpointError(f"{directory} is a file, and a Checkpointer keeps a directory of steps: "
+                                  f"give a directory path; to read this file use lazyckpt.load({directory!r})",
+                                  path=directory)
         try:
             make_dirs_durable(directory)     # its entry survives a power loss after a commit
         except OSError as exc:

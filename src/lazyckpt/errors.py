@@ -92,6 +92,11 @@ class WrongReaderError(CheckpointError, AttributeError):
     code that probes with ``hasattr`` sees a missing field, as before."""
 
 
+class MapLocationError(CheckpointError, TypeError):
+    """The caller's ``map_location`` callable raised, or returned something that
+    is not a storage: the caller's argument failed, not the file."""
+
+
 class StateMismatchError(CheckpointError):
     """``into=`` holds a tensor whose shape or dtype differs from the checkpoint."""
 

@@ -80,6 +80,11 @@ def check_header(data: bytes, path: str) -> int:
     return version
 
 
+#: What to do about a file whose end is missing.
+TRUNCATED_ADVICE = ("; its end is missing, as after an interrupted copy or download (a save never leaves "
+                    "one: it renames the file in complete): copy it again, or load an earlier checkpoint")
+
+
 def foreign_hint(head: bytes) -> str:
     """What reads a file that starts with ``head`` if it is a foreign format
     lazyckpt writes (file_format=, docs/FORMAT.md §13); "" otherwise."""
@@ -112,10 +117,11 @@ class Trailer:
 
 def parse_trailer(data: bytes, file_size: int, path: str, max_footer_bytes: int) -> Trailer:
     if len(data) != TRAILER_BYTES:
-        raise CorruptCheckpointError(f"{path}: truncated file (no trailer)", path=path)
+        raise CorruptCheckpointError(f"{path}: truncated file (no trailer){TRUNCATED_ADVICE}", path=path)
     offset, length, digest, magic = _TRAILER.unpack(data)
     if magic != FOOTER_MAGIC:
-        raise CorruptCheckpointError(f"{path}: truncated or damaged file (bad trailer magic {magic!r})",
+        raise CorruptCheckpointError(f"{path}: truncated or damaged file (bad trailer magic {magic!r})"
+                                     f"{TRUNCATED_ADVICE}",
                                      path=path)
     if length > max_footer_bytes:
         raise CorruptCheckpointError(f"{path}: footer claims {length} bytes, over the limit of "
@@ -307,10 +313,14 @@ def read_ends(size: int, read: Callable[[int, int], bytes], path: str,
     every check made (sizes, magic, footer checksum, versions agree). The one
     footer reader: the loader and the commit's layout index both use it."""
     if size < HEADER_BYTES + TRAILER_BYTES:
-        hint = foreign_hint(read(0, 16)) if size >= 16 else ""
-        if hint:
-            raise CorruptCheckpointError(f"{path}: not a lazyckpt file{hint}", path=path)
-        raise CorruptCheckpointError(f"{path}: truncated file ({size} bytes)", path=path)
+        head = read(0, min(size, 16)) if size else b""
+        hint = foreign_hint(head) if size >= 16 else ""
+        if hint or head[:len(MAGIC)] != MAGIC[:len(head)] or not head:
+            # Not the start of a lazyckpt file: another file, not a cut one.
+            raise CorruptCheckpointError(f"{path}: not a lazyckpt file ({size} bytes, "
+                                         f"{'empty' if not size else 'it does not start with LAZYCKPT'})"
+                                         f"{hint}", path=path)
+        raise CorruptCheckpointError(f"{path}: truncated file ({size} bytes){TRUNCATED_ADVICE}", path=path)
     version = check_header(read(0, HEADER_BYTES), path)
     trailer = parse_trailer(read(size - TRAILER_BYTES, TRAILER_BYTES), size, path, max_footer_bytes)
     raw = read(trailer.footer_offset, trailer.footer_length)

@@ -156,7 +156,9 @@ def fill_into(dst: Any, src: Any, path: str, trail: str = "") -> Any:
         if dst.shape != src.shape or dst.dtype != src.dtype:
             raise StateMismatchError(
                 f"{path}: entry {trail or '<root>'} is {src.dtype} {tuple(src.shape)} in the checkpoint "
-                f"but {dst.dtype} {tuple(dst.shape)} in into=", path=path, entry=trail)
+                f"but {dst.dtype} {tuple(dst.shape)} in into=; into= must hold tensors of the saved shapes "
+                f"and dtypes (build the model with the same configuration as the saved one), or load "
+                f"without into= and convert", path=path, entry=trail)
         with torch.no_grad():
             dst.copy_(src)
         return dst

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError,
-                             CorruptCheckpointError, MissingKeyError, UnsafeObjectError)
+                             CorruptCheckpointError, MapLocationError, MissingKeyError, UnsafeObjectError)
 from lazyckpt.knobs import Options
 from lazyckpt.state.providers import BytesNotReady, LoadContext, referenced_entries, tree_nodes
 from lazyckpt.storage.fileio import a_load_ended
@@ -151,8 +151,23 @@ def _storage_mapper(map_location: MapLocation) -> Callable[[torch.UntypedStorage
         if isinstance(map_location, dict):
             return move(storage, map_location.get(location, location))
         if callable(map_location):
-            result = map_location(storage, location)
-            return move(storage, location) if result is None else result
+            # The caller's code: its failures are its own (MapLocationError), where any
+            # other error of the decode is taken for a damaged file.
+            try:
+                result = map_location(storage, location)
+            except Exception as exc:
+                raise MapLocationError(f"the map_location callable raised {type(exc).__name__} for a storage "
+                                       f"saved on {location!r}: {exc}") from exc
+            if result is None:
+                return move(storage, location)
+            if isinstance(result, torch.TypedStorage):
+                return result.untyped()
+            if not isinstance(result, torch.UntypedStorage):
+                raise MapLocationError(f"the map_location callable returned {type(result).__name__} for a "
+                                       f"storage saved on {location!r}; it must return a storage (e.g. "
+                                       f"storage.cuda(), or the storage it was given) or None to keep the "
+                                       f"saved location")
+            return result
         raise TypeError(f"map_location must be None, a device, a dict or a callable, not "
                         f"{type(map_location).__name__}")
     return mapper

@@ -561,10 +561,22 @@ class PickleProvider(Provider):
         return True
 
     def save(self, value, ctx):
-        def make_bytes(obj=value):
-            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        index = ctx.add(Source("pickle", make_bytes=make_bytes))
         cls = type(value)
+        name = ctx.path_name()
+        kind = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+        def make_bytes(obj=value):
+            try:
+                return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                # pickle's own message names neither the entry nor a way out.
+                raise TypeError(
+                    f"entry {name}: a {kind} cannot be saved: "
+                    f"lazyckpt stores tensors, dicts, lists, tuples, scalars, strings, bytes and numpy arrays "
+                    f"as they are and pickles anything else, and pickling this one failed "
+                    f"({type(exc).__name__}: {exc}). Remove it from the state, or save what rebuilds it "
+                    f"(its state_dict(), a list of its items)") from exc
+        index = ctx.add(Source("pickle", make_bytes=make_bytes))
         return {"$": "pickle", "type": f"{cls.__module__}.{cls.__qualname__}", "e": index}
 
     def load(self, node, ctx):
