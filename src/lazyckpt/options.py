@@ -29,6 +29,8 @@ from typing import Any, Dict, Optional, Tuple
 from lazyckpt.storage.stores import for_path
 from .knobs import Options, normalize_options, parse_duration, resolve
 from .retention import Policy, as_policy
+from .preemption import as_preemption
+from .schedule import as_interval
 from .sizes import parse_size
 
 __all__ = ["Persist", "Replicas", "Incremental", "Distributed", "IO", "Groups", "settle", "DEPRECATED"]
@@ -422,8 +424,6 @@ def settle(*, keep: Any = None, host_cache_bytes: Any = None, interval: Any = No
     if options is not None and not isinstance(options, Options):
         raise TypeError(f"options must be a lazyckpt.Options, got {type(options).__name__}")
     # Checked here, before the directory is opened (the schedule installs its handlers last).
-    from .preemption import as_preemption
-    from .schedule import as_interval
     return Groups(keep=keep, host_cache_bytes=host_cache_bytes, interval=as_interval(interval),
                   preemption=as_preemption(preemption), persist=persist, replicas=replicas, incremental=incremental,
                   distributed=distributed, io=io,

@@ -28,6 +28,7 @@ import signal
 import time
 from typing import Any, Dict, Optional, Union
 
+from lazyckpt.saving.costs import advise, problems, time_text
 from .distributed import RankInfo
 from .knobs import parse_duration
 from .preemption import Preemption, SignalWatch, as_preemption
@@ -277,7 +278,6 @@ class SaveSchedule:
         Auto decides again every AUTO_EVERY measured saves. Never raises."""
         if not isinstance(self.interval, Auto) or not isinstance(cost, dict):
             return
-        from lazyckpt.saving.costs import problems
         if problems(cost):
             return
         self._records.append({"step": step, "cost": cost})
@@ -293,7 +293,6 @@ class SaveSchedule:
         """Daly's interval from ``records`` (``{"step", "cost"}``) and the MTBF: set, logged and
         recorded (the next saves' manifests, METADATA_KEY). Returns the decision, or None
         when the figures give none (the interval is kept)."""
-        from lazyckpt.saving.costs import advise, time_text
         try:
             a = advise(records, self._mtbf_s)
         except ValueError as exc:
@@ -314,7 +313,6 @@ class SaveSchedule:
         return decision
 
     def _current_text(self) -> str:
-        from lazyckpt.saving.costs import time_text
         if self._interval_s is None:
             return f"a save every {self.interval.first_steps} steps"
         return f"a save every {time_text(self._interval_s)}"
