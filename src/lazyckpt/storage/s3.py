@@ -141,6 +141,18 @@ class ObjectStore:
             raise StorageConfigError("s3:// paths need boto3: pip install 'lazyckpt[s3]'") from exc
         o = dict(storage_options)
         self.bucket = bucket
+        try:
+            self.client = self._client(boto3, Config, o)
+        except Exception as exc:
+            # botocore's own (ValueError "Invalid endpoint: ...", ProfileNotFound) names no setting.
+            raise StorageConfigError(
+                f"s3://{bucket}: cannot set up the object store client: {type(exc).__name__}: {exc}; check "
+                f"{_ENDPOINT_SETTINGS} (a URL such as http://host:8333) and the profile (AWS_PROFILE or "
+                f"storage_options['profile'])", path=f"s3://{bucket}") from exc
+        self._checked = False
+
+    @staticmethod
+    def _client(boto3: Any, Config: Any, o: Dict[str, Any]) -> Any:
         session = boto3.session.Session(profile_name=o.get("profile"))
         config = Config(
             retries={"mode": "standard", "max_attempts": int(o.get("max_attempts", 5))},
@@ -153,11 +165,10 @@ class ObjectStore:
             request_checksum_calculation=o.get("checksums", "when_required"),
             response_checksum_validation=o.get("checksums", "when_required"),
         )
-        self.client = session.client(
+        return session.client(
             "s3", endpoint_url=o.get("endpoint_url"), region_name=o.get("region"),
             aws_access_key_id=o.get("access_key_id"), aws_secret_access_key=o.get("secret_access_key"),
             aws_session_token=o.get("session_token"), config=config)
-        self._checked = False
 
     def url(self, key: str) -> str:
         return str(ObjectURL(self.bucket, key, self.scheme))
@@ -171,7 +182,9 @@ class ObjectStore:
         url = self.url(key)
         code, status = _error_code(exc)
         if code in ("NoSuchBucket",) or (status == 404 and not key):
-            return StorageConfigError(f"{self.url('')}: no such bucket ({doing})", path=url)
+            return StorageConfigError(f"{self.url('')}: no such bucket ({doing}) at "
+                                      f"{self.client.meta.endpoint_url}; correct the bucket name in the URL, "
+                                      f"or create it (aws s3 mb {self.url('')})", path=url)
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden",
                     "InvalidToken", "ExpiredToken") or status == 403:
             return StorageConfigError(f"{url}: the object store refused our credentials or permissions "
@@ -183,6 +196,11 @@ class ObjectStore:
             return StorageConfigError(f"{url}: no credentials found for the object store ({doing}); set "
                                       f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, or "
                                       f"storage_options", path=url)
+        if type(exc).__name__ in _CONNECTION_ERRORS:
+            return CheckpointReadError(f"{url}: cannot reach the object store at {self.client.meta.endpoint_url} "
+                                       f"while {doing} ({type(exc).__name__}: {exc}); check {_ENDPOINT_SETTINGS} "
+                                       f"(http:// or https://, as the server speaks) and that the server is "
+                                       f"up", path=url)
         return CheckpointReadError(f"{url}: object store error while {doing}: {type(exc).__name__}: {exc}",
                                    path=url)
 
@@ -194,6 +212,9 @@ class ObjectStore:
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except Exception as exc:
+            # The client keeps the credentials and endpoint it was made with: the next
+            # call makes a new one, which sees what the user has fixed meanwhile.
+            _forget(self)
             raise self.error(exc, "", "checking the bucket") from exc
         self._checked = True
 
@@ -395,6 +416,18 @@ def _error_code(exc: BaseException) -> Tuple[Optional[str], Optional[int]]:
 
 _stores: Dict[Tuple[str, str, Tuple], ObjectStore] = {}
 _stores_lock = threading.Lock()
+#: Where the endpoint comes from, for the messages.
+_ENDPOINT_SETTINGS = "the endpoint (storage_options['endpoint_url'] or AWS_ENDPOINT_URL)"
+#: botocore's errors of a request that never reached a server (by name: botocore is an extra).
+_CONNECTION_ERRORS = {"EndpointConnectionError", "ConnectTimeoutError", "SSLError", "ProxyConnectionError",
+                      "ConnectionClosedError"}
+
+
+def _forget(store: Any) -> None:
+    """Drop ``store`` from the shared clients (it failed its check)."""
+    with _stores_lock:
+        for key in [k for k, v in _stores.items() if v is store]:
+            del _stores[key]
 
 
 def register_client(scheme: str, factory: Callable[[str, Tuple[Tuple[str, Any], ...]], Any]) -> None:
