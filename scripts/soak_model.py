@@ -11,7 +11,7 @@ configuration. Two-rank configurations run in gloo processes
 through the fault-injecting proxy of tests/_s3proxy.py. With --faults the
 one-rank persist_to programs also draw the fault rules (fail_next, outage,
 heal; tests/_model.py FAULT_WEIGHTS) and end with a heal (the store must catch
-up). Each program's keep_last/full_every are drawn from its seed (run_knobs).
+up). Each program's keep/full_every are drawn from its seed (run_knobs).
 
     .venv/bin/python scripts/soak_model.py --minutes 30 --seed 7
     .venv/bin/python scripts/soak_model.py --minutes 30 --seed 7 --faults
@@ -36,6 +36,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from _model import (Config, Faults, InvariantError, all_configs, expected_refusal, random_program,  # noqa: E402
                     run_knobs, run_program)
+
+
+def parse_knobs(text: str) -> dict:
+    """``--knobs`` as printed: a dict literal whose ``keep`` may be a retention
+    policy's repr (``KeepLast(1) | KeepEvery(3)``); nothing else is evaluated."""
+    from lazyckpt import retention
+    names = {n: getattr(retention, n) for n in ("KeepLast", "KeepEvery", "KeepBest", "AnyOf")}
+    return eval(compile(text, "--knobs", "eval"), {"__builtins__": {}}, names)
 
 
 def _rank_program(rank, world, cfg, base, url, program, knobs):
@@ -152,7 +160,7 @@ def main() -> int:
                 program_seed = rng.randrange(1 << 30)
                 program = random_program(program_seed, args.length, cfg, faults=args.faults) \
                     if args.program is None else ast.literal_eval(args.program)
-                knobs = run_knobs(program_seed, cfg) if args.knobs is None else ast.literal_eval(args.knobs)
+                knobs = run_knobs(program_seed, cfg) if args.knobs is None else parse_knobs(args.knobs)
                 t0 = time.monotonic()
                 message = run_once(cfg, program, persist_url, knobs)
                 runs += 1

@@ -57,6 +57,7 @@ from lazyckpt.storage.stores import LOCAL
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
 from lazyckpt.saving.costs import problems as cost_problems
 from lazyckpt.knobs import INCREMENTAL_MODES, resolve
+from lazyckpt.retention import KeepBest, KeepEvery, KeepLast, as_policy, plan
 
 from _crashpoints import index_problems, remote_index_problems, tiers_index_problems
 
@@ -121,11 +122,12 @@ def expected_refusal(cfg: Config) -> List[str]:
 
 def checkpointer_kwargs(cfg: Config, persist_url: Optional[str], **knobs: Any) -> Dict[str, Any]:
     """The Checkpointer's keyword arguments for ``cfg``; ``knobs`` (a run's draw, see
-    ``run_knobs``: keep_last, full_every) override the defaults. A child process
-    gets the same from the MODEL_KNOBS variable (repr of the dict)."""
+    ``run_knobs``: keep -- or its old name keep_last --, full_every) override the
+    defaults. A child process gets the same from the MODEL_KNOBS variable (repr
+    of the dict)."""
     if not knobs and os.environ.get("MODEL_KNOBS"):
         knobs = eval(os.environ["MODEL_KNOBS"])
-    kw: Dict[str, Any] = dict(keep_last=3, incremental=cfg.incremental, commit_timeout_s=60,
+    kw: Dict[str, Any] = dict(keep=3, incremental=cfg.incremental, commit_timeout_s=60,
                               lease_expiry_s=30.0)
     if cfg.persist:
         # Two attempts per request (botocore's standard backoff, <= 1 s): an injected
@@ -138,7 +140,8 @@ def checkpointer_kwargs(cfg: Config, persist_url: Optional[str], **knobs: Any) -
         kw["replicated"] = ["shared"]
     elif cfg.replicated == "auto":
         kw["replicated"] = "auto"
-    kw.update({k: v for k, v in knobs.items() if k in ("keep_last", "full_every")})
+    kw.update({("keep" if k == "keep_last" else k): v for k, v in knobs.items()
+               if k in ("keep", "keep_last", "full_every")})
     if resolve(incremental=cfg.incremental).incremental == "off":
         kw.pop("full_every", None)          # refused where it does not apply
     return kw
@@ -146,13 +149,28 @@ def checkpointer_kwargs(cfg: Config, persist_url: Optional[str], **knobs: Any) -
 
 def run_knobs(seed: int, cfg: Config) -> Dict[str, Any]:
     """A run's draw of the knobs that are not Config dimensions (not to multiply the
-    CI matrix): keep_last None (abandoned steps kept as .abandoned-*), 1 or 3, and
-    for incremental configurations full_every 0 or 2."""
+    CI matrix): keep None (abandoned steps kept as .abandoned-*), 1, 3 or one of
+    POLICIES, and for incremental configurations full_every 0 or 2."""
     rng = random.Random(seed * 7919 + 17)
-    knobs: Dict[str, Any] = {"keep_last": rng.choice([None, 1, 3])}
+    knobs: Dict[str, Any] = {"keep": rng.choice([None, 1, 3] + POLICIES)}
     if resolve(incremental=cfg.incremental).incremental != "off":
         knobs["full_every"] = rng.choice([0, 2])
     return knobs
+
+
+#: The retention policies the model drives besides keep=None/int (each save records
+#: metadata={"loss": loss_of(step)}, which KeepBest ranks by).
+POLICIES = [KeepLast(1) | KeepEvery(3), KeepBest(2) | KeepLast(1), KeepBest(1, mode="max") | KeepEvery(4)]
+
+
+def loss_of(step: int) -> float:
+    """The loss a save of ``step`` records (a function of the step: a child process
+    saving for the model records the same)."""
+    return float((step * 37) % 23)
+
+
+def step_metadata(step: int) -> Dict[str, Any]:
+    return {"loss": loss_of(step)}
 
 
 # ----------------------------------------------------------------- the live state
@@ -317,10 +335,10 @@ class Line:
 #: The process rule_kill kills: argv = directory, state file, step, repr(Config), repr(persist url).
 _KILLED_SAVER = """
 import sys, time, torch, lazyckpt
-from _model import Config, checkpointer_kwargs
+from _model import Config, checkpointer_kwargs, step_metadata
 directory, state_file, step, cfg, url = sys.argv[1:]
 ckpt = lazyckpt.Checkpointer(directory, **checkpointer_kwargs(eval(cfg), eval(url)))
-handle = ckpt.save(torch.load(state_file, weights_only=False), step=int(step))
+handle = ckpt.save(torch.load(state_file, weights_only=False), step=int(step), metadata=step_metadata(int(step)))
 print("saving", flush=True)
 ckpt.wait()
 time.sleep(60)          # killed before
@@ -331,7 +349,7 @@ time.sleep(60)          # killed before
 # directory (the superseded steps' moves, then the new step's), after the commit point.
 _KILLED_IN_COMMIT = """
 import os, signal, sys, torch, lazyckpt
-from _model import Config, checkpointer_kwargs
+from _model import Config, checkpointer_kwargs, step_metadata
 directory, state_file, step, cfg, url, kill_at = sys.argv[1:]
 ckpt = lazyckpt.Checkpointer(directory, **checkpointer_kwargs(eval(cfg), eval(url)))
 renames, real_rename = [0], os.rename
@@ -342,7 +360,7 @@ def rename(src, dst, *a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
     return real_rename(src, dst, *a, **k)
 os.rename = rename
-ckpt.save(torch.load(state_file, weights_only=False), step=int(step)).wait()
+ckpt.save(torch.load(state_file, weights_only=False), step=int(step), metadata=step_metadata(int(step))).wait()
 os.rename = real_rename
 ckpt.close()
 """
@@ -350,10 +368,10 @@ ckpt.close()
 # Another Checkpointer takes the directory over (takeover=True) and commits a step.
 _TAKER = """
 import sys, torch, lazyckpt
-from _model import Config, checkpointer_kwargs
+from _model import Config, checkpointer_kwargs, step_metadata
 directory, state_file, step, cfg, url = sys.argv[1:]
 with lazyckpt.Checkpointer(directory, takeover=True, **checkpointer_kwargs(eval(cfg), eval(url))) as ckpt:
-    ckpt.save(torch.load(state_file, weights_only=False), step=int(step)).wait()
+    ckpt.save(torch.load(state_file, weights_only=False), step=int(step), metadata=step_metadata(int(step))).wait()
 print("committed", flush=True)
 """
 
@@ -381,17 +399,17 @@ def no_file_locks():
 # must be refused (prints "refused"), never commit.
 _STALLED_WRITER = """
 import sys, torch, lazyckpt
-from _model import Config, checkpointer_kwargs, no_file_locks
+from _model import Config, checkpointer_kwargs, no_file_locks, step_metadata
 directory, state_file, step, cfg, url, expiry = sys.argv[1:]
 no_file_locks().__enter__()
 kw = {**checkpointer_kwargs(eval(cfg), eval(url)), "lease_expiry_s": float(expiry)}
 ckpt = lazyckpt.Checkpointer(directory, **kw)
 state = torch.load(state_file, weights_only=False)
-ckpt.save(state, step=int(step)).wait()
+ckpt.save(state, step=int(step), metadata=step_metadata(int(step))).wait()
 print("committed", flush=True)
 sys.stdin.readline()
 try:
-    ckpt.save(state, step=int(step) + 2).wait()
+    ckpt.save(state, step=int(step) + 2, metadata=step_metadata(int(step) + 2)).wait()
 except lazyckpt.CheckpointError as exc:
     print("refused", type(exc).__name__, str(exc)[:300], flush=True)
 else:
@@ -455,12 +473,34 @@ class Run:
         self.uncertain: List[Tuple[int, Dict[str, Any]]] = []
         self.pending: List[Tuple[Any, int, Dict[str, Any]]] = []
         self.log = log if log is not None else []
+        #: The retention policy of this run, and the local steps it must leave: the model
+        #: applies retention.plan at each commit, as the library does (None: a rule the
+        #: model does not follow ran since; the next check takes the listing from there).
+        self.policy = as_policy(checkpointer_kwargs(cfg, persist_url, **self.knobs)["keep"])
+        self.expected: Optional[List[int]] = []
         self.ckpt = self._open()
 
     # -- helpers
     @property
     def distributed(self) -> bool:
         return self.world > 1
+
+    @property
+    def predicts_steps(self) -> bool:
+        """Whether the model says which steps the local tier holds: one rank, no
+        other tier (their holds defer retention to a later pass), no incremental
+        references (they keep steps the model does not follow)."""
+        return not (self.cfg.persist or self.cfg.replicas or self.distributed) and \
+            resolve(incremental=self.cfg.incremental).incremental == "off"
+
+    def _retain(self, step: int) -> None:
+        """The commit of ``step`` as retention sees it: the steps >= step superseded,
+        then what the policy does not keep deleted."""
+        if self.expected is None:
+            return
+        present = [s for s in self.expected if s < step] + [step]
+        doomed = set(plan(self.policy, present, step_metadata).doomed)
+        self.expected = [s for s in present if s not in doomed]
 
     def _barrier(self) -> None:
         if self.distributed:
@@ -530,11 +570,14 @@ class Run:
             except Exception as exc:
                 self.fail(f"save of step {step} failed: {type(exc).__name__}: {exc}")
             self.line.commit(step, values)
+            self._retain(step)
         self.pending = []
 
     # -- rules
     def apply(self, rule: str, arg: int = 0) -> None:
         self.log.append(f"{rule}({arg})")
+        if rule not in FOLLOWED:
+            self.expected = None
         if self.outage_left:
             self.outage_left -= 1
             if not self.outage_left:            # the window is over: the store answers again
@@ -552,7 +595,7 @@ class Run:
         step = self.next_step
         state = self.trainee.state()
         values = flat(state)
-        handle = self.ckpt.save(state, step=step)
+        handle = self.ckpt.save(state, step=step, metadata=step_metadata(step))
         self.pending.append((handle, step, values))
         self.next_step = step + 1
 
@@ -699,7 +742,7 @@ class Run:
         self.next_step = step + 1
         if self.ckpt._writer is not None:           # this one had saved: it held the lease
             try:
-                self.ckpt.save(self.trainee.state(), step=self.next_step).wait()
+                self.ckpt.save(self.trainee.state(), step=self.next_step, metadata=step_metadata(self.next_step)).wait()
             except lazyckpt.CheckpointError:
                 pass
             else:
@@ -1029,7 +1072,7 @@ class Run:
         step = self.next_step
         state = self.trainee.state()
         values = flat(state)
-        handle = self.ckpt.save(state, step=step)
+        handle = self.ckpt.save(state, step=step, metadata=step_metadata(step))
         self.next_step = step + 1
         try:
             lzprune.prune(self.local, 1 + arg % 2)
@@ -1083,7 +1126,7 @@ class Run:
             with no_file_locks():
                 self.ckpt = self._open(lease_expiry_s=expiry)
                 try:
-                    self.ckpt.save(self.trainee.state(), step=mine).wait()
+                    self.ckpt.save(self.trainee.state(), step=mine, metadata=step_metadata(mine)).wait()
                 except CheckpointError as exc:
                     self.fail(f"a new writer after the old one's lease expired could not commit: {exc}")
                 self.line.commit(mine, mine_values)
@@ -1118,6 +1161,15 @@ class Run:
         if self.distributed or self.cfg.replicas:
             self._wait()                 # collective loads need the same listing on every rank
         self._settle()
+        if self.predicts_steps:
+            listed_now = self.ckpt.steps()
+            if self.expected is None:
+                self.expected = listed_now
+            elif listed_now != self.expected:
+                self.fail(f"keep={self.policy!r}: the directory holds steps {listed_now}, the policy leaves "
+                          f"{self.expected} (missing {sorted(set(self.expected) - set(listed_now))}, not deleted "
+                          f"{sorted(set(listed_now) - set(self.expected))}); losses "
+                          f"{ {s: loss_of(s) for s in sorted(set(listed_now) | set(self.expected))} }")
         latest = self.line.latest()
         hits = self._hits()
         try:
@@ -1312,6 +1364,9 @@ class Run:
             self._close()
             self.ckpt = None
 
+
+#: The rules after which the model still knows which steps retention left (Run.expected).
+FOLLOWED = ("train", "save", "wait", "burst", "rollback", "restart", "reshape")
 
 #: The tensors check_study follows: one per kind of writer (AdamW, BatchNorm stats and
 #: counter, fused AdamW's step, numpy/collective writes, the replicated buffer).

@@ -15,7 +15,9 @@ every rule against the line of history (tests/_model.py).
 * Issue 33 item 5: with persist_to the hypothesis machine reaches SeaweedFS
   through the fault proxy (tests/_s3proxy.py) and draws fail_next / outage /
   heal; every machine draws corrupt_meta, prune_in_flight and reshape, and
-  keep_last (3, None, 1) and full_every (0, 2) per example; lease_expiry
+  keep (3, None, 1, or a policy of KeepLast, KeepEvery, KeepBest: _model.POLICIES;
+  one rank, local only: the model predicts which steps retention leaves) and
+  full_every (0, 2) per example; lease_expiry
   starts a process (LAZYCKPT_MODEL_KILLS). Fixed short programs run each new
   rule in CI (test_faults_corruption_and_prune_in_flight_..., test_a_writer_
   whose_lease_expired_...).
@@ -36,8 +38,9 @@ import torch
 
 import lazyckpt
 from _dist import run_ranks
-from _model import (TRAIN_KINDS, Config, Faults, InvariantError, Run, all_configs, checkpointer_kwargs,
+from _model import (POLICIES, TRAIN_KINDS, Config, Faults, InvariantError, Run, all_configs, checkpointer_kwargs,
                     expected_refusal, random_program, run_knobs, run_program)
+from lazyckpt.retention import KeepBest, KeepEvery, KeepLast
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, settings, strategies as st  # noqa: E402
@@ -120,12 +123,13 @@ def machine_for(cfg: Config, base: str, persist_url, faults=None):
             self.url = f"{persist_url}/{uuid.uuid4().hex[:12]}" if persist_url else None
             self.run = None
 
-        # keep_last and full_every: drawn per run, not Config dimensions (CI time).
-        @initialize(keep_last=st.sampled_from([3, None, 1]), full_every=st.sampled_from([0, 2]))
-        def start(self, keep_last, full_every):
+        # keep (an int, None or a policy: KeepEvery, KeepBest) and full_every: drawn per
+        # run, not Config dimensions (CI time).
+        @initialize(keep=st.sampled_from([3, None, 1] + POLICIES), full_every=st.sampled_from([0, 2]))
+        def start(self, keep, full_every):
             if faults is not None:
                 faults.clear()
-            knobs = {"keep_last": keep_last}
+            knobs = {"keep": keep}
             if lazyckpt.Options(incremental=cfg.incremental).incremental != "off":
                 knobs["full_every"] = full_every
             self.run = Run(cfg, self.dir, self.url, knobs=knobs, faults=faults)
@@ -345,6 +349,20 @@ def test_a_long_history_keeps_the_index_on_the_line(cfg, keep_last, tmp_path):
                ("kill_in_commit", 0), ("rollback", 1 << 15), ("train", 2), ("kill_in_commit", 1),
                ("save", 0), ("crash", 0), ("burst", 0), ("restart", 0), ("save", 0), ("wait", 0)]
     run_program(cfg, str(tmp_path), None, program, knobs={"keep_last": keep_last})
+
+
+#: Saves, a long burst, rollbacks into what the policy kept, a restart and a crash: the
+#: model predicts, after every rule, which steps the directory holds (Run.check).
+POLICY_PROGRAM = [("save", 0), ("save", 0), ("wait", 0), ("train", 1), ("save", 0), ("burst", 0),
+                  ("rollback", 5), ("train", 3), ("save", 0), ("save", 0), ("wait", 0), ("restart", 0),
+                  ("rollback", 1), ("train", 2), ("save", 0), ("wait", 0), ("crash", 0), ("save", 0),
+                  ("save", 0), ("wait", 0)]
+
+
+@pytest.mark.parametrize("keep", [KeepLast(2) | KeepEvery(25), KeepBest(3), KeepBest(1, mode="max") | KeepLast(1)],
+                         ids=["last-every", "best", "best-max"])
+def test_retention_policies_leave_the_steps_the_model_predicts(keep, tmp_path):
+    run_program(Config(), str(tmp_path), None, POLICY_PROGRAM, knobs={"keep": keep})
 
 
 # ----------------------------------------------------------------- refused combinations
