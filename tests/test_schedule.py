@@ -265,6 +265,21 @@ def test_checkpointer_preempted_save_is_committed_on_return(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def test_the_preempted_save_is_also_persisted_on_return(tmp_path):
+    """With a persistent tier the preempted save() returns once the step is uploaded too."""
+    import uuid
+    url = f"mem://b{uuid.uuid4().hex[:10]}/run"
+    with lazyckpt.Checkpointer(str(tmp_path / "run"), interval=Every(steps=1000), preemption=True,
+                               persist=lazyckpt.Persist(url)) as ck:
+        ck.save({"w": torch.ones(10)}, 1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ck.should_save(2)
+        h = ck.save({"w": torch.full((1000,), 2.0)}, 2)
+        assert h.done() and h.persist_state == "persisted"
+        assert ck.preempted
+        assert 2 in ck.persistent.dir.steps()
+
+
 @pytest.mark.parametrize("value,error,match", [
     ("yes", TypeError, "preemption= must be True, False or"),
     (lazyckpt.Preemption, TypeError, "preemption= must be"),

@@ -392,7 +392,7 @@ class Checkpointer:
                             "close() goes on waiting for it", handle.step, self._schedule.preemption.grace)
                 return
             handle.wait()                   # its failure, if it failed
-            if self.persistent is not None:
+            if self.persistent is not None and handle.persist_state is not None:    # (queued for it at commit)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     handle.wait(left, persisted=True)
