@@ -161,3 +161,25 @@ def test_the_agreement_round_on_a_real_store():
     # Rounds 0..3 were deleted by the round after each; the last one's keys stay.
     assert not stores[0].check(["sched/0"]) and not stores[0].check(["sched/3/sum"])
     assert stores[0].check(["sched/4/sum"])
+
+
+def _clock_ranks(rank, world, directory):
+    import lazyckpt
+    import torch
+    with lazyckpt.Checkpointer(directory, interval=lazyckpt.Every(seconds=0.15)) as ck:
+        saved = []
+        for step in range(1, 40):
+            time.sleep(0.01 * (1 + rank))       # the ranks' own clocks would disagree
+            if ck.should_save(step):
+                ck.save({"w": torch.full((100,), float(step))}, step)
+                saved.append(step)
+        ck.wait()
+        return saved, ck.steps()
+
+
+def test_a_clock_interval_saves_the_same_steps_on_every_rank(tmp_path):
+    """Every(seconds=) under torch.distributed: rank 0's clock, agreed on at every call."""
+    from _dist import run_ranks
+    results = run_ranks(2, _clock_ranks, str(tmp_path / "run"))
+    (saved0, steps0), (saved1, steps1) = results
+    assert saved0 == saved1 and steps0 == steps1 == saved0 and len(saved0) >= 2
