@@ -37,7 +37,7 @@ def _rewrite(markdown: str, source_dir: str, page_dir: str, docs_dir: str, repo_
         shown = os.path.relpath(resolved, repo_root).replace(os.sep, "/")
         if bang:
             return f"`{shown}`"
-        return text if text.strip("`") == shown else f"{text} (`{shown}`)"
+        return text if text.strip("`").rstrip("/") == shown else f"{text} (`{shown}`)"
 
     out, fenced = [], None
     for line in markdown.splitlines(keepends=True):
