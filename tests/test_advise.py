@@ -27,6 +27,7 @@ from lazyckpt.saving.costs import problems
 from lazyckpt.formats.manifest import checksum
 
 from _dist import run_ranks
+from _groups import groups
 
 #: A tiny host cache: the capture of a state of 4 MB and more waits for the writers
 #: (256 chunks), so the optimizer step called right after save() waits at the barrier.
@@ -41,7 +42,7 @@ def _train(ckpt_dir, saves=4, iterations_between=4, width=256, **kwargs):
     opt = torch.optim.Adam(model.parameters())
     buffer = torch.randn(BUFFER)
     handles, step_times = {}, {}
-    with lazyckpt.Checkpointer(ckpt_dir, **SLOW_CAPTURE, **kwargs) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SLOW_CAPTURE, **kwargs)) as ckpt:
         ckpt.attach(opt)
         it = 0
         for s in range(saves):
@@ -161,7 +162,7 @@ def _two_ranks(rank, world, d):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     buffer = torch.randn(BUFFER // 4)
     out = {}
-    with lazyckpt.Checkpointer(d, **SLOW_CAPTURE) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(SLOW_CAPTURE)) as ckpt:
         ckpt.attach(opt)
         for s in (1, 2, 3):
             model(torch.randn(4, width)).sum().backward()
@@ -261,7 +262,9 @@ def test_cli_prints_the_formula_and_json_equals_the_api(trained_run, capsys):
 
 def test_checkpointer_logs_the_advice_once_when_given_an_mtbf(ckpt_dir, caplog):
     caplog.set_level(logging.INFO, logger="lazyckpt")
-    _train(ckpt_dir, saves=costs.MIN_SAVES_TO_LOG + 2, iterations_between=1, width=64, advise_mtbf="8h")
+    # advise_mtbf= is the deprecated knob that only logs the advice (interval=Auto(mtbf=) acts on it).
+    with pytest.warns(DeprecationWarning, match="advise_mtbf"):
+        _train(ckpt_dir, saves=costs.MIN_SAVES_TO_LOG + 2, iterations_between=1, width=64, advise_mtbf="8h")
     advice = [r.getMessage() for r in caplog.records if "checkpoint cost C" in r.getMessage()]
     assert len(advice) == 1 and "Daly's interval" in advice[0] and "MTBF M = 8 h" in advice[0]
     caplog.clear()
@@ -320,7 +323,8 @@ def test_missing_run_and_bad_mtbf_are_clear_errors(ckpt_dir, tmp_path, capsys):
         assert code == 2 and f"bad failure rate {value!r}" in err, (value, err)
     with pytest.raises(SystemExit):                      # one of --mtbf / --failure-rate is required
         lazyckpt.cli.main(["advise", ckpt_dir])
-    with pytest.raises(ValueError, match="advise_mtbf: bad duration '8' \\(a unit is required"):
+    with pytest.warns(DeprecationWarning, match="advise_mtbf"), \
+            pytest.raises(ValueError, match="advise_mtbf: bad duration '8' \\(a unit is required"):
         lazyckpt.Checkpointer(ckpt_dir, advise_mtbf="8")
 
 

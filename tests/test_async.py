@@ -52,7 +52,7 @@ def test_capture_is_consistent_under_in_place_mutation(tmp_path, cache_bytes):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     refs = {}
-    with lazyckpt.Checkpointer(tmp_path, host_cache_bytes=cache_bytes, max_pending_saves=3) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, host_cache_bytes=cache_bytes, io=lazyckpt.IO(max_pending_saves=3)) as ckpt:
         ckpt.attach(opt)
         for step in range(8):
             loss = model(torch.randn(16, 64)).pow(2).mean()
@@ -87,7 +87,7 @@ def test_tensor_larger_than_cache_streams_through(tmp_path):
 
 def test_many_saves_queue_and_all_commit(tmp_path):
     state = {"w": torch.randn(50_000)}
-    with lazyckpt.Checkpointer(tmp_path, host_cache_bytes=64 << 10, max_pending_saves=2) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, host_cache_bytes=64 << 10, io=lazyckpt.IO(max_pending_saves=2)) as ckpt:
         handles = [ckpt.save({"w": state["w"] + i, "i": i}, step=i) for i in range(12)]
         ckpt.wait()
         assert all(h.done() and h.error is None for h in handles)
@@ -107,7 +107,7 @@ def test_skip_policy_skips_with_a_warning(tmp_path):
 
     fileio.OutputFile.pwrite_all = slow_write
     try:
-        with lazyckpt.Checkpointer(tmp_path, max_pending_saves=1, queue_policy="skip") as ckpt:
+        with lazyckpt.Checkpointer(tmp_path, io=lazyckpt.IO(max_pending_saves=1, when_full="skip")) as ckpt:
             first = ckpt.save({"w": torch.ones(10)}, step=1)      # in flight (held at its write)
             second = ckpt.save({"w": torch.ones(10)}, step=2)     # waits behind it
             with pytest.warns(RuntimeWarning, match="step 3 skipped"):
@@ -210,7 +210,7 @@ def test_close_cancel_commits_nothing_pending_and_leaks_nothing(tmp_path):
 
     fileio.OutputFile.pwrite_all = slow_write
     try:
-        ckpt = lazyckpt.Checkpointer(tmp_path, host_cache_bytes=16 << 10, max_pending_saves=4)
+        ckpt = lazyckpt.Checkpointer(tmp_path, host_cache_bytes=16 << 10, io=lazyckpt.IO(max_pending_saves=4))
         handles = [ckpt.save({"w": torch.randn(50_000)}, step=i) for i in range(4)]
         ckpt.close(cancel=True)
     finally:

@@ -17,6 +17,7 @@ import torch
 
 import lazyckpt
 from lzc_tools import assert_same
+from _groups import groups
 
 SMALL = dict(host_cache_bytes=64 << 10, chunk_bytes=16 << 10)
 
@@ -36,7 +37,7 @@ def _listing(directory):
 
 
 def test_save_wait_steps_and_load(ckpt_dir, no_leaked_threads):
-    with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL)) as ckpt:
         assert ckpt.steps() == [] and ckpt.latest_step() is None
         handles = [ckpt.save(state_for(s), step=s) for s in (10, 20)]
         ckpt.wait()
@@ -57,7 +58,7 @@ def test_save_wait_steps_and_load(ckpt_dir, no_leaked_threads):
 
 def test_latest_file_content(ckpt_dir):
     latest = os.path.join(ckpt_dir, "latest")
-    with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL)) as ckpt:
         assert not os.path.exists(latest)
         ckpt.save(state_for(1), step=1).wait()
         assert open(latest, "rb").read() == b"1\n"
@@ -72,7 +73,7 @@ def test_latest_file_content(ckpt_dir):
 
 
 def test_context_manager_drains_and_closes(ckpt_dir, no_leaked_threads):
-    with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL)) as ckpt:
         for s in range(3):
             ckpt.save(state_for(s), step=s)          # no wait: exit drains
     with lazyckpt.Checkpointer(ckpt_dir) as reopened:       # (its leftover scan is a thread until closed)
@@ -86,7 +87,7 @@ def test_context_manager_drains_and_closes(ckpt_dir, no_leaked_threads):
 
 def test_exception_in_context_cancels_and_leaks_nothing(ckpt_dir, no_leaked_threads):
     with pytest.raises(RuntimeError, match="boom"):
-        with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+        with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL)) as ckpt:
             ckpt.save(state_for(1), step=1).wait()
             ckpt.save(state_for(2), step=2)
             raise RuntimeError("boom")
@@ -97,7 +98,7 @@ def test_exception_in_context_cancels_and_leaks_nothing(ckpt_dir, no_leaked_thre
 
 
 def test_saving_a_committed_step_again_supersedes_it(ckpt_dir, no_leaked_threads):
-    with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL)) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
         ckpt.save(state_for(99), step=1).wait()
         assert ckpt.steps() == [1]
@@ -107,15 +108,15 @@ def test_saving_a_committed_step_again_supersedes_it(ckpt_dir, no_leaked_threads
     # Without retention the superseded step is kept aside, never listed.
     hidden = [n for n in os.listdir(ckpt_dir) if n.startswith(".")]
     assert len(hidden) == 1 and hidden[0].startswith(".abandoned-step_0000000001-")
-    with lazyckpt.Checkpointer(ckpt_dir, keep_last=2, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, keep=2, **groups(SMALL)) as ckpt:
         ckpt.save(state_for(3), step=3).wait()        # retention removes abandoned steps too
     assert not [n for n in os.listdir(ckpt_dir) if n.startswith(".")]
 
 
 def test_bad_arguments(ckpt_dir):
     with pytest.raises(ValueError):
-        lazyckpt.Checkpointer(ckpt_dir, keep_last=0)
-    with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+        lazyckpt.Checkpointer(ckpt_dir, keep=0)
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL)) as ckpt:
         for bad in (-1, 1.0, "3", True, 10**10):
             with pytest.raises(ValueError):
                 ckpt.save({"a": 1}, step=bad)
@@ -159,7 +160,7 @@ def _fail_commit_step(monkeypatch, which):
 def test_failed_commit_removes_the_temporary_directory(ckpt_dir, monkeypatch, which):
     """If writing the manifest, syncing or renaming fails, the save fails, the
     temporary directory is removed and nothing committed changes (FORMAT.md 11.3)."""
-    with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL)) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
         _fail_commit_step(monkeypatch, which)
         with pytest.raises(lazyckpt.CheckpointError, match="No space left"):
@@ -190,7 +191,7 @@ class Gate:
 def test_keep_last_deletes_older_steps_only_after_a_newer_commit(ckpt_dir, no_leaked_threads):
     Gate.release.clear()
     Gate.entered.clear()
-    with lazyckpt.Checkpointer(ckpt_dir, keep_last=2, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, keep=2, **groups(SMALL)) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
         ckpt.save(state_for(2), step=2).wait()
         assert ckpt.steps() == [1, 2]
@@ -220,7 +221,7 @@ class Unpicklable:
 
 
 def test_failed_save_does_not_trigger_retention(ckpt_dir):
-    with lazyckpt.Checkpointer(ckpt_dir, keep_last=1, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, keep=1, **groups(SMALL)) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
         with pytest.raises(lazyckpt.CheckpointError, match="refuses to be pickled"):
             ckpt.save(dict(state_for(2), bad=Unpicklable()), step=2).wait()
@@ -233,7 +234,7 @@ def test_failed_save_does_not_trigger_retention(ckpt_dir):
 
 
 def test_steps_ignores_everything_but_committed_steps(ckpt_dir):
-    with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL)) as ckpt:
         ckpt.save(state_for(5), step=5).wait()
     os.mkdir(os.path.join(ckpt_dir, "step_0000000009"))                     # no manifest
     os.mkdir(os.path.join(ckpt_dir, "step_9"))                              # wrong name
@@ -252,7 +253,7 @@ def test_steps_ignores_everything_but_committed_steps(ckpt_dir):
 
 def test_leftovers_are_cleaned_only_once_provably_dead(ckpt_dir):
     from lazyckpt.storage import locks
-    with lazyckpt.Checkpointer(ckpt_dir, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL)) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
     names = {".tmp-step_0000000002-0123abcd4567": False,        # old, unlocked: dead
              ".tmp-step_0000000003-89abcdef0123": True,         # leased (locked) below: live
@@ -289,9 +290,10 @@ CHILD = textwrap.dedent("""
     from lazyckpt.storage import fileio
 
     sys.path.insert(0, sys.argv[2])
+    from _groups import groups
     from test_checkpointer import SMALL, state_for
 
-    ckpt = lazyckpt.Checkpointer(sys.argv[1], **SMALL)
+    ckpt = lazyckpt.Checkpointer(sys.argv[1], **groups(SMALL))
     ckpt.save(state_for(1), step=1).wait()
     print("COMMITTED", flush=True)
 
@@ -349,7 +351,7 @@ def test_sigkill_mid_write_leaves_the_last_commit_intact(ckpt_dir, tmp_path):
     # leftover once its lease has expired (the dead process no longer holds its lock
     # nor refreshes its heartbeat).
     time.sleep(0.6)
-    with lazyckpt.Checkpointer(ckpt_dir, lease_expiry_s=0.5, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL, lease_expiry=0.5)) as ckpt:
         assert ckpt.steps() == [1] and ckpt.latest_step() == 1
         assert_same(state_for(1), ckpt.load())
         ckpt.layout.close()     # the leftover scan opening starts runs in the background: wait for it
@@ -396,7 +398,7 @@ def test_checkpointer_load_without_checkpoints(ckpt_dir, no_leaked_threads):
 
 def test_checkpointer_creates_missing_directories(tmp_path):
     target = tmp_path / "a" / "b" / "c"
-    with lazyckpt.Checkpointer(target, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(target, **groups(SMALL)) as ckpt:
         ckpt.save({"x": 1}, step=1).wait()
     assert lazyckpt.load(target) == {"x": 1}
 
@@ -411,7 +413,7 @@ def test_checkpointer_on_an_unusable_path(tmp_path):
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_read_only_directory(tmp_path):
     d = tmp_path / "ro"
-    with lazyckpt.Checkpointer(d, **SMALL) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(SMALL)) as ckpt:
         ckpt.save(state_for(1), step=1).wait()
     os.chmod(d, 0o500)
     try:

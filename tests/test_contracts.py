@@ -32,6 +32,7 @@ import torch
 import lazyckpt
 from _dist import run_ranks
 from lzc_tools import assert_same, clone_state
+from _groups import groups
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,7 +56,7 @@ def test_attach_alone_keeps_batchnorm_buffers_at_their_save_values(tmp_path):
     model = _bn_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(8, 1024)
-    with lazyckpt.Checkpointer(tmp_path, **SLOW_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, **groups(SLOW_KNOBS)) as ckpt:
         ckpt.attach(opt)                              # all the README asks for
         model(x).sum().backward()
         opt.step()
@@ -93,7 +94,7 @@ def test_eval_forwards_and_unrelated_modules_do_not_wait(tmp_path):
     buffers are part of a pending capture."""
     model = _bn_model()
     other = torch.nn.BatchNorm1d(16)
-    with lazyckpt.Checkpointer(tmp_path, **SLOW_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, **groups(SLOW_KNOBS)) as ckpt:
         handle = ckpt.save({"model": model.state_dict()}, step=1)
         model.eval()
         model(torch.randn(8, 1024))                    # eval: no buffer update, no wait
@@ -111,10 +112,10 @@ def _value(step):
 
 def test_a_save_after_resuming_from_an_older_step_becomes_latest_and_is_kept(tmp_path):
     d = str(tmp_path)
-    with lazyckpt.Checkpointer(d, keep_last=3) as ckpt:
+    with lazyckpt.Checkpointer(d, keep=3) as ckpt:
         for step in (200, 300, 301):
             ckpt.save(_value(step), step=step)
-    with lazyckpt.Checkpointer(d, keep_last=2) as ckpt:   # resumed from step 200
+    with lazyckpt.Checkpointer(d, keep=2) as ckpt:   # resumed from step 200
         ckpt.save(_value(250), step=250).wait()
         assert ckpt.latest_step() == 250
         assert ckpt.load()["step"] == 250
@@ -157,7 +158,7 @@ def test_abandoned_steps_are_kept_aside_when_retention_is_off(tmp_path):
 
 
 def test_saving_the_latest_step_again_replaces_it(tmp_path):
-    with lazyckpt.Checkpointer(tmp_path, keep_last=3) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, keep=3) as ckpt:
         ckpt.save(_value(1), step=1)
         ckpt.save(_value(2), step=2).wait()
         ckpt.save({"x": torch.zeros(4), "step": 2, "again": True}, step=2).wait()
@@ -169,7 +170,7 @@ def test_saving_the_latest_step_again_replaces_it(tmp_path):
 
 
 def _slow_two_rank_save(rank, world, directory, go_file):
-    with lazyckpt.Checkpointer(directory, commit_timeout_s=120) as ckpt:
+    with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(commit_timeout=120)) as ckpt:
         ckpt.save({"w": torch.full((1000,), 1.0 + rank)}, step=1).wait()
         if rank == 1:
             # Rank 0 has written its file into the shared temporary directory and
@@ -241,15 +242,15 @@ def test_leftovers_are_removed_only_once_their_lease_has_expired(tmp_path):
         assert os.path.exists(ready)
         time.sleep(0.3)
         # Live (locked and heartbeating): kept, even with a tiny expiry.
-        lazyckpt.Checkpointer(str(d), lease_expiry_s=0.2).close()
+        lazyckpt.Checkpointer(str(d), io=lazyckpt.IO(lease_expiry=0.2)).close()
         assert os.path.isdir(d / ".tmp-step_0000000007-x")
         proc.kill()
         proc.wait()
         # Dead but the heartbeat is fresh: kept until the expiry has passed.
-        lazyckpt.Checkpointer(str(d), lease_expiry_s=30).close()
+        lazyckpt.Checkpointer(str(d), io=lazyckpt.IO(lease_expiry=30)).close()
         assert os.path.isdir(d / ".tmp-step_0000000007-x")
         time.sleep(0.5)
-        removed = lazyckpt.Checkpointer(str(d), lease_expiry_s=0.2)
+        removed = lazyckpt.Checkpointer(str(d), io=lazyckpt.IO(lease_expiry=0.2))
         removed.close()
         assert not os.path.exists(d / ".tmp-step_0000000007-x")
     finally:
@@ -278,7 +279,7 @@ def test_inspection_tools_never_delete_or_rename(tmp_path):
 
 def _refused_on_one_rank(rank, world, directory):
     out = {}
-    with lazyckpt.Checkpointer(directory, commit_timeout_s=30) as ckpt:
+    with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(commit_timeout=30)) as ckpt:
         ckpt.save({"w": torch.full((10,), 1.0 + rank)}, step=1).wait()
         t0 = time.time()
         try:
@@ -351,7 +352,7 @@ def test_checkpointer_load_into_is_strict_too(tmp_path):
 
 def test_retention_does_not_delete_a_step_while_another_process_reads_it(tmp_path):
     from lazyckpt.storage import locks
-    with lazyckpt.Checkpointer(tmp_path, keep_last=1) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, keep=1) as ckpt:
         ckpt.save(_value(1), step=1).wait()
         with locks.StepDir(ckpt.step_path(1)).reading():     # what load() holds while it reads
             ckpt.save(_value(2), step=2).wait()
@@ -426,8 +427,8 @@ def test_an_unreferenced_checkpointer_is_collected_and_frees_its_cache(tmp_path)
 
 EXIT_SCRIPT = """
 import sys, torch, lazyckpt
-ckpt = lazyckpt.Checkpointer(sys.argv[1], host_cache_bytes=8192, chunk_bytes=4096, writer_threads=1,
-                             exit_policy=sys.argv[2])
+ckpt = lazyckpt.Checkpointer(sys.argv[1], host_cache_bytes=8192,
+                             io=lazyckpt.IO(chunk_bytes=4096, writer_threads=1, at_exit=sys.argv[2]))
 ckpt.save({"w": torch.ones(1 << 20)}, step=1)
 ckpt.save({"w": torch.full((1 << 20,), 2.0)}, step=2)
 print("exiting", flush=True)

@@ -24,6 +24,7 @@ import lazyckpt
 import lazyckpt.storage.layout
 from lazyckpt.storage import fileio
 from lzc_tools import assert_same, clone_state
+from _groups import groups
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,7 +155,7 @@ def test_disk_full_mid_checkpoint(small_fs):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     first = tensor_state(int(0.15 * free0), 1)
     big = tensor_state(int(0.60 * free0), 2)
-    with lazyckpt.Checkpointer(d, **CKPT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(CKPT_KNOBS)) as ckpt:
         ckpt.attach(opt)
         if fs.name == "ext4":
             assert _uses_o_direct(d), "the ext4 image should take O_DIRECT"
@@ -201,7 +202,7 @@ def test_disk_full_reported_by_the_next_save(small_fs):
     fs = small_fs
     d = fs / "run"
     free0 = free_bytes(fs)
-    with lazyckpt.Checkpointer(d, **CKPT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(CKPT_KNOBS)) as ckpt:
         ckpt.save(tensor_state(int(0.2 * free0), 1), step=1).wait(WAIT_S)
         ckpt.save(tensor_state(int(0.9 * free0), 2), step=2)
         deadline = time.monotonic() + WAIT_S
@@ -246,7 +247,7 @@ def test_functional_save_disk_full_keeps_the_old_file(small_fs):
 def _data_file_pages(tmp_path, state, step) -> int:
     """Pages the data file of ``state`` saved at ``step`` takes (dry run elsewhere)."""
     d = tmp_path / f"dry{step}"
-    with lazyckpt.Checkpointer(d, **CKPT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(CKPT_KNOBS)) as ckpt:
         ckpt.save(state, step=step).wait(WAIT_S)
     size = os.path.getsize(d / f"step_{step:010d}" / "rank_00000.lzc")
     shutil.rmtree(d)
@@ -260,7 +261,7 @@ def test_disk_full_exactly_at_the_manifest(tmpfs, tmp_path):
     d = tmpfs / "run"
     state = tensor_state(2 << 20, 5)
     pages = _data_file_pages(tmp_path, state, 2)
-    with lazyckpt.Checkpointer(d, **CKPT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(CKPT_KNOBS)) as ckpt:
         ckpt.save({"n": 1}, step=1).wait(WAIT_S)
         fill(tmpfs / "filler", free_bytes(tmpfs) - pages * 4096)
         assert free_bytes(tmpfs) == pages * 4096
@@ -283,7 +284,7 @@ def test_disk_full_exactly_at_latest(tmpfs, tmp_path):
     d = tmpfs / "run"
     state = tensor_state(2 << 20, 6)
     pages = _data_file_pages(tmp_path, state, 2)
-    with lazyckpt.Checkpointer(d, **CKPT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(CKPT_KNOBS)) as ckpt:
         ckpt.save({"n": 1}, step=1).wait(WAIT_S)
         fill(tmpfs / "filler", free_bytes(tmpfs) - (pages + 1) * 4096)
         error = None
@@ -348,7 +349,7 @@ def test_write_error_at_the_seam_checkpointer(tmp_path, monkeypatch, where, mode
     assert total >= 4
     fail_at = {"first": 1, "middle": total // 2, "last": total}[where]
     d = tmp_path / "run"
-    with lazyckpt.Checkpointer(d, **INJECT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(INJECT_KNOBS)) as ckpt:
         ckpt.save({"before": torch.ones(3)}, step=1).wait(WAIT_S)
         seam = _failing_seam(monkeypatch, fail_at, mode, err)
         handle = ckpt.save(state, step=2)
@@ -385,7 +386,7 @@ def test_write_error_with_the_smallest_cache_does_not_hang(tmp_path, monkeypatch
     waiting forever for a chunk."""
     knobs = dict(host_cache_bytes=8192, chunk_bytes=4096, writer_threads=1, max_pending_saves=1)
     state = tensor_state(1 << 20, 9)
-    with lazyckpt.Checkpointer(tmp_path / "run", **knobs) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path / "run", **groups(knobs)) as ckpt:
         _failing_seam(monkeypatch, 2, "raise", errno.EIO)
         handles = [ckpt.save(state, step=1)]
         t = time.monotonic()
@@ -420,7 +421,7 @@ def short_pwrite(monkeypatch):
 def test_short_writes_are_completed(tmp_path, short_pwrite, o_direct):
     state = tensor_state(300_000, 10)
     knobs = dict(INJECT_KNOBS, o_direct=o_direct)
-    with lazyckpt.Checkpointer(tmp_path / "run", **knobs) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path / "run", **groups(knobs)) as ckpt:
         ckpt.save(state, step=1).wait(WAIT_S)
     path = tmp_path / "f.lzc"
     lazyckpt.save(state, path, **knobs)
@@ -437,7 +438,7 @@ def test_write_returning_zero_is_an_error_not_a_loop(tmp_path, monkeypatch):
         calls["n"] += 1
         return 0 if calls["n"] > 3 else real(fd, data, offset)
     monkeypatch.setattr(fileio.os, "pwrite", pwrite)
-    with lazyckpt.Checkpointer(tmp_path / "run", **INJECT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path / "run", **groups(INJECT_KNOBS)) as ckpt:
         with pytest.raises(lazyckpt.CheckpointWriteError, match="step 1"):
             ckpt.save(tensor_state(100_000, 11), step=1).wait(WAIT_S)
         monkeypatch.undo()
@@ -460,7 +461,7 @@ def test_a_lying_write_is_caught_by_the_checksums(tmp_path, monkeypatch):
         return real(self, data, offset)
     monkeypatch.setattr(fileio.OutputFile, "pwrite_all", lying)
     saved = tensor_state(100_000, 12)
-    with lazyckpt.Checkpointer(tmp_path / "run", **dict(INJECT_KNOBS, writer_threads=1)) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path / "run", **groups(INJECT_KNOBS, writer_threads=1)) as ckpt:
         ckpt.save(saved, step=1).wait(WAIT_S)
         monkeypatch.undo()
         with pytest.raises(lazyckpt.CorruptCheckpointError, match="checksum") as info:
@@ -471,7 +472,7 @@ def test_a_lying_write_is_caught_by_the_checksums(tmp_path, monkeypatch):
 def test_fsync_failure_of_the_data_file(tmp_path, monkeypatch):
     def failing_finish(self, size):
         raise OSError(errno.EIO, os.strerror(errno.EIO), self.path)
-    with lazyckpt.Checkpointer(tmp_path / "run", **INJECT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path / "run", **groups(INJECT_KNOBS)) as ckpt:
         ckpt.save({"a": torch.ones(2)}, step=1).wait(WAIT_S)
         monkeypatch.setattr(fileio.OutputFile, "finish", failing_finish)
         with pytest.raises(lazyckpt.CheckpointWriteError, match="Input/output error") as info:
@@ -498,7 +499,7 @@ def test_commit_failure_before_the_rename_removes_the_step(tmp_path, monkeypatch
         if what == "dir-fsync" and os.path.basename(path).startswith(".tmp-step_"):
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
         return real_fsync(path)
-    with lazyckpt.Checkpointer(d, **INJECT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(INJECT_KNOBS)) as ckpt:
         ckpt.save({"a": torch.ones(2)}, step=1).wait(WAIT_S)
         monkeypatch.setattr(lazyckpt.storage.layout, "write_file_atomic", write)
         monkeypatch.setattr(lazyckpt.storage.layout, "fsync_dir", fsync)
@@ -519,7 +520,7 @@ def test_latest_that_cannot_be_written_does_not_misreport_a_committed_step(tmp_p
     d = tmp_path / "run"
     d.mkdir()
     (d / "latest").mkdir()
-    with lazyckpt.Checkpointer(d, **INJECT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(INJECT_KNOBS)) as ckpt:
         error = None
         try:
             ckpt.save({"a": torch.ones(2)}, step=1).wait(WAIT_S)
@@ -536,7 +537,7 @@ def test_latest_that_cannot_be_written_does_not_misreport_a_committed_step(tmp_p
 def test_read_only_file_system(tmpfs):
     d = tmpfs / "run"
     state = tensor_state(100_000, 15)
-    with lazyckpt.Checkpointer(d, **CKPT_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(d, **groups(CKPT_KNOBS)) as ckpt:
         ckpt.save(state, step=1).wait(WAIT_S)
         lazyckpt.save(state, tmpfs / "f.lzc", **CKPT_KNOBS)
         r = _try(["mount", "-o", "remount,ro", str(tmpfs)])

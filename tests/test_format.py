@@ -18,6 +18,7 @@ import xxhash
 
 import lazyckpt
 from lzc_tools import HEADER, PAGE, TRAILER, assert_same, parse, storage_key, write_with_footer
+from _groups import groups
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 GOLDEN_KNOBS = dict(chunk_bytes=65536, host_cache_bytes=262144)   # block_bytes = 65536
@@ -67,7 +68,7 @@ def test_golden_file_bytes(tmp_path):
 def test_golden_v2_file_with_a_ref_entry(tmp_path):
     """FORMAT.md §4.3/§10: a step whose only tensor did not change refers to the
     previous step's bytes: a version-2 file with no data of its own."""
-    with lazyckpt.Checkpointer(tmp_path, incremental=True, **GOLDEN_KNOBS) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, incremental=True, **groups(GOLDEN_KNOBS)) as ckpt:
         state = golden_state()
         ckpt.save(state, step=1).wait()
         ckpt.save(state, step=2).wait()

@@ -43,7 +43,7 @@ def _save_two_rank_checkpoints(rank, world, ddp_dir, fsdp_dir):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     refs = {}
-    with lazyckpt.Checkpointer(ddp_dir, replicated=["model"]) as ckpt:
+    with lazyckpt.Checkpointer(ddp_dir, distributed=lazyckpt.Distributed(identical_keys=["model"])) as ckpt:
         for step in (1, 2):
             with torch.no_grad():
                 for p in model.parameters():

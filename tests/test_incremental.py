@@ -58,7 +58,7 @@ def _entries(path):
 def test_unchanged_storages_are_referred_to_not_written(tmp_path):
     model, opt = _model()
     refs, sizes = {}, {}
-    with lazyckpt.Checkpointer(tmp_path, keep_last=None, incremental=True) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, keep=None, incremental=True) as ckpt:
         ckpt.attach(opt)
         for step in range(4):
             _train(model, opt, step)
@@ -156,7 +156,7 @@ def test_content_mode_catches_writes_that_bypass_the_version_counter(tmp_path):
 
 def test_full_every_bounds_the_reach_of_references(tmp_path):
     model, opt = _model()
-    with lazyckpt.Checkpointer(tmp_path, keep_last=2, incremental=True, full_every=3) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, keep=2, incremental=lazyckpt.Incremental(full_every=3)) as ckpt:
         for step in range(7):
             _train(model, opt, step)
             ckpt.save(_state(model, opt, step), step=step).wait()
@@ -171,7 +171,7 @@ def test_full_every_bounds_the_reach_of_references(tmp_path):
 
 def test_retention_never_leaves_a_dangling_reference(tmp_path):
     model, opt = _model()
-    with lazyckpt.Checkpointer(tmp_path, keep_last=1, incremental=True) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, keep=1, incremental=True) as ckpt:
         for step in range(5):
             _train(model, opt, step)
             ckpt.save(_state(model, opt, step), step=step).wait()
@@ -181,7 +181,7 @@ def test_retention_never_leaves_a_dangling_reference(tmp_path):
     layout = lazyckpt.storage.layout.CheckpointDir(str(tmp_path))
     # A new Checkpointer (a restarted run) writes its first save in full: 5 owns
     # the frozen bytes from then on.
-    with lazyckpt.Checkpointer(tmp_path, keep_last=None, incremental=True) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, keep=None, incremental=True) as ckpt:
         for step in range(5, 9):
             ckpt.save(_state(model, opt, step), step=step).wait()
     # Deleting newest first: a crash between two deletes never strands a reference.
@@ -221,7 +221,7 @@ def test_a_missing_or_damaged_referred_to_file_names_both_steps(tmp_path):
 
 def test_a_rollback_never_refers_to_a_superseded_step(tmp_path):
     model, opt = _model()
-    with lazyckpt.Checkpointer(tmp_path, keep_last=3, incremental=True) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, keep=3, incremental=True) as ckpt:
         for step in (10, 11):
             ckpt.save(_state(model, opt, step), step=step).wait()
         assert _manifest(tmp_path, 11)["references"] == [10]
@@ -271,7 +271,7 @@ def _fsdp_incremental(rank, world, directory, loaded_world):
     model, opt = fsdp_model(world, 64, 8)
     model[0].requires_grad_(False)                     # a frozen, sharded layer
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    with lazyckpt.Checkpointer(directory, incremental=True, keep_last=1) as ckpt:
+    with lazyckpt.Checkpointer(directory, incremental=True, keep=1) as ckpt:
         for step in range(3):
             torch.manual_seed(step)
             model(torch.randn(4, 16)).square().mean().backward()

@@ -25,6 +25,7 @@ from lazyckpt.loading import resolve as lzresolve
 from lazyckpt.loading import verify as lzverify
 from lazyckpt.storage.stores import LOCAL
 from lzc_tools import assert_same, clone_state
+from _groups import groups
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,7 +38,7 @@ def _each_step_loads_its_own_state(directory, train, state_of, steps=3, **knobs)
     """Train (in place, through the writer under test), save, wait; then every
     step must load exactly what the state held at its save()."""
     expected = {}
-    with lazyckpt.Checkpointer(directory, incremental=True, **knobs) as ckpt:
+    with lazyckpt.Checkpointer(directory, incremental=True, **groups(knobs)) as ckpt:
         for step in range(steps):
             if step:
                 train(step)
@@ -183,7 +184,8 @@ def _a_state(step):
 
 def _resaved_step_2_by_another_writer_then_saved_3(tmp_path, resave):
     directory = tmp_path / "run"
-    with lazyckpt.Checkpointer(directory, incremental="content", process_group=False) as a:
+    with lazyckpt.Checkpointer(directory, incremental="content",
+                               distributed=lazyckpt.Distributed(process_group=False)) as a:
         for step in (1, 2):
             a.save(_a_state(step), step=step).wait()
         assert {e["name"]: e["ref"]["step"] for e in _entries(directory / "step_0000000002")
@@ -205,7 +207,7 @@ def test_a_reference_to_a_step_replaced_by_another_save_is_written_in_full(tmp_p
     """Step 2's directory is replaced by another committed save of step 2 (a
     second writer, here without sharing the directory while A writes)."""
     def replace_step_2(directory):
-        with lazyckpt.Checkpointer(tmp_path / "other", process_group=False) as b:
+        with lazyckpt.Checkpointer(tmp_path / "other", distributed=lazyckpt.Distributed(process_group=False)) as b:
             b.save(_other_values(), step=2).wait()
         shutil.rmtree(directory / "step_0000000002")
         os.rename(tmp_path / "other" / "step_0000000002", directory / "step_0000000002")
@@ -218,11 +220,11 @@ def test_a_second_checkpointer_resaving_a_step_never_breaks_the_next_incremental
     test above covers the reference check."""
     def second_writer(directory):
         try:
-            with lazyckpt.Checkpointer(directory, process_group=False) as b:
+            with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(process_group=False)) as b:
                 b.save(_other_values(), step=2).wait()
         except lazyckpt.CheckpointError:        # refused (a writer lease): step 2 is still A's
             replace = tmp_path / "other"
-            with lazyckpt.Checkpointer(replace, process_group=False) as b:
+            with lazyckpt.Checkpointer(replace, distributed=lazyckpt.Distributed(process_group=False)) as b:
                 b.save(_other_values(), step=2).wait()
             shutil.rmtree(directory / "step_0000000002")
             os.rename(replace / "step_0000000002", directory / "step_0000000002")

@@ -65,7 +65,7 @@ def test_malformed_or_unsupported_urls_are_refused_everywhere(template, tmp_path
     monkeypatch.chdir(tmp_path)
     url = template.format(b="bucket-x")
     for call in (lambda: lazyckpt.Checkpointer(url),
-                 lambda: lazyckpt.Checkpointer(tmp_path / "local", persist_to=url),
+                 lambda: lazyckpt.Checkpointer(tmp_path / "local", persist=url),
                  lambda: lazyckpt.save(_state(), url),
                  lambda: lazyckpt.load(url),
                  lambda: lazyckpt.load_async(url)):
@@ -110,19 +110,21 @@ def test_well_formed_urls_still_parse():
     (dict(replica_bandwidth=1e6), "replica_bandwidth"),
 ])
 def test_options_that_do_not_apply_are_refused(kwargs, name, tmp_path):
-    with pytest.raises(ValueError, match=name):
+    # The old flat spellings: the groups cannot express these combinations at all.
+    with pytest.warns(DeprecationWarning, match=name), pytest.raises(ValueError, match=name):
         lazyckpt.Checkpointer(tmp_path / "d", **kwargs)
     assert not os.path.exists(tmp_path / "d")
 
 
 def test_options_that_apply_are_accepted_and_environment_knobs_are_not_refused(tmp_path, monkeypatch):
-    lazyckpt.Checkpointer(tmp_path / "a", incremental=True, full_every=3).close()
+    lazyckpt.Checkpointer(tmp_path / "a", incremental=lazyckpt.Incremental(full_every=3)).close()
     # A knob from the environment or an Options object is a site default, not a
     # request to this Checkpointer: it is not refused where it does not apply.
     monkeypatch.setenv("LAZYCKPT_FULL_EVERY", "3")
     monkeypatch.setenv("LAZYCKPT_PERSIST_BANDWIDTH", "1000000")
     lazyckpt.Checkpointer(tmp_path / "b").close()
-    lazyckpt.Checkpointer(tmp_path / "c", options=lazyckpt.Options(storage_options={"region": "x"})).close()
+    with pytest.warns(DeprecationWarning, match="options="):      # the deprecated spelling of a site default
+        lazyckpt.Checkpointer(tmp_path / "c", options=lazyckpt.Options(storage_options={"region": "x"})).close()
 
 
 # ---------------------------------------------------------------------- case 10: step name vs manifest
@@ -186,7 +188,7 @@ def test_takeover_displaces_the_first_writer_whose_next_save_fails(tmp_path):
     d = tmp_path / "run"
     first = lazyckpt.Checkpointer(d)
     first.save(_state(1), 1).wait()
-    second = lazyckpt.Checkpointer(d, takeover=True)
+    second = lazyckpt.Checkpointer(d, distributed=lazyckpt.Distributed(takeover=True))
     second.save(_state(2), 2).wait()
     with pytest.raises(CheckpointError, match="took over"):
         first.save(_state(3), 3)
@@ -249,7 +251,8 @@ def _two_ranks_then_a_stray_writer(rank, world, directory):
     refused = None
     if rank == 1:       # not the coordinator: it holds no lease, and a local writer of its own is refused
         try:
-            lazyckpt.Checkpointer(directory, process_group=False).save({"w": torch.zeros(1)}, 2)
+            lazyckpt.Checkpointer(directory,
+                                  distributed=lazyckpt.Distributed(process_group=False)).save({"w": torch.zeros(1)}, 2)
         except CheckpointError as exc:
             refused = str(exc)
     dist.barrier()
@@ -286,18 +289,18 @@ def test_without_file_locks_the_heartbeat_alone_decides(tmp_path, monkeypatch):
         raise OSError(errno.ENOLCK, "no locks")
     monkeypatch.setattr(locks, "_flock", no_locks)
     d = tmp_path / "run"
-    first = lazyckpt.Checkpointer(d, lease_expiry_s=30)
+    first = lazyckpt.Checkpointer(d, io=lazyckpt.IO(lease_expiry=30))
     first.save(_state(1), 1).wait()
     with pytest.raises(CheckpointError, match=f"pid {os.getpid()}"):
-        lazyckpt.Checkpointer(d, lease_expiry_s=30).save(_state(2), 2)
+        lazyckpt.Checkpointer(d, io=lazyckpt.IO(lease_expiry=30)).save(_state(2), 2)
     first.close()
     # A holder in another process (on another host) whose heartbeat is fresh is live...
     writer = d / ".writer"
     writer.write_text(json.dumps({"pid": 1, "host": "elsewhere", "id": "x", "since": 0}))
     with pytest.raises(CheckpointError, match="pid 1 on elsewhere"):
-        lazyckpt.Checkpointer(d, lease_expiry_s=30).save(_state(2), 2)
+        lazyckpt.Checkpointer(d, io=lazyckpt.IO(lease_expiry=30)).save(_state(2), 2)
     # ... and dead once its heartbeat is older than lease_expiry_s.
     os.utime(writer, (1, 1))
-    with lazyckpt.Checkpointer(d, lease_expiry_s=30) as ck:
+    with lazyckpt.Checkpointer(d, io=lazyckpt.IO(lease_expiry=30)) as ck:
         ck.save(_state(2), 2).wait()
         assert ck.steps() == [1, 2]

@@ -18,6 +18,7 @@ import torch
 import lazyckpt
 import lazyckpt.storage.fileio
 from lzc_tools import TRAILER, assert_same, assert_same_aliasing, parse
+from _groups import groups
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 pytestmark = pytest.mark.skipif(not O_DIRECT, reason="O_DIRECT is Linux-only")
@@ -68,7 +69,7 @@ def test_round_trip_in_every_io_mode(tmp_path, knobs):
 
 def test_checkpointer_round_trip_in_every_io_mode(tmp_path, knobs, no_leaked_threads):
     state = odd_state()
-    with lazyckpt.Checkpointer(tmp_path / "run", **knobs) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path / "run", **groups(knobs)) as ckpt:
         handle = ckpt.save(state, step=3)
         handle.wait()
         data_file = tmp_path / "run" / "step_0000000003" / "rank_00000.lzc"
@@ -159,7 +160,7 @@ def test_tmpfs_save_and_load(shm_dir, o_direct):
     size = lazyckpt.save(state, path, o_direct=o_direct, chunk_bytes=8192, host_cache_bytes=32768)
     _check_file(path, size)
     assert_same(state, lazyckpt.load(path, o_direct=o_direct))
-    with lazyckpt.Checkpointer(os.path.join(shm_dir, "run"), o_direct=o_direct) as ckpt:
+    with lazyckpt.Checkpointer(os.path.join(shm_dir, "run"), io=lazyckpt.IO(o_direct=o_direct)) as ckpt:
         ckpt.save(state, step=1).wait()
         assert_same(state, ckpt.load())
 

@@ -79,7 +79,7 @@ def test_a_checkpointer_commit_in_auto_mode_survives_what_each_mode_wrote(tmp_pa
     and an incremental step's references into them resolve."""
     state = _state(12)
     first = state["t0"].clone()
-    with lazyckpt.Checkpointer(tmp_path / "run", chunk_bytes=2 * MiB, incremental=True) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path / "run", io=lazyckpt.IO(chunk_bytes=2 * MiB), incremental=True) as ckpt:
         ckpt.save(state, step=1).wait()
         state["t0"] += 1
         ckpt.save(state, step=2).wait()

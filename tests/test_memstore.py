@@ -46,7 +46,7 @@ def test_a_mem_url_is_an_object_store_and_a_malformed_one_is_refused():
 
 def test_a_checkpointer_on_mem_saves_loads_rolls_back_and_retains():
     url = _url()
-    with lazyckpt.Checkpointer(url, keep_last=3) as ckpt:
+    with lazyckpt.Checkpointer(url, keep=3) as ckpt:
         for step in range(1, 6):
             ckpt.save(_state(step), step=step).wait()
         assert ckpt.steps() == [3, 4, 5] and ckpt.latest_step() == 5
@@ -59,14 +59,14 @@ def test_a_checkpointer_on_mem_saves_loads_rolls_back_and_retains():
             ckpt.load(step=5)
     # Another process's view of the directory: the same line, from the index.
     assert lazyckpt.load(url)["step"] == 40
-    with lazyckpt.Checkpointer(url, keep_last=3) as again:
+    with lazyckpt.Checkpointer(url, keep=3) as again:
         assert again.latest_step() == 4 and again.steps() == [3, 4]
         assert _same(again.load(step=3), _state(3))
 
 
 def test_the_index_names_the_latest_step_and_the_objects_are_the_object_layout():
     url = _url()
-    with lazyckpt.Checkpointer(url, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(url, keep=None) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(_state(step, 1000), step=step).wait()
     client, prefix = store_for(url)
@@ -106,12 +106,12 @@ def test_a_file_in_foreign_formats_and_the_lazyckpt_format_round_trip_on_mem():
 
 def test_persist_to_mem_restores_a_node_that_lost_its_directory(tmp_path):
     url = _url("persist")
-    with lazyckpt.Checkpointer(str(tmp_path / "a"), keep_last=2, persist_to=url) as ckpt:
+    with lazyckpt.Checkpointer(str(tmp_path / "a"), keep=2, persist=url) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(_state(step), step=step).wait()
         ckpt.wait()
     # A new node: an empty local directory, the persistent tier on mem://.
-    with lazyckpt.Checkpointer(str(tmp_path / "b"), keep_last=2, persist_to=url) as fresh:
+    with lazyckpt.Checkpointer(str(tmp_path / "b"), keep=2, persist=url) as fresh:
         assert _same(fresh.load(), _state(3))
         assert fresh.loaded_from["tier"] == "persistent"
 
@@ -146,7 +146,7 @@ def test_a_save_whose_upload_fails_commits_nothing_and_keeps_the_previous_step()
         url = f"memfail://b{uuid.uuid4().hex[:10]}/run"
         for n in (1000, 20 << 20):     # one PUT; a multipart upload (80 MiB: several parts)
             big = {"w": torch.randn(n), "step": 1}
-            with lazyckpt.Checkpointer(url, keep_last=None) as ckpt:
+            with lazyckpt.Checkpointer(url, keep=None) as ckpt:
                 ckpt.save(big, step=1).wait()
                 _FailingClient.fail = True
                 with pytest.raises(CheckpointError, match="injected failure"):

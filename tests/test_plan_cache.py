@@ -335,7 +335,7 @@ def test_checkpointer_saves_queued_with_changing_geometry_load_exactly(tmp_path)
     was saved."""
     model, opt = _training()
     saved = {}
-    with lazyckpt.Checkpointer(str(tmp_path), max_pending_saves=4) as ckpt:
+    with lazyckpt.Checkpointer(str(tmp_path), io=lazyckpt.IO(max_pending_saves=4)) as ckpt:
         handles = []
         for step in range(10):
             state = _state(model, opt, step)

@@ -28,7 +28,7 @@ def _state(step: int):
 
 def _run(tmp_path, steps=(1, 2, 3)):
     local, url = str(tmp_path / "run"), f"mem://line{uuid.uuid4().hex[:8]}/run"
-    with lazyckpt.Checkpointer(local, keep_last=None, persist_to=url) as ckpt:
+    with lazyckpt.Checkpointer(local, keep=None, persist=url) as ckpt:
         for step in steps:
             ckpt.save(_state(step), step=step).wait()
         ckpt.wait()                         # every step on both tiers
@@ -67,7 +67,7 @@ def test_a_rollback_not_yet_persisted_abandons_the_store_s_newer_steps(tmp_path)
     local, url = _run(tmp_path)
     # The run resumes from step 1 and saves step 2 again, locally only (its upload
     # has not happened): the store still holds the abandoned run's steps 2 and 3.
-    with lazyckpt.Checkpointer(local, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(local, keep=None) as ckpt:
         ckpt.save(_state(20), step=2).wait()
     history = _history(local, url)
     got = list(history.candidates(None))

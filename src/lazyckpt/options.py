@@ -33,7 +33,16 @@ from .preemption import as_preemption
 from .schedule import as_interval
 from .sizes import parse_size
 
-__all__ = ["Persist", "Replicas", "Incremental", "Distributed", "IO", "Groups", "settle", "DEPRECATED"]
+__all__ = ["Persist", "Replicas", "Incremental", "Distributed", "IO", "Groups", "settle", "DEPRECATED",
+           "LazyckptDeprecationWarning"]
+
+
+class LazyckptDeprecationWarning(DeprecationWarning):
+    """A spelling of lazyckpt's own that still works for one more release (an old
+    keyword, attribute, module path or CLI command): the message names the new
+    one. Its own class, so a test suite can make exactly these an error
+    (``filterwarnings = error::lazyckpt.options.LazyckptDeprecationWarning``)
+    without failing on other libraries' deprecations."""
 
 
 def _int(name: str, value: Any, minimum: int) -> None:
@@ -342,7 +351,7 @@ def settle(*, keep: Any = None, host_cache_bytes: Any = None, interval: Any = No
             raise TypeError(f"{name}= and {group}= were both given: {name}= is the old spelling; pass "
                             f"{spelling} only")
         warnings.warn(f"{name}={_shown(name, value) if '{value}' in new else ''} is deprecated: use {spelling}",
-                      DeprecationWarning, stacklevel=stacklevel)
+                      LazyckptDeprecationWarning, stacklevel=stacklevel)
     old = deprecated
 
     # The retention, the host cache.
