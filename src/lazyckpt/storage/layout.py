@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
@@ -28,7 +29,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, PREPARED, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
-from lazyckpt.history import Committing, Event, event_problem, manifest_event
+from lazyckpt.lineage import Committing, Event, event_problem, manifest_event
 from lazyckpt.retention import Plan, Policy, as_policy, keeps_superseded, need, plan, saved_metadata
 from lazyckpt.storage.record import LocalRecord
 from .scan import BackgroundScan
@@ -149,8 +150,9 @@ class CheckpointDir:
 
     # ---------------------------------------------------------------- listing
 
-    def _present(self) -> Dict[int, str]:
-        """step -> path of every ``step_*`` directory holding a manifest (the names alone)."""
+    def _present(self, stats: Optional[Dict[int, os.stat_result]] = None) -> Dict[int, str]:
+        """step -> path of every ``step_*`` directory holding a manifest (the names
+        alone). ``stats``: filled with each manifest's ``stat`` (taken anyway)."""
         try:
             names = os.listdir(self.path)
         except FileNotFoundError:
@@ -158,8 +160,17 @@ class CheckpointDir:
         out = {}
         for name in names:
             m = STEP_DIR.match(name)
-            if m and os.path.isfile(os.path.join(self.path, name, MANIFEST)):
-                out[int(m.group(1))] = os.path.join(self.path, name)
+            if not m:
+                continue
+            try:
+                st = os.stat(os.path.join(self.path, name, MANIFEST))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                step = int(m.group(1))
+                out[step] = os.path.join(self.path, name)
+                if stats is not None:
+                    stats[step] = st
         return dict(sorted(out.items()))
 
     def _interrupted(self) -> Optional[Committing]:
@@ -179,11 +190,18 @@ class CheckpointDir:
         commit point and the end of its renames (a commit in progress, or
         interrupted by a crash until :meth:`recover` runs) the line is the
         record's: the steps below S, and S from its temporary directory."""
-        present = self._present()
+        return self._step_paths(None)
+
+    def _step_paths(self, stats: Optional[Dict[int, os.stat_result]]) -> Dict[int, str]:
+        """:meth:`step_paths`; ``stats``: filled with the ``stat`` of the manifests
+        under their step names (``step_*``), as the listing found them."""
+        present = self._present(stats)
         committing = self._interrupted()
         if committing is None:
             return present
         step = committing.event.step
+        for s in [s for s in (stats or {}) if s >= step]:
+            del stats[s]                # superseded, or not under its name yet
         out = {s: p for s, p in present.items() if s < step}
         out[step] = os.path.join(self.path, committing.tmp)
         return out
@@ -438,17 +456,21 @@ class CheckpointDir:
                     self._remove_trash(os.path.join(self.path, leftover.name))
         return deleted
 
-    def _manifest_facts(self, step: int) -> Tuple[Optional[List[int]], Dict[str, Any]]:
+    def _manifest_facts(self, step: int, st: Optional[os.stat_result] = None
+                        ) -> Tuple[Optional[List[int]], Dict[str, Any]]:
         """(the earlier steps ``step`` refers to, or None if its manifest cannot be
-        read; its save's metadata), parsed once per manifest (``_manifests``)."""
-        path = os.path.join(self.step_path(step), MANIFEST)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return [], {}                              # gone meanwhile: needs nothing
+        read; its save's metadata), parsed once per manifest (``_manifests``).
+        ``st``: the manifest's ``stat`` if just taken."""
+        if st is None:
+            try:
+                st = os.stat(os.path.join(self.step_path(step), MANIFEST))
+            except FileNotFoundError:
+                return [], {}                          # gone meanwhile: needs nothing
         key = (step, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
-        if key in self._manifests:
-            return self._manifests[key]
+        found = self._manifests.get(key)
+        if found is not None:
+            return found
+        path = os.path.join(self.step_path(step), MANIFEST)
         raw = read_small_file(path, manifests.MAX_MANIFEST_BYTES)
         if raw is None:
             return [], {}
@@ -478,12 +500,21 @@ class CheckpointDir:
         return found.doomed, found.referred
 
     def _plan(self, policy: Optional[Policy]) -> Plan:
-        """:func:`lazyckpt.retention.plan` over every step, from one listing."""
-        steps = self.steps()
-        present = set(steps)
-        for key in [k for k in list(self._manifests) if k[0] not in present]:
-            del self._manifests[key]                   # bounded by the steps present
-        return plan(policy, steps, self.step_metadata, self.references)
+        """:func:`lazyckpt.retention.plan` over every step, from one listing (whose
+        ``stat`` of each manifest keys the parsed ones: a step is looked at once)."""
+        stats: Dict[int, os.stat_result] = {}
+        steps = list(self._step_paths(stats))
+        if len(self._manifests) > len(steps):
+            present = set(steps)
+            for key in [k for k in self._manifests if k[0] not in present]:
+                del self._manifests[key]               # bounded by the steps present
+        facts: Dict[int, Tuple[Optional[List[int]], Dict[str, Any]]] = {}
+
+        def of(step: int) -> Tuple[Optional[List[int]], Dict[str, Any]]:
+            if step not in facts:
+                facts[step] = self._manifest_facts(step, stats.get(step))
+            return facts[step]
+        return plan(policy, steps, lambda s: of(s)[1], lambda s: of(s)[0])
 
     def _need(self, step: int, needed: set, steps: List[int]) -> None:
         need([step], needed, steps, self.references)
