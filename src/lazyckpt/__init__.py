@@ -28,6 +28,7 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadErr
 from .knobs import Options
 from .options import IO, Distributed, Incremental, Persist, Replicas
 from .preemption import Preemption
+from .retention import KeepBest, KeepEvery, KeepLast
 from .schedule import Auto, Every
 from .study import diff, trajectory
 
@@ -39,5 +40,6 @@ __all__ = [
     "UnsupportedVersionError", "UnsafeObjectError", "CheckpointWriteError", "CheckpointReadError",
     "MissingKeyError", "StateMismatchError", "FORMAT_VERSION", "SUPPORTED_VERSIONS",
     "Every", "Auto", "Preemption",
+    "KeepLast", "KeepEvery", "KeepBest",
     "Persist", "Replicas", "Incremental", "Distributed", "IO",
 ]

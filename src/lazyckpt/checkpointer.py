@@ -36,6 +36,7 @@ from .history import abandoned
 from .builder import assemble
 from .options import IO, Distributed, Incremental, Persist, Replicas, settle
 from .schedule import SaveSchedule
+from . import retention
 
 log = logging.getLogger("lazyckpt")
 
@@ -203,10 +204,12 @@ class Checkpointer:
             job_round = self._job is not None and self._job.needs_round(step)
             self._hold_writer_lease()
             metadata = self._schedule.annotate(check_metadata(metadata))
+            # A policy ranking steps by a metric this save lacks: refused now, not in the background.
+            retention.check_metadata(metadata, self._retention_policies())
             replicated = self._replicated_keys(state)
             # A hit leaves the tensors' checks to the capture thread (lazyckpt/state/plancache.py).
             flat = self._plans.gather(state, self._dist.rank, self._dist.world_size, replicated)
-            strategy = StepCommit(self.layout, self._dist, step, call, keep_last=self.keep_last, metadata=metadata,
+            strategy = StepCommit(self.layout, self._dist, step, call, keep=self.keep, metadata=metadata,
                                   heartbeat_s=self.options.lease_heartbeat_s, history=self.history,
                                   options=self.options, job=self._job, job_round=job_round)
             planner = StepPlanner(self.layout, self._dist, step, call, strategy.save_id, replicated=replicated,
@@ -344,8 +347,15 @@ class Checkpointer:
     def _retain_drained(self) -> None:
         """Local retention skipped steps still waiting for the persistent tier
         or for their replicas; once drained (and no save is running) it catches up."""
-        if self._dist.coordinator and self.keep_last is not None and not self._engine.pending():
-            self.layout.apply_retention(self.keep_last)
+        if self._dist.coordinator and self.keep is not None and not self._engine.pending():
+            self.layout.apply_retention(self.keep)
+
+    def _retention_policies(self) -> List[Any]:
+        """(the argument that set it, the policy) of each tier's retention."""
+        out: List[Any] = [("keep", self.keep)]
+        if self.persistent is not None:
+            out.append(("Persist(keep)", self.persistent.keep))
+        return out
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Call ``wait_for_snapshot()`` before every ``optimizer.step()`` (removed on close).
