@@ -55,7 +55,7 @@ def build_local(path: str, steps: int) -> None:
     import lazyckpt
     from lazyckpt.formats import manifest as manifests
 
-    with lazyckpt.Checkpointer(path, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(path, keep=None) as ckpt:
         for s in (1, 2):
             ckpt.save({"w": torch.randn(1024)}, step=s).wait()
     if steps <= 2:
@@ -99,7 +99,10 @@ def build_local(path: str, steps: int) -> None:
     events.append([steps, doc["save_id"], steps])
     # The record as the tree being measured keeps it: the events of every step
     # present (before issue 34), or the newest RECENT_EVENTS (since).
-    from lazyckpt import history
+    try:
+        from lazyckpt import lineage as history
+    except ImportError:             # a tree from before lazyckpt/history.py became lineage.py
+        from lazyckpt import history
     try:
         from lazyckpt.storage.record import LocalRecord
     except ImportError:             # a tree from before the record moved out of history.py
@@ -193,12 +196,13 @@ def measure(url: str, steps: int, commits: int, counter=None, storage_options=No
     import lazyckpt
 
     state = {"w": torch.randn(1024)}
-    kw = {"storage_options": storage_options} if storage_options else {}
     if persist_to:
-        kw["persist_to"] = persist_to
+        kw = {"persist": lazyckpt.Persist(persist_to, storage_options=storage_options)}
+    else:
+        kw = {"io": lazyckpt.IO(storage_options=storage_options)} if storage_options else {}
     requests = {}
     t0 = time.perf_counter()
-    ckpt = lazyckpt.Checkpointer(url, keep_last=keep_last, **kw)
+    ckpt = lazyckpt.Checkpointer(url, keep=keep_last, **kw)
     got = ckpt.load()
     open_load = time.perf_counter() - t0
     assert got["w"].shape == (1024,)
@@ -245,7 +249,7 @@ def measure(url: str, steps: int, commits: int, counter=None, storage_options=No
             counter.take()
         shutil.rmtree(url)              # a replaced node: the local tier gone, open and load from the store
         t0 = time.perf_counter()
-        with lazyckpt.Checkpointer(url, keep_last=None, **kw) as fresh:
+        with lazyckpt.Checkpointer(url, keep=None, **kw) as fresh:
             assert fresh.load()["w"].shape == (1024,) and fresh.loaded_from["tier"] == "persistent"
             out_replaced = 1e3 * (time.perf_counter() - t0)
             if counter is not None:

@@ -712,11 +712,12 @@ def _world_of(worlds: List[World], step: Optional[int], values: Any) -> Tuple[Op
 
 def _checkpointer(ctx: Ctx, program: Program, directory: Optional[str] = None) -> Any:
     import lazyckpt
+    from _groups import groups
     kw = dict(KNOBS)
     kw.update(program.kwargs)
     if program.persist:
-        kw.update(persist_to=ctx.persist_to, storage_options=ctx.storage_options)
-    return lazyckpt.Checkpointer(directory or os.path.join(ctx.case, "run"), **kw)
+        kw["persist"] = lazyckpt.Persist(ctx.persist_to, storage_options=ctx.storage_options)
+    return lazyckpt.Checkpointer(directory or os.path.join(ctx.case, "run"), **groups(kw))
 
 
 def index_problems(directory: str, when: str) -> List[str]:
@@ -751,13 +752,13 @@ def index_problems(directory: str, when: str) -> List[str]:
 
 def tiers_index_problems(ckpt: Any, when: str) -> List[str]:
     """With ``persist_to``: the copies the two tiers' indexes name as the newest
-    save's (``History._newest_copies``: ``History.newest_save``) against
+    save's (``Line._newest_copies``: ``Line.newest_save``) against
     the line over both tiers built from every manifest and a listing of the
     store: where the indexes answer, they name the line's newest save's
     copies, local first (issue 34)."""
     for _attempt in range(5):
-        line = ckpt.history._line_candidates(None)
-        fast = ckpt.history._newest_copies()
+        line = ckpt.line._line_candidates(None)
+        fast = ckpt.line._newest_copies()
         if not fast:
             return []
         newest = [c for c in line if c[0] == line[0][0]] if line else []
@@ -765,7 +766,7 @@ def tiers_index_problems(ckpt: Any, when: str) -> List[str]:
         same = [(s, t, ckpt.step_path(s) if t == "local" else p) for s, t, p in fast] == newest
         if same:
             return []
-        if ckpt.history._line_candidates(None) == line:
+        if ckpt.line._line_candidates(None) == line:
             return [f"{when}: the two tiers' indexes name {fast} as the newest save's copies, the line {newest}"]
     return []
 
@@ -989,7 +990,7 @@ def _check_objects(ctx: Ctx, program: Program) -> List[str]:
             plugin = LazyCheckpointIO(storage_options=ctx.storage_options, **KNOBS)
             target = f"{ctx.persist_to}/restart.ckpt"
         else:
-            plugin = LazyCheckpointIO(storage_options=ctx.storage_options, persist_to=ctx.persist_to,
+            plugin = LazyCheckpointIO(storage_options=ctx.storage_options, persist=ctx.persist_to,
                                       local_root=ctx.case, **KNOBS)
             target = os.path.join(ctx.case, program.mirror_dir, "restart.ckpt")
         plugin.save_checkpoint(values, target)

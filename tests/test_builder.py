@@ -34,7 +34,7 @@ def test_a_local_directory_is_one_store_lookup_and_one_tier(tmp_path):
         assert parts.persistent is None and parts.replicas is None and parts.job is None
         assert parts.incremental is None and parts.auto is None          # one rank: no "auto" round
         assert parts.replicated == [] and not parts.dist.distributed
-        assert parts.history.record is not None and parts.history.remote is None
+        assert parts.line.record is not None and parts.line.remote is None
     finally:
         _close(parts)
 
@@ -55,7 +55,7 @@ def test_a_persistent_tier_gets_its_store_and_joins_the_line(tmp_path):
         assert isinstance(parts.persistent, PersistentTier)
         assert parts.persistent.store is for_path(url) and parts.persistent.store.is_remote
         assert parts.persistent.keep == KeepLast(3) and parts.options.persist_bandwidth == 10 ** 6
-        assert parts.history.remote is parts.persistent.dir      # the line spans both tiers
+        assert parts.line.remote is parts.persistent.dir      # the line spans both tiers
         assert parts.replicated == "auto"
     finally:
         _close(parts)

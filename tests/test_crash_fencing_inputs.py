@@ -367,7 +367,7 @@ def _manifest(step_path):
 
 
 def test_an_out_of_range_seq_in_the_record_never_numbers_a_commit(tmp_path, caplog):
-    from lazyckpt.history import Event, event_key, parse_event_key
+    from lazyckpt.lineage import Event, event_key, parse_event_key
     directory = str(tmp_path / "run")
     _steps(directory, n=2)
     doc = _record(directory)
@@ -440,7 +440,7 @@ def test_a_manifest_of_a_huge_world_is_corrupt_without_expanding_it(tmp_path):
 
 def test_manifest_event_ignores_out_of_range_numbers():
     import json
-    from lazyckpt.history import manifest_event
+    from lazyckpt.lineage import manifest_event
     ok = manifest_event(json.dumps({"step": 3, "save_id": "abc", "seq": 5}).encode())
     assert ok is not None and ok.seq == 5
     for doc in ({"step": 10 ** 10, "save_id": "abc", "seq": 5}, {"step": -1, "save_id": "abc"},
@@ -450,7 +450,7 @@ def test_manifest_event_ignores_out_of_range_numbers():
 
 
 def test_event_keys_refuse_what_they_cannot_hold():
-    from lazyckpt.history import Event, event_key, parse_event_key
+    from lazyckpt.lineage import Event, event_key, parse_event_key
     assert parse_event_key(event_key(Event(10 ** 10 - 1, "a.b-c_d", 10 ** 12 - 1))) == \
         Event(10 ** 10 - 1, "a.b-c_d", 10 ** 12 - 1)
     for e in (Event(10 ** 10, "abc", 1), Event(1, "abc", 10 ** 12), Event(-1, "abc", 1), Event(1, "a/b", 1),
@@ -467,15 +467,15 @@ def test_a_persisted_step_stays_visible_after_an_out_of_range_record(s3_server, 
     opts = {"endpoint_url": s3_server.endpoint, "access_key_id": s3_server.access_key,
             "secret_access_key": s3_server.secret_key, "region": s3_server.region}
     url, local = f"s3://{s3_bucket}/run", str(tmp_path / "local")
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as c:
+    with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts)) as c:
         for s in (1, 2):
             c.save({"x": torch.full((4,), float(s))}, step=s).wait(persisted=True)
     doc = _record(local)
     doc["seq"] = 10 ** 12
     _write_record(local, doc)
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as c:
+    with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts)) as c:
         c.save({"x": torch.full((4,), 3.0)}, step=3).wait(persisted=True)
-    with lazyckpt.Checkpointer(str(tmp_path / "fresh"), persist_to=url, storage_options=opts) as other:
+    with lazyckpt.Checkpointer(str(tmp_path / "fresh"), persist=lazyckpt.Persist(url, storage_options=opts)) as other:
         assert other.persistent.dir.steps() == [1, 2, 3]
         assert torch.equal(other.load()["x"], torch.full((4,), 3.0))
         assert other.loaded_from["step"] == 3

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import lazyckpt
 from lazyckpt.errors import CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
-from lazyckpt.history import Event, abandoned, line, prunable
+from lazyckpt.lineage import Event, abandoned, line, prunable
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -142,7 +142,7 @@ def proxy(s3_server):
 
 
 def _first_run_to_5(local, url, opts):
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as ck:
+    with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts)) as ck:
         for step in range(1, 6):
             ck.save(_state(step), step).wait(persisted=True)
         assert ck.persistent.dir.steps() == [1, 2, 3, 4, 5]
@@ -163,7 +163,8 @@ def test_while_the_resumed_step_uploads_load_never_returns_the_abandoned_step(s3
     local = str(tmp_path / "local")
     _first_run_to_5(local, url, opts)
     hold = proxy.hold_matching(_step3_upload())
-    ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=_options(s3_server, proxy.endpoint))
+    ck = lazyckpt.Checkpointer(local,
+                               persist=lazyckpt.Persist(url, storage_options=_options(s3_server, proxy.endpoint)))
     try:
         h = _resume_from_2(ck)
         h.wait()                                        # committed locally
@@ -171,7 +172,8 @@ def test_while_the_resumed_step_uploads_load_never_returns_the_abandoned_step(s3
         assert _same(ck.load(), _state(3, run="resumed")) and ck.loaded_from["tier"] == "local"
         # The local tier lost (another machine): the persistent tier alone already
         # knows that step 3 superseded 5; its step 3 is the first run's, so step 2.
-        with lazyckpt.Checkpointer(str(tmp_path / "elsewhere"), persist_to=url, storage_options=opts) as other:
+        with lazyckpt.Checkpointer(str(tmp_path / "elsewhere"),
+                                   persist=lazyckpt.Persist(url, storage_options=opts)) as other:
             assert _same(other.load(), _state(2)) and other.loaded_from["tier"] == "persistent"
             with pytest.raises(CheckpointNotFoundError, match="abandoned"):
                 other.load(step=5)
@@ -187,7 +189,8 @@ def test_while_the_resumed_step_uploads_load_never_returns_the_abandoned_step(s3
     finally:
         hold.release()
         ck.close()
-    with lazyckpt.Checkpointer(str(tmp_path / "elsewhere2"), persist_to=url, storage_options=opts) as other:
+    with lazyckpt.Checkpointer(str(tmp_path / "elsewhere2"),
+                               persist=lazyckpt.Persist(url, storage_options=opts)) as other:
         assert _same(other.load(), _state(3, run="resumed"))
 
 
@@ -196,8 +199,8 @@ def _fail_step3_upload(s3_server, s3_bucket, proxy, tmp_path):
     local = str(tmp_path / "local")
     _first_run_to_5(local, url, opts)
     proxy.fail_matching(_step3_upload(), status=500)
-    ck = lazyckpt.Checkpointer(local, persist_to=url,
-                               storage_options=_options(s3_server, proxy.endpoint, max_attempts=1))
+    ck = lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(
+        url, storage_options=_options(s3_server, proxy.endpoint, max_attempts=1)))
     h = _resume_from_2(ck)
     with pytest.raises(CheckpointWriteError):
         h.wait(persisted=True)
@@ -211,13 +214,14 @@ def _fail_step3_upload(s3_server, s3_bucket, proxy, tmp_path):
 
 def test_a_failed_upload_of_the_resumed_step_is_retried_after_a_restart(s3_server, s3_bucket, proxy, tmp_path):
     local, url, opts = _fail_step3_upload(s3_server, s3_bucket, proxy, tmp_path)
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as ck:
+    with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts)) as ck:
         assert _same(ck.load(), _state(3, run="resumed")), ck.loaded_from
         assert ck.resumed_drain is not None and ck.resumed_drain.step == 3
         ck.wait()
         assert ck.resumed_drain.persist_state == "persisted"
         assert ck.persistent.dir.steps() == [1, 2, 3]
-    with lazyckpt.Checkpointer(str(tmp_path / "elsewhere"), persist_to=url, storage_options=opts) as other:
+    with lazyckpt.Checkpointer(str(tmp_path / "elsewhere"),
+                               persist=lazyckpt.Persist(url, storage_options=opts)) as other:
         assert _same(other.load(), _state(3, run="resumed")) and other.loaded_from["tier"] == "persistent"
 
 
@@ -234,7 +238,7 @@ def test_a_damaged_resumed_step_never_falls_back_to_the_abandoned_runs_step(s3_s
                                                                              tmp_path):
     local, url, opts = _fail_step3_upload(s3_server, s3_bucket, proxy, tmp_path)
     _damage(os.path.join(local, "step_0000000003"))
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as ck:
+    with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts)) as ck:
         with pytest.raises(CorruptCheckpointError):
             ck.load(step=3)
         # The latest loadable step of the line: 2 (never the first run's 3 or 5).
@@ -246,10 +250,10 @@ def test_a_damaged_resumed_step_never_falls_back_to_the_abandoned_runs_step(s3_s
 
 
 def test_two_manifests_of_one_step_are_told_apart_by_seq_not_by_the_clock(s3_server, s3_bucket):
-    from lazyckpt.history import event_key
+    from lazyckpt.lineage import event_key
     from lazyckpt.formats.names import MANIFEST, step_dirname
     url, opts = f"s3://{s3_bucket}/objs", _options(s3_server)
-    with lazyckpt.Checkpointer(url, storage_options=opts) as ck:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts)) as ck:
         ck.save(_state(1), 1).wait()
         ck.save(_state(2), 2).wait()
         first = ck.layout.committed()[2]
@@ -281,8 +285,10 @@ def _node_dir(base, rank):
     return os.path.join(base, f"node{rank // NODE}")
 
 
-def _ckpt(base, rank, **kw):
-    return lazyckpt.Checkpointer(_node_dir(base, rank), replicas=1, node_size=NODE, commit_timeout_s=60, **kw)
+def _ckpt(base, rank, bandwidth=0):
+    return lazyckpt.Checkpointer(_node_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=NODE,
+                                                                                   bandwidth=bandwidth),
+                                 distributed=lazyckpt.Distributed(commit_timeout=60))
 
 
 def _first_run(rank, world, base):
@@ -295,7 +301,7 @@ def _first_run(rank, world, base):
 
 def _rollback_then_die(rank, world, base):
     # Slow replicas: step 3 is committed on every node, never replicated.
-    ck = _ckpt(base, rank, replica_bandwidth=1000)
+    ck = _ckpt(base, rank, bandwidth=1000)
     assert _rsame(ck.load(step=2), _rstate(rank, 2))
     ck.save(_rstate(rank, 3, run="resumed"), 3).wait()
     torch.distributed.barrier()

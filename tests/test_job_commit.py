@@ -17,7 +17,7 @@ import lazyckpt
 from _dist import run_ranks
 from lazyckpt.distributed import RankInfo
 from lazyckpt.errors import CorruptCheckpointError
-from lazyckpt.history import Event
+from lazyckpt.lineage import Event
 from lazyckpt.saving.jobcommit import JobCommit, is_job_wide
 from lazyckpt.storage.layout import CheckpointDir
 
@@ -81,7 +81,8 @@ def _dir(base, rank):
 
 
 def _line(rank, world, base, steps):
-    with lazyckpt.Checkpointer(_dir(base, rank), replicas=1, node_size=1, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=1),
+                               distributed=lazyckpt.Distributed(commit_timeout=60)) as ckpt:
         for step in range(1, steps + 1):
             ckpt.save(_state(rank, step), step=step).wait()
         ckpt.wait()
@@ -93,7 +94,8 @@ def _save_id(base, rank, step):
 
 
 def _rollback_refused_on_rank_1(rank, world, base):
-    with lazyckpt.Checkpointer(_dir(base, rank), replicas=1, node_size=1, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=1),
+                               distributed=lazyckpt.Distributed(commit_timeout=60)) as ckpt:
         ckpt.load(step=2)
         t0 = time.monotonic()
         # Refused on rank 1 only (metadata that is not JSON): node 0 must not commit it.
@@ -123,7 +125,8 @@ def test_a_rollback_refused_on_one_node_commits_on_none_at_once(tmp_path):
 
 
 def _rollback(rank, world, base):
-    with lazyckpt.Checkpointer(_dir(base, rank), replicas=1, node_size=1, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=1),
+                               distributed=lazyckpt.Distributed(commit_timeout=60)) as ckpt:
         ckpt.load(step=2)
         ckpt.save(_state(rank, 100), step=3).wait()
         ckpt.wait()
@@ -132,7 +135,8 @@ def _rollback(rank, world, base):
 
 def _open(rank, world, base):
     try:
-        lazyckpt.Checkpointer(_dir(base, rank), replicas=1, node_size=1, commit_timeout_s=60).close()
+        lazyckpt.Checkpointer(_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=1),
+                              distributed=lazyckpt.Distributed(commit_timeout=60)).close()
         return "opened"
     except CorruptCheckpointError as exc:
         return f"corrupt: {exc}"
@@ -160,7 +164,8 @@ def _rollback_failing_after_the_round_on_rank_0(rank, world, base):
             raise OSError(errno.EIO, "injected: the record cannot be written")
         layout_module.CheckpointDir.commit = commit
     # Node 1's replica round with the failed node 0 ends at this deadline (most of the test's time).
-    with lazyckpt.Checkpointer(_dir(base, rank), replicas=1, node_size=1, commit_timeout_s=20) as ckpt:
+    with lazyckpt.Checkpointer(_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=1),
+                               distributed=lazyckpt.Distributed(commit_timeout=20)) as ckpt:
         ckpt.load(step=2)
         try:
             ckpt.save(_state(rank, 100), step=3).wait()
@@ -170,7 +175,8 @@ def _rollback_failing_after_the_round_on_rank_0(rank, world, base):
 
 
 def _load(rank, world, base, step):
-    with lazyckpt.Checkpointer(_dir(base, rank), replicas=1, node_size=1, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=1),
+                               distributed=lazyckpt.Distributed(commit_timeout=60)) as ckpt:
         try:
             return ckpt.load(step=step)["w"][0].item(), ckpt.loaded_from["step"]
         except lazyckpt.CheckpointError as exc:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt import history
+from lazyckpt import lineage
 from lazyckpt.storage.layout import CheckpointDir
 
 STATE = {"w": torch.arange(16, dtype=torch.float32)}
@@ -26,7 +26,7 @@ def _values(step):
 
 def test_commits_above_the_latest_step_never_list_the_directory(tmp_path, monkeypatch):
     run = str(tmp_path / "run")
-    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(run, keep=None) as ckpt:
         for s in range(1, 41):
             ckpt.save(_values(s), step=s).wait()
         ckpt.layout.close()                     # the scan opening started
@@ -53,22 +53,22 @@ def test_commits_above_the_latest_step_never_list_the_directory(tmp_path, monkey
 
 def test_the_record_stays_bounded_and_numbering_survives_it(tmp_path):
     run = str(tmp_path / "run")
-    n = history.RECENT_EVENTS + 40
-    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+    n = lineage.RECENT_EVENTS + 40
+    with lazyckpt.Checkpointer(run, keep=None) as ckpt:
         for s in range(1, n + 1):
             ckpt.save(_values(s), step=s).wait()
-    with open(os.path.join(run, history.RECORD)) as f:
+    with open(os.path.join(run, lineage.RECORD)) as f:
         doc = json.load(f)
-    assert len(doc["events"]) == history.RECENT_EVENTS and doc["seq"] == n
+    assert len(doc["events"]) == lineage.RECENT_EVENTS and doc["seq"] == n
     # Reopened: numbering goes on from the record, the line is every step.
-    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(run, keep=None) as ckpt:
         ckpt.save(_values(0), step=n + 1).wait()
         assert ckpt.steps() == list(range(1, n + 2))
     raw = open(os.path.join(run, f"step_{n + 1:010d}", "manifest.json")).read()
     assert json.loads(raw)["seq"] == n + 1
     # Without the record (deleted by hand) the manifests number it.
-    os.unlink(os.path.join(run, history.RECORD))
-    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+    os.unlink(os.path.join(run, lineage.RECORD))
+    with lazyckpt.Checkpointer(run, keep=None) as ckpt:
         ckpt.save(_values(0), step=n + 2).wait()
     assert json.loads(open(os.path.join(run, f"step_{n + 2:010d}", "manifest.json")).read())["seq"] == n + 2
 
@@ -76,7 +76,7 @@ def test_the_record_stays_bounded_and_numbering_survives_it(tmp_path):
 @pytest.mark.parametrize("damage", ["latest-deleted", "latest-older", "newest-pruned", "no-record"])
 def test_the_index_falls_back_to_the_listing_when_it_cannot_be_trusted(tmp_path, damage):
     run = str(tmp_path / "run")
-    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(run, keep=None) as ckpt:
         for s in (1, 2, 3):
             ckpt.save(_values(s), step=s).wait()
     layout = CheckpointDir(run)
@@ -91,11 +91,11 @@ def test_the_index_falls_back_to_the_listing_when_it_cannot_be_trusted(tmp_path,
         assert layout.delete_step(3)
         expected = 2
     else:
-        os.unlink(os.path.join(run, history.RECORD))
+        os.unlink(os.path.join(run, lineage.RECORD))
     assert layout.tail() is None
     assert layout.latest() == expected
     assert layout.locate_step(None) == (expected, layout.step_path(expected))
-    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(run, keep=None) as ckpt:
         torch.testing.assert_close(ckpt.load(), _values(expected))
         ckpt.save(_values(7), step=expected + 1).wait()     # and the next commit restores the index
     assert layout.tail() == (expected + 1, layout.step_path(expected + 1))
@@ -105,7 +105,7 @@ def test_a_commit_without_a_record_removes_latest_first(tmp_path):
     """FORMAT.md §11.3: a commit no record names (a replica restored without a
     seq) must not leave the index naming the step before it."""
     run = str(tmp_path / "run")
-    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(run, keep=None) as ckpt:
         for s in (1, 2):
             ckpt.save(_values(s), step=s).wait()
         tmp = str(tmp_path / "run" / ".tmp-step_0000000005-000000000000")
@@ -137,7 +137,7 @@ def _listings_of(client_store, calls):
 
 def test_object_store_commits_and_loads_of_the_latest_do_not_list_the_run(s3_run):
     url, opts, client, bucket = s3_run
-    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts) as ckpt:
+    with lazyckpt.Checkpointer(url, keep=None, io=lazyckpt.IO(storage_options=opts)) as ckpt:
         for s in range(1, 6):
             ckpt.save(_values(s), step=s).wait()
         ckpt.layout.close()
@@ -164,7 +164,7 @@ def test_the_object_store_index_is_checked_at_every_use(s3_run, damage):
     from lazyckpt.knobs import resolve
     from lazyckpt.storage.s3layout import ObjectCheckpointDir
     url, opts, client, bucket = s3_run
-    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts) as ckpt:
+    with lazyckpt.Checkpointer(url, keep=None, io=lazyckpt.IO(storage_options=opts)) as ckpt:
         for s in (1, 2, 3, 4):
             ckpt.save(_values(s), step=s).wait()
         if damage == "stale-head":
@@ -184,7 +184,7 @@ def test_the_object_store_index_is_checked_at_every_use(s3_run, damage):
     tail = layout.tail()
     assert tail is None or tail.step == expected
     assert layout.latest() == expected
-    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts) as ckpt:
+    with lazyckpt.Checkpointer(url, keep=None, io=lazyckpt.IO(storage_options=opts)) as ckpt:
         torch.testing.assert_close(ckpt.load(), _values(22 if expected == 2 else 1))
         assert ckpt.latest_step() == expected and ckpt.steps()[-1] == expected
         ckpt.save(_values(9), step=expected + 1).wait()     # numbered above every event, the head rewritten
@@ -214,7 +214,8 @@ def _count_requests(url, opts):
 
 
 def _job_saves(rank, world, url, opts, steps):
-    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(url, keep=None, distributed=lazyckpt.Distributed(commit_timeout=60),
+                               io=lazyckpt.IO(storage_options=opts)) as ckpt:
         for s in steps:
             ckpt.save({"w": torch.full((16,), float(100 * s + rank))}, step=s).wait()
 
@@ -222,10 +223,12 @@ def _job_saves(rank, world, url, opts, steps):
 def _job_restarts(rank, world, url, opts, between):
     import torch.distributed as dist
     counts = _count_requests(url, opts)
-    with lazyckpt.Checkpointer(url, keep_last=None, storage_options=opts, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(url, keep=None, distributed=lazyckpt.Distributed(commit_timeout=60),
+                               io=lazyckpt.IO(storage_options=opts)) as ckpt:
         opened = {k: dict(v) for k, v in counts.items()}
         if rank == 0 and between == "another-writer-commits":
-            with lazyckpt.Checkpointer(url, storage_options=opts, process_group=False) as other:
+            with lazyckpt.Checkpointer(url, distributed=lazyckpt.Distributed(process_group=False),
+                                       io=lazyckpt.IO(storage_options=opts)) as other:
                 other.save({"w": torch.full((16,), 500.0)}, step=5).wait()
         elif rank == 0 and between == "the-latest-step-is-pruned":
             from lazyckpt.knobs import resolve
@@ -282,7 +285,7 @@ def test_persist_to_finds_the_newest_save_from_the_two_indexes(s3_run, tmp_path,
     import threading
     url, opts, client, bucket = s3_run
     local = str(tmp_path / "local")
-    with lazyckpt.Checkpointer(local, keep_last=None, persist_to=url, storage_options=opts) as ckpt:
+    with lazyckpt.Checkpointer(local, keep=None, persist=lazyckpt.Persist(url, storage_options=opts)) as ckpt:
         for s in range(1, 31):
             ckpt.save(_values(s), step=s)
         ckpt.wait()
@@ -292,7 +295,7 @@ def test_persist_to_finds_the_newest_save_from_the_two_indexes(s3_run, tmp_path,
     if case == "local-lost":
         shutil.rmtree(local)
     elif case == "store-behind":
-        with lazyckpt.Checkpointer(local, keep_last=None) as ckpt:    # saved without persist_to
+        with lazyckpt.Checkpointer(local, keep=None) as ckpt:    # saved without persist_to
             ckpt.save(_values(13), step=13).wait()
         expected = 13
     read = []
@@ -308,7 +311,7 @@ def test_persist_to_finds_the_newest_save_from_the_two_indexes(s3_run, tmp_path,
                 threading.current_thread().name != "lazyckpt-leftovers":
             calls.append(request.url)
     store.client.meta.events.register("before-send.s3", count)
-    with lazyckpt.Checkpointer(local, keep_last=None, persist_to=url, storage_options=opts) as ckpt:
+    with lazyckpt.Checkpointer(local, keep=None, persist=lazyckpt.Persist(url, storage_options=opts)) as ckpt:
         out = ckpt.load()
         torch.testing.assert_close(out, _values(120 if expected == 12 else 13))
         assert ckpt.loaded_from["step"] == expected
@@ -330,7 +333,7 @@ def test_study_of_a_range_of_steps_does_not_list_the_run(tmp_path, monkeypatch):
     local run look up the steps they name (a few stat calls each), not the
     whole run; a step that is not there is still a clear not-found."""
     run = str(tmp_path / "run")
-    with lazyckpt.Checkpointer(run, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(run, keep=None) as ckpt:
         for s in range(1, 41):
             ckpt.save(_values(s), step=s).wait()
 

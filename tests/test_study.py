@@ -1,5 +1,5 @@
 """Studying a run from its checkpoints (issue 26): ``lazyckpt.diff`` and
-``lazyckpt.trajectory`` (and ``lazyckpt diff`` / ``lazyckpt history``) on
+``lazyckpt.trajectory`` (and ``lazyckpt diff`` / ``lazyckpt trajectory``) on
 real runs -- a tiny Llama trained with AdamW, full and incremental saves, on
 1 rank, on 2 FSDP2 ranks (DTensor shards) and on SeaweedFS -- must equal the
 same statistics computed from whole states loaded with full loads, read only
@@ -66,7 +66,7 @@ def _train(dirs, world: int = 1, **kwargs):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ckpts = [lazyckpt.Checkpointer(d, chunk_bytes=CHUNK, **kw) for d, kw in dirs.items()]
+    ckpts = [lazyckpt.Checkpointer(d, io=lazyckpt.IO(chunk_bytes=CHUNK), **kw) for d, kw in dirs.items()]
     try:
         for step in range(1, STEPS + 1):
             torch.manual_seed(100 + step)
@@ -82,7 +82,7 @@ def _train(dirs, world: int = 1, **kwargs):
             for ck, kw in zip(ckpts, dirs.values()):
                 # persisted=: the persistent tier keeps the newest waiting step and skips older
                 # ones, so without it which steps reach the tier depends on the upload's speed.
-                ck.save(state, step=step).wait(persisted="persist_to" in kw)
+                ck.save(state, step=step).wait(persisted="persist" in kw)
     finally:
         for ck in ckpts:
             ck.close()
@@ -329,7 +329,7 @@ def test_steps_on_an_object_store_and_the_persistent_tier(tmp_path, s3_server, s
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     url, tier, local = f"s3://{s3_bucket}/run", f"s3://{s3_bucket}/tier", str(tmp_path / "local")
-    _train({url: {}, local: {"keep_last": 1, "persist_to": tier}})
+    _train({url: {}, local: {"keep": 1, "persist": tier}})
     assert lazyckpt.Checkpointer(local).steps() == [STEPS]        # the rest is on the persistent tier only
     with lazyckpt.Checkpointer(url) as reader:                    # full loads, for the oracle
         fulls = {s: dict(_flatten(reader.load(step=s))) for s in range(1, STEPS + 1)}
@@ -359,7 +359,7 @@ def test_the_persistent_tier_of_a_replicas_run_is_per_node(tmp_path, s3_server, 
         monkeypatch.setenv(k, v)
     tier, local = f"s3://{s3_bucket}/replicas-tier", str(tmp_path / "node0")
     # The objects a replicas run's node 0 persists (written by a one-rank run under that prefix).
-    _train({local: {"keep_last": 1, "persist_to": f"{tier}/node_00000"}})
+    _train({local: {"keep": 1, "persist": f"{tier}/node_00000"}})
     with pytest.raises(ValueError, match="node_00000"):
         lazyckpt.trajectory(local, keys="model/*", persist_to=tier)
     traj = lazyckpt.trajectory(local, keys="model/*", persist_to=f"{tier}/node_00000")
@@ -445,7 +445,7 @@ def test_a_damaged_step_fails_the_history_before_any_value(tmp_path):
 # --------------------------------------------------------------------------- the command line
 
 
-def test_cli_diff_and_history(one_rank, tmp_path, capsys, monkeypatch):
+def test_cli_diff_and_trajectory(one_rank, tmp_path, capsys, monkeypatch):
     full, inc = one_rank
     assert cli.main(["diff", f"{full}@1", f"{full}@{STEPS}", "--keys", "model/*", "--top", "3", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -456,15 +456,20 @@ def test_cli_diff_and_history(one_rank, tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "unchanged by reference (not read)" in out and "same bytes" in out and "read 0 B" in out
     png = tmp_path / "h.png"
-    assert cli.main(["history", inc, "--keys", "model/*proj.weight", "--stat", "absmax", "--png", str(png),
+    assert cli.main(["trajectory", inc, "--keys", "model/*proj.weight", "--stat", "absmax", "--png", str(png),
                      "--group", r"layers\.\d+", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "absmax of 14 tensors over 3 steps" in out and png.stat().st_size > 0
-    assert cli.main(["history", inc, "--keys", "model/lm_head.weight", "--json", "--steps", "1-2"]) == 0
+    assert cli.main(["trajectory", inc, "--keys", "model/lm_head.weight", "--json", "--steps", "1-2"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert list(doc["values"]["model/lm_head.weight"]) == ["1", "2"]
+    # The command's old name still runs it, saying on stderr that it is deprecated.
+    assert cli.main(["history", inc, "--keys", "model/lm_head.weight", "--json", "--steps", "1-2"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == doc
+    assert "`lazyckpt history` is deprecated" in captured.err and "use `lazyckpt trajectory`" in captured.err
     assert cli.main(["diff", f"{full}@1", f"{full}@42"]) == 2
     assert "no committed step 42" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)        # matplotlib not installed
-    assert cli.main(["history", inc, "--png", str(tmp_path / "x.png")]) == 2
+    assert cli.main(["trajectory", inc, "--png", str(tmp_path / "x.png")]) == 2
     assert "pip install 'lazyckpt[plot]'" in capsys.readouterr().err

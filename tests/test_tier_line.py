@@ -1,5 +1,5 @@
 """Which copy to load, decided by the tiers without a Checkpointer (issue 36):
-``lazyckpt.tiers.line.History.candidates`` over a local directory and a
+``lazyckpt.tiers.line.Line.candidates`` over a local directory and a
 persistent tier on ``mem://`` (an object store in memory: no server).
 
 The directories are made by real saves; the choice is then asked of the
@@ -19,7 +19,7 @@ from lazyckpt.errors import CheckpointNotFoundError
 from lazyckpt.knobs import resolve
 from lazyckpt.storage.layout import CheckpointDir
 from lazyckpt.storage.s3layout import ObjectCheckpointDir
-from lazyckpt.tiers.line import History
+from lazyckpt.tiers.line import Line
 
 
 def _state(step: int):
@@ -36,7 +36,7 @@ def _run(tmp_path, steps=(1, 2, 3)):
 
 
 def _history(local, url):
-    return History(CheckpointDir(local), ObjectCheckpointDir(url, resolve()))
+    return Line(CheckpointDir(local), ObjectCheckpointDir(url, resolve()))
 
 
 def _tiers(candidates):

@@ -32,7 +32,7 @@ from lazyckpt.saving.jobcommit import JobCommit
 from lazyckpt.storage.base import Directory, Store
 from lazyckpt.storage.fileio import make_dirs_durable
 from lazyckpt.storage.stores import for_path
-from lazyckpt.tiers.line import History
+from lazyckpt.tiers.line import Line
 from lazyckpt.tiers.persistent import PersistentTier
 from lazyckpt.tiers.replicas import ReplicaTier, Topology, node_group, topology as replica_topology
 from .distributed import RankInfo, rank_info
@@ -69,7 +69,7 @@ class Parts:
     engine: SaveEngine
     costs: SaveCosts
     persistent: Optional[PersistentTier]
-    history: History
+    line: Line
 
 
 def assemble(directory: Any, groups: Optional[Groups] = None) -> Parts:
@@ -154,12 +154,12 @@ def assemble(directory: Any, groups: Optional[Groups] = None) -> Parts:
         persistent = PersistentTier(for_path(persist_to), persist_to, persist_options, dist, persist.keep)
     # The line of history (lazyckpt/tiers/line.py): numbers commits, tells live from abandoned
     # saves across the local record, the manifests and the persistent tier's events.
-    history = History(None if on_object_store else layout,
-                      layout if on_object_store else (persistent.dir if persistent is not None else None))
+    line = Line(None if on_object_store else layout,
+                layout if on_object_store else (persistent.dir if persistent is not None else None))
     return Parts(groups=groups, options=options, keep=groups.keep, store=store, directory=directory,
                  on_object_store=on_object_store, layout=layout, replicated=chosen, dist=dist, topology=topology,
                  replicas=replica_tier, job=job, auto=auto, incremental=incremental, engine=engine,
-                 costs=SaveCosts(options.advise_mtbf), persistent=persistent, history=history)
+                 costs=SaveCosts(options.advise_mtbf), persistent=persistent, line=line)
 
 
 __all__ = ["Parts", "assemble"]

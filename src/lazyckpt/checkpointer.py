@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Union
 
@@ -29,12 +30,13 @@ from lazyckpt.saving.jobcommit import resolve_prepared
 from lazyckpt.saving.planner import StepPlanner
 from lazyckpt.state.plancache import PlanCache
 from lazyckpt.storage.base import WriterLease
+from lazyckpt.tiers.line import Line
 from lazyckpt.tiers.replicas import restore as restore_replicas
 from .distributed import depart, refuse
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
-from .history import abandoned
+from .lineage import abandoned
 from .builder import assemble
-from .options import IO, Distributed, Incremental, Persist, Replicas, settle
+from .options import IO, Distributed, Incremental, LazyckptDeprecationWarning, Persist, Replicas, settle
 from .schedule import SaveSchedule
 from . import retention
 
@@ -128,11 +130,11 @@ class Checkpointer:
         self._engine = parts.engine
         #: What each save cost the training, recorded in its manifest (lazyckpt/saving/costs.py).
         self._costs = parts.costs
-        #: The persistent tier committed steps drain to (persist_to=), or None.
+        #: The persistent tier committed steps drain to (persist=), or None.
         self.persistent = parts.persistent
         #: The line of history (lazyckpt/tiers/line.py): numbers commits, tells live from abandoned
         #: saves across the local record, the manifests and the persistent tier's events.
-        self.history = parts.history
+        self.line = parts.line
         #: One writer per directory: the lease is taken by the first save() (a Checkpointer
         #: that only loads never needs it), held by the commit group's coordinator.
         self._takeover = groups.distributed.takeover
@@ -151,7 +153,7 @@ class Checkpointer:
             # Collective: a save a crash left prepared on some node is committed on every
             # node if any node committed it, else discarded on every node.
             self._job.high = resolve_prepared(self.layout, self.topology.local_rank, self._replicas.group,
-                                              self.history)
+                                              self.line)
         if self._dist.coordinator:
             self.layout.start_tidy()
         #: The latest local step re-enqueued for the persistent tier at start (its upload
@@ -161,8 +163,8 @@ class Checkpointer:
         self.restored_replication: Optional[SaveHandle] = None
         if self.persistent is not None:
             # The outbox's durable copy is the local record (docs/RELIABILITY.md).
-            self.persistent.local_events = self.history.local_events
-            self.persistent.local_events_above = self.history.local_events_above
+            self.persistent.local_events = self.line.local_events
+            self.persistent.local_events_above = self.line.local_events_above
             self.persistent.abandoned = self._abandoned_locally
             if self._replicas is None:
                 self._resume_drain()
@@ -210,7 +212,7 @@ class Checkpointer:
             # A hit leaves the tensors' checks to the capture thread (lazyckpt/state/plancache.py).
             flat = self._plans.gather(state, self._dist.rank, self._dist.world_size, replicated)
             strategy = StepCommit(self.layout, self._dist, step, call, keep=self.keep, metadata=metadata,
-                                  heartbeat_s=self.options.lease_heartbeat_s, history=self.history,
+                                  heartbeat_s=self.options.lease_heartbeat_s, line=self.line,
                                   options=self.options, job=self._job, job_round=job_round)
             planner = StepPlanner(self.layout, self._dist, step, call, strategy.save_id, replicated=replicated,
                                   incremental=self._incremental, auto=self._auto)
@@ -271,7 +273,7 @@ class Checkpointer:
     def _abandoned_locally(self, step: int, save_id: str) -> bool:
         """Whether a later commit superseded that save here (the local record says
         so before the commit's renames): a tier sending it drops it, quietly."""
-        record = self.history.record
+        record = self.line.record
         return record is not None and (step, save_id) in abandoned(record.read()[1])
 
     def _resume_drain(self) -> None:
@@ -282,13 +284,13 @@ class Checkpointer:
         died first). Every rank enqueues it (call -1: any new save supersedes it).
         One listing of the store for both; none when the two tiers' indexes say
         the newest save is on the store (issue 34)."""
-        newest = self.history.newest_save()
+        newest = self.line.newest_save()
         if newest is not None and newest[0] in (None, newest[1]):     # (None: no local step to send)
             if self._dist.coordinator:
                 self.persistent.open_outbox()       # (from the index and the record, when they tell)
             return
         try:
-            live, local, remote, listing = self.history.line_and_listing()
+            live, local, remote, listing = self.line.line_and_listing()
         except CheckpointError as exc:
             log.warning("lazyckpt: %s: cannot tell whether the latest step is persisted (%s)",
                         self.persistent.url, exc)
@@ -382,6 +384,13 @@ class Checkpointer:
         so that every rank saves the same step; with ``Every(steps=)`` alone it is local."""
         self._check_open()
         return self._schedule.should_save(step)
+
+    @property
+    def history(self) -> Line:
+        """Deprecated: :attr:`line` (the line of history, ``lazyckpt.tiers.line.Line``)."""
+        warnings.warn("Checkpointer.history is deprecated: use Checkpointer.line", LazyckptDeprecationWarning,
+                      stacklevel=2)
+        return self.line
 
     @property
     def preempted(self) -> bool:
@@ -518,12 +527,12 @@ class Checkpointer:
         persisted: List[int] = []
         if self.persistent is not None:
             try:
-                live, _local, remote, _listing = self.history.line_and_listing()
+                live, _local, remote, _listing = self.line.line_and_listing()
                 persisted = sorted(s for s, sid in live if remote.get(s) == sid)
             except CheckpointError as exc:
                 log.warning("lazyckpt: the persistent tier %s cannot be listed: %s", self.persistent.url, exc)
         return restore_replicas(self.directory, self.layout, self.topology, self._replicas.k,
-                                self._replicas.group, step, persisted, self.history)
+                                self._replicas.group, step, persisted, self.line)
 
     def _replicate_again(self, step: int) -> None:
         """After a restore that brought a lost node back: the replicas that node held
@@ -547,9 +556,13 @@ class Checkpointer:
 
     def _load_from(self, tier: str, path: str, kwargs: Dict[str, Any]) -> Any:
         pool = self._engine.resources.readers
-        # Any tier, any store: the manifest is read under the step's hold.
-        store = self.persistent.store if tier == "persistent" else self.store
-        return load_step(path, None, self.options, pool, self._dist.rank, store=store, **kwargs)
+        # Any tier, any store: the manifest is read under the step's hold. The persistent tier's
+        # steps are read with its own store settings (Persist(url, storage_options=...)).
+        if tier == "persistent":
+            store, options = self.persistent.store, self.persistent.options
+        else:
+            store, options = self.store, self.options
+        return load_step(path, None, options, pool, self._dist.rank, store=store, **kwargs)
 
     def _candidates(self, step: Optional[int]) -> Iterable[Any]:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""
@@ -560,7 +573,7 @@ class Checkpointer:
                 found = self.layout.locate_step(step)   # the index: no listing (issue 34)
             tier = "local" if not self.on_object_store else "object store"
             return [] if found is None else [(found[0], tier, found[1])]
-        return self.history.candidates(step)      # the choice among two tiers' copies: the tier's
+        return self.line.candidates(step)      # the choice among two tiers' copies: the tier's
 
     def load_async(self, step: Optional[int] = None, map_location: MapLocation = None,
                    keys: Optional[List[KeySpec]] = None, into: Any = None, allow_pickle: bool = False,

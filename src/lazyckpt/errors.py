@@ -84,12 +84,12 @@ class CheckpointReadError(CheckpointError, OSError):
         return Exception.__str__(self)
 
 
-class WrongReaderError(CheckpointError, AttributeError):
-    """A checkpoint was handed to a reader of another format (DCP's default
-    ``FileSystemReader`` given what ``LazyStorageWriter`` wrote in lazyckpt's
-    format); the message names the reader to use. An ``AttributeError`` too,
-    since that reader asked the checkpoint's metadata for a field it lacks:
-    code that probes with ``hasattr`` sees a missing field, as before."""
+class WrongReaderError(CheckpointError):
+    """A lazyckpt checkpoint was handed to a reader of another format (DCP's
+    default ``FileSystemReader``, ``torch.load`` under Lightning's loaders);
+    the message names the reader to use. Each case also derives from the
+    error that reader raised before (AttributeError, pickle.UnpicklingError),
+    so code that caught that still catches it."""
 
 
 class MapLocationError(CheckpointError, TypeError):

@@ -8,7 +8,7 @@
     lazyckpt import HF_DIR OUT            a Hugging Face model directory -> one lazyckpt file
     lazyckpt prune DIR --keep N           delete older committed steps and leftovers
     lazyckpt diff A B [--top K]           tensor by tensor change between two steps (lazyckpt/study/)
-    lazyckpt history RUN --stat norm      a statistic of tensors over every kept step (table, --png)
+    lazyckpt trajectory RUN --stat norm   a statistic of tensors over every kept step (table, --png)
     lazyckpt advise RUN --mtbf 8h         the checkpoint interval to choose (lazyckpt/cli/advise.py)
     lazyckpt bench [--quick]              side-by-side save/load benchmark
 
@@ -41,7 +41,7 @@ from .advise import add_parser as add_advise_parser     # lazyckpt advise: cost 
 from .inspect import describe, format_time, human_bytes, list_directory
 from .output import print_json, text_table
 from .prune import prune as prune_steps    # not "prune": that name is the submodule lazyckpt.cli.prune
-from .study import add_commands as add_study_commands    # diff, history: lazyckpt/study/
+from .study import add_commands as add_study_commands    # diff, trajectory: lazyckpt/study/
 
 EXIT_OK, EXIT_DAMAGED, EXIT_ERROR = 0, 1, 2
 

@@ -1,4 +1,4 @@
-"""``lazyckpt diff`` and ``lazyckpt history``: the command-line face of
+"""``lazyckpt diff`` and ``lazyckpt trajectory``: the command-line face of
 :mod:`lazyckpt.study` (registered by :func:`add_commands` from cli.py)."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _steps_arg(text: Optional[str]) -> Optional[List[int]]:
     return out
 
 
-def cmd_history(args: argparse.Namespace) -> int:
+def cmd_trajectory(args: argparse.Namespace) -> int:
     if args.png is not None:
         _pyplot()                       # a missing matplotlib fails before any reading
     traj = trajectory(args.run, keys=args.keys, fn=args.stat, steps=_steps_arg(args.steps),
@@ -115,7 +115,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             for line in text_table(["step", "key", "why"], [[str(s), k, w] for s, k, w in traj.skipped]):
                 print("  " + line)
     if args.png is not None:
-        plot_history(table, args.stat, args.png, group=args.group, title=args.run)
+        plot_trajectory(table, args.stat, args.png, group=args.group, title=args.run)
         print(f"wrote {args.png}", file=sys.stderr)
     return EXIT_OK
 
@@ -158,8 +158,15 @@ def group_values(table: Dict[str, Dict[int, float]], stat: str, pattern: str) ->
     return out
 
 
-def plot_history(table: Dict[str, Dict[int, float]], stat: str, png: str, group: Optional[str] = None,
-                 title: str = "") -> None:
+def cmd_history(args: argparse.Namespace) -> int:
+    """``lazyckpt history``: the old name of ``lazyckpt trajectory``."""
+    print("lazyckpt: note: `lazyckpt history` is deprecated and will be removed in 0.3: use `lazyckpt trajectory` "
+          "(same arguments)", file=sys.stderr)
+    return cmd_trajectory(args)
+
+
+def plot_trajectory(table: Dict[str, Dict[int, float]], stat: str, png: str, group: Optional[str] = None,
+                    title: str = "") -> None:
     plt = _pyplot()
     lines = group_values(table, stat, group) if group else table
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -177,7 +184,7 @@ def plot_history(table: Dict[str, Dict[int, float]], stat: str, png: str, group:
 
 
 def add_commands(sub: Any, progress_flags: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``diff`` and ``history`` on the ``lazyckpt`` parser."""
+    """Register ``diff`` and ``trajectory`` (and its old name ``history``) on the ``lazyckpt`` parser."""
     sp = sub.add_parser("diff", help="compare two committed steps tensor by tensor (reads pieces, not states)",
                         description="A and B: a .lzc file, a step directory, a Checkpointer directory (its latest "
                         "step) or RUN@STEP; local or s3://; any world size on either side. One row per tensor: "
@@ -194,7 +201,16 @@ def add_commands(sub: Any, progress_flags: Callable[[argparse.ArgumentParser], N
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=cmd_diff)
 
-    sp = sub.add_parser("history", help="a statistic of tensors over every kept step of a run (table, --png)",
+    trajectory_parser(sub, "trajectory", progress_flags,
+                      help="a statistic of tensors over every kept step of a run (table, --png)")
+    # The command's old name, one more release: not listed, it says so on stderr and runs trajectory.
+    trajectory_parser(sub, "history", progress_flags).set_defaults(func=cmd_history)
+
+
+def trajectory_parser(sub: Any, name: str, progress_flags: Callable[[argparse.ArgumentParser], None],
+                      **listed: Any) -> argparse.ArgumentParser:
+    """The ``lazyckpt trajectory`` parser, under ``name`` (``help=`` lists it)."""
+    sp = sub.add_parser(name, **listed,
                         description="Reads every kept step (and, with --persist-to, the persistent tier's) "
                         "chunk by chunk; a step that refers to an earlier step's bytes (incremental) reuses its "
                         "value without reading.")
@@ -211,4 +227,5 @@ def add_commands(sub: Any, progress_flags: Callable[[argparse.ArgumentParser], N
                     help="one column per tensor when there are at most N (default 6), else one row per value")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     progress_flags(sp)
-    sp.set_defaults(func=cmd_history)
+    sp.set_defaults(func=cmd_trajectory)
+    return sp

@@ -54,7 +54,7 @@ def build(step: int, done: Dict[int, Dict[str, Any]], save_id: str, metadata: Di
           cost: Optional[Dict[str, Any]] = None) -> bytes:
     """The manifest's bytes, given every rank's report (``bytes``, ``shards``,
     ``version``, ``references``); ``seq``: the commit's place in the line of
-    history (lazyckpt/history.py); ``cost``: what the save cost (lazyckpt/saving/costs.py)."""
+    history (lazyckpt/lineage.py); ``cost``: what the save cost (lazyckpt/saving/costs.py)."""
     world = len(done)
     version = max(v.get("version", fmt.FORMAT_VERSION_1) for v in done.values())
     manifest: Dict[str, Any] = {

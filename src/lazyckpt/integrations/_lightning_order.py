@@ -31,16 +31,26 @@ unchanged, so trainers with another plugin behave exactly as before.
 * ``Trainer.save_checkpoint``: tells the plugin which trainer asks, so a save
   inside a running ``fit``/``validate``/``test`` is asynchronous and one after
   it is durable when it returns.
+* ``pl_load`` of ``core.saving`` (``load_from_checkpoint``) and of fabric's
+  ``TorchCheckpointIO`` (a Trainer without the plugin): only when it fails on
+  a ``file_format="lazyckpt"`` file, whose header torch.load reads as a legacy
+  pickle and then advises ``weights_only=False`` (no help), the error names
+  what reads it: the plugin, or ``lazyckpt.load``.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
+import pickle
 import re
 import threading
 import weakref
 from typing import Any, Dict, Tuple
+
+from lazyckpt.errors import WrongReaderError
+from ._async import is_lazyckpt_file
 
 # ModelCheckpoint attributes that name files (with their scores): one view.
 VIEW_ATTRS = ("best_model_path", "last_model_path", "best_k_models", "kth_best_model_path", "kth_value",
@@ -74,6 +84,53 @@ def install(tree: str, impl: type) -> None:
         _wrap_trainer(trainer_cls, plugin_of)
         _wrap_calls(call, plugin_of, read_only, callback_base, module_cls)
         _wrap_model_checkpoint(mc_cls, plugin_of)
+        fabric = "lightning.fabric" if tree == "lightning.pytorch" else "lightning_fabric"
+        plugin = "LazyCheckpointIO" if tree == "lightning.pytorch" else "PLLazyCheckpointIO"
+        for name in (f"{tree}.core.saving", f"{fabric}.plugins.io.torch_io"):
+            module = importlib.import_module(name)
+            if hasattr(module, "pl_load"):
+                module.pl_load = _naming_lazyckpt_files(module.pl_load, plugin)
+
+
+# --------------------------------------------------------------------------- torch.load of a lazyckpt file
+
+
+class TorchLoadOfLazyckptError(WrongReaderError, pickle.UnpicklingError):
+    """Lightning's loader (torch.load) was given a lazyckpt file; an
+    UnpicklingError too, which is what torch.load raised for it."""
+
+
+def _naming_lazyckpt_files(load: Any, plugin: str) -> Any:
+    """``load`` (Lightning's ``pl_load``) whose failure on a lazyckpt file says
+    what reads it; every other call and failure is the original's."""
+    if getattr(load, "_lazyckpt_names_files", False):
+        return load
+
+    @functools.wraps(load)
+    def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return load(path_or_url, *args, **kwargs)
+        except Exception as exc:
+            if not isinstance(path_or_url, (str, os.PathLike)) or not _is_lazyckpt(os.fspath(path_or_url)):
+                raise
+            path = os.fspath(path_or_url)
+            raise TorchLoadOfLazyckptError(
+                f"{path} is a lazyckpt file (written by lazyckpt's Lightning plugin with "
+                f"file_format='lazyckpt'): torch.load cannot read it, whatever weights_only says. Read it "
+                f"through the plugin, trainer = Trainer(plugins=[{plugin}()]) then trainer.fit/validate/"
+                f"test(model, ckpt_path=...), or as a dict with lazyckpt.load({path!r}) "
+                f"(model.load_state_dict(lazyckpt.load(path)['state_dict'])). For checkpoints that "
+                f"load_from_checkpoint and torch.load read, save with {plugin}(file_format='torch') "
+                f"(the default)", path=path) from exc
+    pl_load._lazyckpt_names_files = True        # type: ignore[attr-defined]
+    return pl_load
+
+
+def _is_lazyckpt(path: str) -> bool:
+    try:
+        return is_lazyckpt_file(path)
+    except Exception:
+        return False
 
 
 # --------------------------------------------------------------------------- safe points

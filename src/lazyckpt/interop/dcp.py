@@ -68,12 +68,17 @@ class LazyStorageInfo:
         raise self._wrong_reader("transform_descriptors")
 
     def _wrong_reader(self, field: str) -> WrongReaderError:
-        return WrongReaderError(
+        return DCPReaderError(
             f"{self.relative_path}: this DCP checkpoint was written by lazyckpt's LazyStorageWriter in "
             f"lazyckpt's file format, which DCP's default reader (FileSystemReader) cannot read (it asked "
             f"for the {field!r} of a DCP data file). Load it with dcp.load(state_dict, storage_reader="
             f"lazyckpt.integrations.dcp.LazyStorageReader(path)), or write checkpoints that plain dcp.load "
             f"reads with LazyStorageWriter(path, file_format=\"dcp\")", path=self.relative_path)
+
+
+class DCPReaderError(WrongReaderError, AttributeError):
+    """DCP's default reader asked a :class:`LazyStorageInfo` for a field of its own
+    ``_StorageInfo``; an AttributeError too, so ``hasattr`` probes see a missing field."""
 
 
 # Pickled (into .metadata, and between ranks by DCP's planning) under its home until issue 23,

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Optional
 from lazyckpt.distributed import RankInfo, agree, refuse
 from lazyckpt.errors import CheckpointError
 from lazyckpt.formats import datafile, manifest
-from lazyckpt.history import Event
+from lazyckpt.lineage import Event
 from lazyckpt.knobs import Options, resolve
 from lazyckpt.retention import Policy, keeps_superseded
 from lazyckpt.storage.base import Directory, Output, PendingFile, Store
@@ -103,12 +103,12 @@ class StepCommit(CommitStrategy):
 
     def __init__(self, layout: Directory, dist: RankInfo, step: int, call: int, *,
                  keep: Optional[Policy], metadata: Dict[str, Any], heartbeat_s: float,
-                 history: Any = None, options: Optional[Options] = None, job: Any = None,
+                 line: Any = None, options: Optional[Options] = None, job: Any = None,
                  job_round: bool = False):
         self.layout = layout
         self.options = options or resolve()
         #: The Checkpointer's line of history (lazyckpt/tiers/line.py): numbers the commit.
-        self.history = history
+        self.line = line
         #: This commit's seq (set by the coordinator at commit).
         self.seq: Optional[int] = None
         self.path = layout.path
@@ -223,8 +223,8 @@ class StepCommit(CommitStrategy):
             name = v.pop("shards_file", None)
             if name is not None:
                 v["shards"] = json.loads(self.pending.take_side(name))
-        if self.history is not None:
-            self.seq = self.history.next_seq()
+        if self.line is not None:
+            self.seq = self.line.next_seq()
         if self.costs is not None:
             self.cost = merge({r: v.pop("cost", None) for r, v in done.items()},
                               sum(v["bytes"] for v in done.values()))

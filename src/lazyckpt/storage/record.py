@@ -1,5 +1,5 @@
 """``DIR/history.json``, the local tier's record of recent commits: the
-local commit's commit point (its rules: :mod:`lazyckpt.history`; its format:
+local commit's commit point (its rules: :mod:`lazyckpt.lineage`; its format:
 docs/FORMAT.md)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from lazyckpt.formats.names import MAX_SEQ
-from lazyckpt.history import RECENT_EVENTS, RECORD, Committing, Event, event_problem, max_seq
+from lazyckpt.lineage import RECENT_EVENTS, RECORD, Committing, Event, event_problem, max_seq
 from lazyckpt.storage.fileio import read_small_file, write_file_atomic
 
 log = logging.getLogger("lazyckpt")

@@ -28,7 +28,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tup
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import LATEST, MANIFEST, rank_filename, step_dirname
-from lazyckpt.history import (EVENTS_PREFIX, Event, event_key, event_problem, line, manifest_event, max_seq,
+from lazyckpt.lineage import (EVENTS_PREFIX, Event, event_key, event_problem, line, manifest_event, max_seq,
                               parse_event_key, prunable)
 from lazyckpt.knobs import Options
 from lazyckpt.retention import Plan, Policy, as_policy, plan, saved_metadata

@@ -47,7 +47,7 @@ Where the code is (each module says more):
 * ``diffs.py``: ``diff`` -> ``DiffReport`` of ``DiffRow``;
 * ``trajectories.py``: ``trajectory`` -> ``Trajectory``, ``run_steps``
   (a run's kept steps on both tiers), the per-statistic accumulators;
-* ``cli/study.py``: ``lazyckpt diff`` and ``lazyckpt history``.
+* ``cli/study.py``: ``lazyckpt diff`` and ``lazyckpt trajectory``.
 
 This module is the public face: import from here. The submodules are
 ``diffs`` and ``trajectories``, not ``diff`` and ``trajectory``: a submodule

@@ -1,4 +1,4 @@
-"""``lazyckpt.trajectory`` (``lazyckpt history``): a statistic of each
+"""``lazyckpt.trajectory`` (``lazyckpt trajectory``): a statistic of each
 selected tensor over every kept step of a run, local or ``s3://``, with the
 persistent tier's steps. The overview is in study/__init__.py; the pieces it reads
 are pieces.py's.
@@ -22,8 +22,8 @@ import torch
 
 from lazyckpt.storage.stores import for_path
 from ..errors import CheckpointNotFoundError, MissingKeyError
-from ..history import Event, line
-from ..tiers.line import History
+from ..lineage import Event, line
+from ..tiers.line import Line
 from ..knobs import Options, resolve as resolve_options
 from .pieces import (BoxReader, ReadCounter, StepView, TensorInfo, bounded_map, box_elements, boxes,
                            key_matches, key_patterns)
@@ -147,7 +147,7 @@ def run_steps(run: str, persist_to: Optional[str] = None, options: Optional[Opti
     tier_store = for_path(persist_to)
     tier_store.check(persist_to, options)
     remote_dir = tier_store.checkpoint_dir(persist_to, options)
-    history = History(layout, remote_dir)
+    history = Line(layout, remote_dir)
     local = history.local_saves()
     remote, remote_events = remote_dir.listing()
     if not remote and not remote_events:
@@ -284,7 +284,7 @@ class Trajectory:
                     first[sig] = len(unique)
                     unique.append(info)
                 order.append((step, name, first[sig]))
-            bar = _progress_bar(self.progress, sum(i.nbytes for i in unique), "history")
+            bar = _progress_bar(self.progress, sum(i.nbytes for i in unique), "trajectory")
             results: Dict[int, Any] = {}
             with cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="lazyckpt-history") as ex:
                 def measure(info: TensorInfo) -> Any:

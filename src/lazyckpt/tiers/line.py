@@ -1,6 +1,6 @@
 """The line of history of one Checkpointer across its tiers: numbers its
 commits and answers which saves are live, from the local record, the local
-manifests and the persistent tier's events (the rules: :mod:`lazyckpt.history`)."""
+manifests and the persistent tier's events (the rules: :mod:`lazyckpt.lineage`)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, MAX_SEQ
-from lazyckpt.history import Event, line, manifest_event, max_seq
+from lazyckpt.lineage import Event, line, manifest_event, max_seq
 from lazyckpt.storage.fileio import read_small_file
 
 log = logging.getLogger("lazyckpt")
 
 
-class History:
+class Line:
     """The line of history of one Checkpointer: numbers its commits and
     answers which saves are live, from the local record, the local manifests
     and (``remote``) the persistent tier's events."""

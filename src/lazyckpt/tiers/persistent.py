@@ -17,7 +17,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
 from lazyckpt.distributed import agree
 from lazyckpt.errors import CheckpointError, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, rank_filename
-from lazyckpt.history import Event, line, max_seq
+from lazyckpt.lineage import Event, line, max_seq
 from lazyckpt.knobs import Options
 from lazyckpt.retention import Policy, as_policy, keeps_superseded
 from lazyckpt.saving.tierstate import PERSISTENT
@@ -120,12 +120,12 @@ class PersistentTier(NewestWinsDrain):
         self._published: Optional[int] = None
         #: One publisher at a time (the commit's thread, the drain): events go up in seq order.
         self._publishing = threading.Lock()
-        #: The local events (the Checkpointer's History.local_events), the outbox's durable copy.
+        #: The local events (the Checkpointer's Line.local_events), the outbox's durable copy.
         self.local_events: Callable[[], List[Event]] = lambda: []
         #: Whether a save was superseded locally (a rollback committed since): its upload is dropped.
         self.abandoned: Callable[[int, str], bool] = lambda step, save_id: False
         #: The local events above a seq from the local record alone, or None when it
-        #: may not hold them all (the Checkpointer's History.local_events_above).
+        #: may not hold them all (the Checkpointer's Line.local_events_above).
         self.local_events_above: Callable[[int], Optional[List[Event]]] = lambda seq: None
 
     def enqueue(self, handle: Any, step: int, call: int, save_id: str, local_path: str,

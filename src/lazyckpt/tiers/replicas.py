@@ -64,7 +64,7 @@ from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptChe
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import MANIFEST, rank_filename
-from lazyckpt.history import Event, line, manifest_event
+from lazyckpt.lineage import Event, line, manifest_event
 from lazyckpt.knobs import Options
 from lazyckpt.loading.reader import CheckpointFile
 from lazyckpt.loading.verify import verify
@@ -487,7 +487,7 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     files back from partners' replicas into ``layout`` (the node-local
     directory). Returns {"step", "tier", "from_rank"} for this rank.
 
-    Only live saves are candidates (lazyckpt/history.py): each node's line is
+    Only live saves are candidates (lazyckpt/lineage.py): each node's line is
     computed from its local record and manifests and from the manifests its
     partners' replicas carry, so a replica of a step its node abandoned (a run
     resumed from an older step, then a crash before the new step was
