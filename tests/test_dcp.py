@@ -283,14 +283,14 @@ def _load_and_compare(tmp_path, model):
 
 
 def test_new_metadata_names_lazystorageinfo_at_its_old_path_and_loads(tmp_path):
-    """Issue 23 moved LazyStorageInfo to lazyckpt.interop.dcp; lazyckpt before the move
+    """Issue 23 moved LazyStorageInfo to lazyckpt.interop (now dcp_source); lazyckpt before the move
     can unpickle it only as lazyckpt.integrations.dcp.LazyStorageInfo (its allow-list,
     and it has no lazyckpt.interop). New .metadata keeps naming that path, and loads:
     with lazyckpt's reader, the command line's converter, plain pickle (DCP's own
     readers) and the allow-list of lazyckpt before the move."""
     from lazyckpt.integrations.dcp import LazyStorageInfo
-    from lazyckpt.interop import dcp as interop_dcp
-    assert LazyStorageInfo is interop_dcp.LazyStorageInfo
+    from lazyckpt.interop import dcp_source
+    assert LazyStorageInfo is dcp_source.LazyStorageInfo
     model, _ = _plain_model()
     dcp.save({"model": model.state_dict()}, storage_writer=LazyStorageWriter(tmp_path), no_dist=True)
     raw = (tmp_path / ".metadata").read_bytes()

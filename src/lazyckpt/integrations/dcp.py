@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from lazyckpt.interop.dcp import METADATA, SUFFIX, LazyStorageInfo, LazyStorageReader
+from lazyckpt.interop.dcp_source import METADATA, SUFFIX, LazyStorageInfo, LazyStorageReader
 from lazyckpt.knobs import resolve_for
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import FileCommit
@@ -60,10 +60,10 @@ from lazyckpt.saving.hostcache import StagingArenas
 from lazyckpt.state.providers import flatten
 from lazyckpt.storage.stores import for_path
 
-# The reader lives in the core (lazyckpt.interop.dcp: `lazyckpt convert` reads these directories);
+# The reader lives in the core (lazyckpt.interop.dcp_source: `lazyckpt convert` reads these directories);
 # both are importable here. LazyStorageInfo stays importable here: .metadata files pickle
 # it under this module's path (those written before issue 23, and new ones: its __module__
-# names this module, see lazyckpt.interop.dcp, so that older lazyckpt versions read them).
+# names this module, see lazyckpt.interop.dcp_source, so that older lazyckpt versions read them).
 __all__ = ["LazyStorageWriter", "LazyStorageReader", "LazyStorageInfo"]
 
 _DELETES_ITS_OWN = ("DCP (and torchtitan's keep_latest_k) delete old checkpoint directories themselves, "

@@ -382,12 +382,12 @@ def load_dcp(path: str, allow_pickle: bool) -> Dict[str, Any]:
     """Read a whole DCP checkpoint directory in this process (no process group)."""
     import warnings
     # lazy: torch.distributed.checkpoint costs a second to import and is absent from torch builds
-    # without distributed support; only a DCP source needs it (and lazyckpt.interop.dcp imports it).
+    # without distributed support; only a DCP source needs it (and lazyckpt.interop.dcp_source imports it).
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import default_planner
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    from .dcp import SUFFIX, LazyStorageReader, MetadataUnpickler  # lazy: as above
+    from .dcp_source import SUFFIX, LazyStorageReader, MetadataUnpickler  # lazy: as above
 
     raised: List[CheckpointError] = []        # DCP turns errors into strings: keep ours
 

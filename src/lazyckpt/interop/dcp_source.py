@@ -10,7 +10,8 @@ reads such directories and the core never imports an integration.
 :class:`LazyStorageInfo` is pickled into ``.metadata`` as
 ``lazyckpt.integrations.dcp.LazyStorageInfo`` (its home before issue 23, a
 re-export now), so that older lazyckpt versions read new files too; the
-unpickler maps that path, and this module's, here.
+unpickler maps that path, and ``lazyckpt.interop.dcp.LazyStorageInfo`` (this
+module's name before it was ``dcp_source``, which some files name), here.
 torch.distributed.checkpoint ships with torch: no optional dependency.
 """
 
@@ -101,8 +102,10 @@ ALLOWED = {
     "pathlib": {"PosixPath", "PurePosixPath", "Path"},    # storage_meta.checkpoint_id
 }
 #: LazyStorageInfo's module paths in files on disk: the one every release writes (its home until
-#: issue 23, its __module__ now) and this module's (files written during the move, before that).
-_INFO_PATHS = {("lazyckpt.integrations.dcp", "LazyStorageInfo"), (__name__, "LazyStorageInfo")}
+#: issue 23, its __module__ now) and this module's old name, lazyckpt.interop.dcp (files written
+#: during the move, before that; a module of that name re-exports it for plain pickle).
+_INFO_PATHS = {("lazyckpt.integrations.dcp", "LazyStorageInfo"), ("lazyckpt.interop.dcp", "LazyStorageInfo"),
+               (__name__, "LazyStorageInfo")}
 
 
 class MetadataUnpickler(pickle.Unpickler):
