@@ -308,7 +308,9 @@ def test_new_metadata_names_lazystorageinfo_at_its_old_path_and_loads(tmp_path):
 
 def test_metadata_naming_lazystorageinfo_at_interop_still_loads(tmp_path):
     """Files written on the redesign branch before LazyStorageInfo kept its old
-    pickle path name lazyckpt.interop.dcp.LazyStorageInfo: they load too."""
+    pickle path name lazyckpt.interop.dcp.LazyStorageInfo: they load too, with
+    lazyckpt's readers and with plain pickle (DCP's own readers), although that
+    module is lazyckpt.interop.dcp_source now (its old name re-exports it)."""
     model, _ = _plain_model()
     dcp.save({"model": model.state_dict()}, storage_writer=LazyStorageWriter(tmp_path), no_dist=True)
     meta = tmp_path / ".metadata"
@@ -318,6 +320,9 @@ def test_metadata_naming_lazystorageinfo_at_interop_still_loads(tmp_path):
     meta.write_bytes(raw.replace(old_path, b"clazyckpt.interop.dcp\nLazyStorageInfo\n"))
     assert ("lazyckpt.interop.dcp", "LazyStorageInfo") in _pickled_globals(meta.read_bytes())
     _load_and_compare(tmp_path, model)
+    from lazyckpt.integrations.dcp import LazyStorageInfo
+    infos = list(pickle.loads(meta.read_bytes()).storage_data.values())
+    assert infos and all(type(v) is LazyStorageInfo for v in infos)
 
 
 @pytest.mark.parametrize("use_async,file_format", [(False, "lazyckpt"), (True, "lazyckpt"), (True, "dcp")])
