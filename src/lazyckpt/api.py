@@ -12,7 +12,7 @@ from lazyckpt.loading.request import KeySpec, LoadRequest, MapLocation
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import FilePart, run_now
-from lazyckpt.saving.file_formats import check_file_format
+from lazyckpt.saving.foreign_formats import check_file_format
 from lazyckpt.saving.foreign import plan_layout
 from lazyckpt.saving.resources import Resources
 from lazyckpt.state.providers import flatten
@@ -56,7 +56,7 @@ def save(state: Any, path: str, *, metadata: Optional[Dict[str, Any]] = None,
 
     ``file_format="torch"`` writes the zip ``torch.save`` writes (``torch.load``
     reads it); ``"safetensors"`` a safetensors file of a flat dict of tensors
-    (``metadata``: its str-to-str ``__metadata__``). See lazyckpt/saving/file_formats.py.
+    (``metadata``: its str-to-str ``__metadata__``). See lazyckpt/saving/foreign_formats.py.
 
     The file is written under a temporary name and renamed into place, so
     ``path`` holds either its old content or the complete new checkpoint.

@@ -14,19 +14,22 @@ wait for it. It is local to the process: no collective, whatever
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.formats.datafile import MAGIC
 from lazyckpt.knobs import Options, resolve, resolve_for
 from lazyckpt.loading.loader import _find_pickle, load_file
 from lazyckpt.loading.request import KeySpec, LoadRequest, MapLocation
+from lazyckpt.options import LazyckptDeprecationWarning, Persist
 from lazyckpt.saving.capture import record_events
 from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import FilePart, SaveEngine, SaveHandle
-from lazyckpt.saving.file_formats import check_file_format
+from lazyckpt.saving.foreign_formats import check_file_format
 from lazyckpt.saving.foreign import plan_layout
 from lazyckpt.state.providers import flatten
 from lazyckpt.storage.sidefiles import clean_sibling_temps
@@ -34,7 +37,8 @@ from lazyckpt.storage.stores import InvalidURLError, for_path
 
 log = logging.getLogger("lazyckpt")
 
-__all__ = ["AsyncFileWriter", "file_location", "file_writer_options", "is_lazyckpt_file"]
+__all__ = ["AsyncFileWriter", "file_location", "file_writer_options", "is_lazyckpt_file", "persist_tier",
+           "tier_options"]
 
 _KEEPS_FILES = ("the framework decides where each checkpoint file goes and how many to keep "
                 "(Lightning's ModelCheckpoint dirpath/save_top_k, the Trainer's output_dir/save_total_limit)")
@@ -45,8 +49,10 @@ WHOLE_FILE_REFUSED = {
                    "(save_top_k, save_total_limit), so a file cannot refer to bytes of an earlier one",
     "full_every": "it only applies to incremental saves, which whole framework files cannot be",
     "storage_options": "this integration writes to a local directory and has no persistent tier here (give "
-                       "the persist_to option to mirror it to an object store)",
-    "persist_bandwidth": "it caps the drain of a persistent tier, and none was asked for (persist_to)",
+                       "the persist option, lazyckpt.Persist(url, storage_options=...), to mirror it to an "
+                       "object store)",
+    "persist_bandwidth": "it caps the drain of a persistent tier, and none was asked for (the persist option: "
+                         "lazyckpt.Persist(url, bandwidth=...))",
     "advise_mtbf": "the framework schedules the checkpoints; `lazyckpt advise` gives the interval from "
                    "the manifests",
     "persist_to": "it is a Checkpointer argument, and " + _KEEPS_FILES,
@@ -67,6 +73,65 @@ def file_writer_options(integration: str, knobs: Dict[str, Any], object_stores: 
         ({"persist_bandwidth"} if persist else set())
     refused = {k: v for k, v in WHOLE_FILE_REFUSED.items() if k not in used}
     return resolve_for(integration, refused, **knobs)
+
+
+#: The flat knobs of a whole-file integration's persistent tier -> their field of lazyckpt.Persist.
+_PERSIST_FIELDS = {"persist_bandwidth": "bandwidth", "storage_options": "storage_options"}
+
+
+def persist_tier(where: str, persist: Any, knobs: Dict[str, Any], *, new: str, old: str,
+                 old_url: Optional[str] = None, moved: Tuple[str, ...] = ("persist_bandwidth",)) -> Optional[Persist]:
+    """A whole-file integration's persistent tier as one :class:`lazyckpt.Persist`,
+    or None: ``persist`` (an object store URL or a Persist, the keyword ``new``),
+    else the old spellings -- ``old_url`` (the keyword ``old``) and, with a tier,
+    the knobs named in ``moved`` (taken out of ``knobs``) -- each with a
+    :class:`LazyckptDeprecationWarning` naming its new spelling. Without a tier the
+    knobs stay, for :func:`file_writer_options` to refuse with the reason."""
+    if old_url is not None:
+        if persist is not None:
+            raise TypeError(f"{where}: {old}= and {new}= were both given: {old}= is the old spelling; "
+                            f"pass {new}= only")
+        warnings.warn(f"{old}={old_url!r} is deprecated: use {new}={old_url!r} (or {new}=lazyckpt.Persist(url, "
+                      f"bandwidth=..., storage_options=...))", LazyckptDeprecationWarning, stacklevel=3)
+        persist, new = old_url, old
+    if persist is None:
+        return None
+    if isinstance(persist, (str, os.PathLike)):
+        url = os.fspath(persist)
+        if not for_path(url).is_remote:
+            raise ValueError(f"{new}={url!r}: expected an object store URL (s3://bucket/prefix): the persistent "
+                             f"tier is where the checkpoints survive the loss of this node")
+        persist = Persist(url)
+    elif not isinstance(persist, Persist):
+        raise TypeError(f"{where}: {new} must be an object store URL or lazyckpt.Persist(url, ...), "
+                        f"got {type(persist).__name__}")
+    if persist.keep is not None:
+        raise ValueError(f"{where}: lazyckpt.Persist(keep=...) is not supported: the persistent tier mirrors "
+                         f"the framework's files and their removals, and {_KEEPS_FILES}")
+    fields: Dict[str, Any] = {}
+    for knob in moved:
+        if knobs.get(knob) is None:
+            continue
+        field = _PERSIST_FIELDS[knob]
+        if getattr(persist, field) is not None:
+            raise TypeError(f"{where}: {knob}= and lazyckpt.Persist({field}=...) were both given: {knob}= is the "
+                            f"old spelling; give the Persist's {field} only")
+        shown = "{...}" if knob == "storage_options" else repr(knobs[knob])      # it may hold credentials
+        warnings.warn(f"{knob}={shown} is deprecated here: use lazyckpt.Persist(url, {field}={shown}) as the "
+                      f"persistent tier", LazyckptDeprecationWarning, stacklevel=3)
+        fields[field] = knobs.pop(knob)
+    return dataclasses.replace(persist, **fields) if fields else persist
+
+
+def tier_options(options: Options, persist: Persist) -> Options:
+    """The Options of ``persist``'s uploads: the writer's, with the tier's own
+    bandwidth cap and store settings where it has them."""
+    changes: Dict[str, Any] = {}
+    if persist.bandwidth is not None:
+        changes["persist_bandwidth"] = float(persist.bandwidth)
+    if persist.storage_options is not None:
+        changes["storage_options"] = persist.storage_options
+    return dataclasses.replace(options, **changes) if changes else options
 
 
 def file_location(path: Any) -> str:
@@ -117,7 +182,7 @@ class AsyncFileWriter:
         it (for ``pending()`` and ``wait()`` by path). ``before_publish(temporary)``
         runs once the file is durable under its temporary name, just before it is
         renamed into place. ``file_format``: "lazyckpt",
-        "torch" (what ``torch.load`` reads) or "safetensors" (lazyckpt/saving/file_formats.py)."""
+        "torch" (what ``torch.load`` reads) or "safetensors" (lazyckpt/saving/foreign_formats.py)."""
         self._engine.raise_errors()
         path = file_location(path)
         if check_file_format(file_format) != "lazyckpt":

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from lazyckpt.formats.datafile import align_up
-from .file_formats import CrcField, FileLayout, crc_kept_blocks, crc_patches
+from .foreign_formats import CrcField, FileLayout, crc_kept_blocks, crc_patches
 from .torchzip import PAGE_ALIGNMENT, TorchZipLayout, fast_crc32
 
 #: DCP's file name for a rank's data (FileSystemWriter: ``{prefix}{index}{suffix}``).

@@ -105,7 +105,7 @@ class SaveHandle:
         #: True where the commit itself is on persistent storage (an s3:// Checkpointer).
         self.persistent = False
         #: Where this save stands on each tier beyond the local commit, by tier:
-        #: PERSISTENT (Checkpointer(persist_to=)), REPLICA (Checkpointer(replicas=k)).
+        #: PERSISTENT (Checkpointer(persist=)), REPLICA (Checkpointer(replicas=k)).
         #: Attached and ended by the tier's drain (track_tier); read through the properties below.
         self.tier_states: Dict[str, TierState] = {}
 
@@ -120,7 +120,7 @@ class SaveHandle:
         """Block until committed and durable; raise its error if it failed.
 
         ``persisted=True`` also waits for the persistent tier
-        (``Checkpointer(persist_to=...)``) to hold this step -- or, when a newer
+        (``Checkpointer(persist=...)``) to hold this step -- or, when a newer
         step superseded it in the drain queue before its upload started, that
         newer step (``persist_state`` says so) -- and raises a failed upload."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -135,7 +135,7 @@ class SaveHandle:
                 if self.persistent:
                     return self
                 raise CheckpointError(f"{self.name}: there is no persistent tier to wait for (pass "
-                                      f"persist_to= to the Checkpointer)", step=self.step)
+                                      f"persist= to the Checkpointer)", step=self.step)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             final = mine.final(left)
             if final is None:
@@ -233,7 +233,7 @@ class FilePart(Part):
     def __init__(self, flat: Flattened, metadata: Dict[str, Any], events: Optional[Dict[Any, Any]] = None,
                  final_path: Optional[str] = None, layout: Any = None):
         super().__init__()
-        #: A foreign file layout (torch zip, safetensors: lazyckpt/saving/file_formats.py), else None.
+        #: A foreign file layout (torch zip, safetensors: lazyckpt/saving/foreign_formats.py), else None.
         self.layout = layout
         #: A PendingFlat (a save gathered along a plan) is resolved first thing in run().
         self.flat: Optional[Union[Flattened, PendingFlat]] = flat

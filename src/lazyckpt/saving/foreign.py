@@ -1,11 +1,13 @@
 """Which layout a foreign file (``file_format="torch"`` or ``"safetensors"``) gets: the
-choice made on the caller's thread, before the engine moves any byte."""
+choice made on the caller's thread, before the engine moves any byte. The layouts'
+common base is lazyckpt/saving/foreign_formats.py, a module of its own because the
+layouts (torchzip, safetensors_file, dcp_file) subclass it and this choice imports them."""
 
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from .file_formats import FileLayout
+from .foreign_formats import FileLayout
 from .safetensors_file import SafetensorsLayout
 from .torchzip import TorchZipLayout
 

@@ -25,7 +25,7 @@ import torch
 
 from lazyckpt.formats.datafile import align_up
 from lazyckpt.state.providers import Source, _flat_bytes_of_storage
-from .file_formats import FileLayout
+from .foreign_formats import FileLayout
 
 #: torch dtype -> safetensors dtype name: those safetensors.torch (0.4-0.8) loads.
 DTYPES: Dict[torch.dtype, str] = {

@@ -24,7 +24,7 @@ cache to the file.
 Each record carries its CRC-32 (in its local header and in the central
 directory, no data descriptors): the writer threads compute one CRC per
 (record, cache block) span from the host cache and the layout combines them
-and patches the header blocks at the end (lazyckpt/saving/file_formats.py); ISA-L's
+and patches the header blocks at the end (lazyckpt/saving/foreign_formats.py); ISA-L's
 crc32 where ``isal`` is installed (the ``torch-format`` extra), else zlib's. Not
 written: ``.format_version`` and ``.storage_alignment`` (torch >= 2.5 writes
 them): with them torch may compute record offsets assuming its own writer's
@@ -46,7 +46,7 @@ from torch.serialization import location_tag, normalize_storage_type
 
 from lazyckpt.formats.datafile import align_up
 from lazyckpt.state.providers import Source
-from .file_formats import CrcField, FileLayout, crc_kept_blocks, crc_patches
+from .foreign_formats import CrcField, FileLayout, crc_kept_blocks, crc_patches
 
 try:        # ISA-L's CRC-32 (PCLMUL): ~3.5 GB/s per core here against zlib's 0.4-1.4 (BENCHMARKS.md §19)
     from isal.isal_zlib import crc32 as fast_crc32

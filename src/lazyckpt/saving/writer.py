@@ -76,7 +76,7 @@ class FileWriteJob:
         #: Opens the file (path, options, block bytes): the commit strategy's store's
         #: (a local file, O_DIRECT or buffered; an object's multipart upload).
         self._open_output = open_output
-        #: A foreign file layout (lazyckpt/saving/file_formats.py: torch zip, safetensors)
+        #: A foreign file layout (lazyckpt/saving/foreign_formats.py: torch zip, safetensors)
         #: instead of lazyckpt's own; None for lazyckpt's.
         self.layout = layout
         #: The per-(entry, block) checksum the writer threads compute.
