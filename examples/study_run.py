@@ -4,7 +4,7 @@ statistic of every tensor over every kept step, reading only the pieces it needs
 Trains a small MLP for 10 steps with a checkpoint at each, then asks:
 ``lazyckpt.diff`` (which tensors moved most between step 1 and step 10) and
 ``lazyckpt.trajectory`` (the norm of each weight at every step), and the same
-from the command line (``lazyckpt diff``, ``lazyckpt history``).
+from the command line (``lazyckpt diff``, ``lazyckpt trajectory``).
 
     python examples/study_run.py
 """

@@ -185,14 +185,14 @@ def test_no_import_cycle():
 def _folder(mod: str) -> str:
     """The layer a module belongs to: its folder under the package
     (``lazyckpt.storage.s3`` and ``lazyckpt.storage`` are "storage"), or the
-    top-level module itself (``history``, ``knobs``: each a layer of one)."""
+    top-level module itself (``lineage``, ``knobs``: each a layer of one)."""
     return mod.split(".")[1]
 
 
 def test_no_cycle_between_folders():
     # Issue 36: the layers (formats < storage < saving, loading < tiers < the facade < ...)
     # hold only if no folder reaches back into one that imports it, even through a
-    # top-level module (storage -> history -> storage.fileio was one such loop).
+    # top-level module (storage -> history, now lineage, -> storage.fileio was one such loop).
     graph: Dict[str, Set[str]] = {}
     why: Dict[Tuple[str, str], str] = {}
     for mod in MODULES:
