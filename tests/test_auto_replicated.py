@@ -44,7 +44,7 @@ def _same(a, b):
 
 def _auto(rank, world, directory):
     out = {"sizes": {}, "replicated": {}, "loaded": {}}
-    with lazyckpt.Checkpointer(directory, replicated="auto") as ckpt:
+    with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(identical_keys="auto")) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(_state(rank, step), step=step).wait()
             path = ckpt.step_path(step)
@@ -75,7 +75,7 @@ def test_auto_writes_identical_keys_once_and_keys_that_differ_per_rank(tmp_path)
 
 
 def _auto_load_elsewhere(rank, world, directory):
-    with lazyckpt.Checkpointer(directory, replicated="auto") as ckpt:
+    with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(identical_keys="auto")) as ckpt:
         state = ckpt.load(step=3)
     return _same(state, _state(rank, 3))
 
@@ -121,13 +121,14 @@ def test_the_default_warns_once_with_the_bytes_replicated_would_save(tmp_path):
 
 def test_replicated_must_be_keys_or_auto(tmp_path):
     with pytest.raises(ValueError, match="'auto'"):
-        lazyckpt.Checkpointer(str(tmp_path), replicated="yes")
+        lazyckpt.Checkpointer(str(tmp_path), distributed=lazyckpt.Distributed(identical_keys="yes"))
 
 
 def _auto_refused(rank, world, directory):
     import time
     out = {}
-    with lazyckpt.Checkpointer(directory, replicated="auto", commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(directory,
+                               distributed=lazyckpt.Distributed(identical_keys="auto", commit_timeout=60)) as ckpt:
         for step in (1, 2, 3, 4):
             t0 = time.monotonic()
             bad = step == 3 and rank == 1
@@ -153,7 +154,8 @@ def test_a_call_refused_on_one_rank_fails_its_check_round_at_once(tmp_path):
 def _auto_incremental(rank, world, directory):
     frozen = torch.arange(50_000, dtype=torch.float32)          # the same storage every save
     out = {}
-    with lazyckpt.Checkpointer(directory, replicated="auto", incremental=True) as ckpt:
+    with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(identical_keys="auto"),
+                               incremental=True) as ckpt:
         for step in (1, 2, 3):
             state = _state(rank, step)
             state["model"]["frozen"] = frozen

@@ -35,7 +35,7 @@ def s3_env(s3_server, monkeypatch):
 def run(s3_env, s3_bucket):
     """A Checkpointer directory on the object store with steps 10, 20, 30."""
     url = f"s3://{s3_bucket}/run"
-    with lazyckpt.Checkpointer(url, keep_last=None) as ckpt:
+    with lazyckpt.Checkpointer(url, keep=None) as ckpt:
         for step in STEPS:
             ckpt.save(make_state(step), step=step, metadata={"epoch": step // 10}).wait()
     return url

@@ -53,7 +53,7 @@ def _record_step_mkdirs():
 
 def _ops_per_save(rank, world, directory, saves):
     made = _record_step_mkdirs()
-    with lazyckpt.Checkpointer(directory, keep_last=2, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(directory, keep=2, distributed=lazyckpt.Distributed(commit_timeout=60)) as ckpt:
         ckpt.save({"w": torch.full((64,), float(rank))}, step=0).wait()     # warm-up
         proxy = _CountingStore(ckpt._dist.store)
         ckpt._dist.store = proxy
@@ -98,7 +98,7 @@ def _many_saves(rank, world, directory, schedule):
     dist.barrier()
     before = base.num_keys()
     keys, outcomes, elapsed = [], [], []
-    with lazyckpt.Checkpointer(directory, keep_last=2, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(directory, keep=2, distributed=lazyckpt.Distributed(commit_timeout=60)) as ckpt:
         for step, who in enumerate(schedule):
             refused_here = who == "all" or who == rank
             t0 = time.monotonic()

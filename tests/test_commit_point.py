@@ -45,7 +45,7 @@ _CHILD = textwrap.dedent("""
     from test_commit_point import _state
     directory, kill_at, keep_last = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     keep_last = None if keep_last == "None" else int(keep_last)
-    ckpt = lazyckpt.Checkpointer(directory, keep_last=keep_last)
+    ckpt = lazyckpt.Checkpointer(directory, keep=keep_last)
     renames = [0]
     real_rename = os.rename
     def rename(src, dst, *a, **k):
@@ -62,7 +62,7 @@ _CHILD = textwrap.dedent("""
 
 
 def _prepare(directory: str, keep_last) -> None:
-    with lazyckpt.Checkpointer(directory, keep_last=keep_last) as ckpt:
+    with lazyckpt.Checkpointer(directory, keep=keep_last) as ckpt:
         for s in range(1, 6):
             ckpt.save(_state(s, "first"), step=s).wait()
 
@@ -97,7 +97,7 @@ def test_a_kill_between_the_renames_of_a_rollback_commit_never_loads_an_abandone
     got = lazyckpt.load(directory)
     outcome = check(got, got["step"], "lazyckpt.load(DIR)")
     expected_steps = sorted(before if outcome == "before" else after)
-    with lazyckpt.Checkpointer(directory, keep_last=keep_last) as reader:
+    with lazyckpt.Checkpointer(directory, keep=keep_last) as reader:
         assert reader.steps() == expected_steps
         assert check(reader.load(), reader.loaded_from["step"], "Checkpointer.load()") == outcome
         for s in reader.steps():
@@ -111,7 +111,7 @@ def test_a_kill_between_the_renames_of_a_rollback_commit_never_loads_an_abandone
     # Opening it repaired it: the listing alone now says the same, and the run goes on.
     names = sorted(n for n in os.listdir(directory) if n.startswith("step_"))
     assert [int(n[5:]) for n in names] == expected_steps
-    with lazyckpt.Checkpointer(directory, keep_last=keep_last) as ckpt:
+    with lazyckpt.Checkpointer(directory, keep=keep_last) as ckpt:
         ckpt.save(_state(len(expected_steps) + 1, "next"), step=len(expected_steps) + 1).wait()
         assert _same(ckpt.load(), _state(len(expected_steps) + 1, "next"))
     report = lazyckpt.loading.verify.verify(directory, store=LOCAL)
@@ -161,7 +161,7 @@ def test_a_writer_paused_inside_its_commit_never_publishes_after_a_takeover(tmp_
     done_b: list = []
 
     def take_over() -> None:
-        b = lazyckpt.Checkpointer(directory, takeover=True)
+        b = lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(takeover=True))
         b.save(_state(5, "b"), step=5).wait()
         done_b.append(b)
 
@@ -258,7 +258,7 @@ def test_a_writer_paused_inside_its_object_store_commit_never_publishes_after_a_
     a.save(_state(1, "a"), step=1).wait()
     writer, real_check = a._writer, a._writer.check
     inside, release, ta = _pause_inside_commit(a, "s3layout")
-    b = lazyckpt.Checkpointer(url, takeover=True)
+    b = lazyckpt.Checkpointer(url, distributed=lazyckpt.Distributed(takeover=True))
     try:
         b.save(_state(5, "b"), step=5).wait()
         release.set()                        # A publishes now, after the takeover

@@ -31,7 +31,7 @@ def _ddp_model():
 
 def _ddp_save(rank, world, directory):
     model, opt = _ddp_model()
-    with lazyckpt.Checkpointer(directory, replicated=["model", "optim"]) as ckpt:
+    with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(identical_keys=["model", "optim"])) as ckpt:
         ckpt.save({"model": model.state_dict(), "optim": opt.state_dict(),
                    "rank_state": torch.full((4,), float(rank))}, step=1).wait()
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -86,7 +86,8 @@ def test_replicated_keys_that_differ_between_ranks_are_refused(tmp_path):
 
 
 def _mismatched_shapes(rank, world, directory):
-    with lazyckpt.Checkpointer(directory, replicated=["model"], commit_timeout_s=30) as ckpt:
+    with lazyckpt.Checkpointer(directory,
+                               distributed=lazyckpt.Distributed(identical_keys=["model"], commit_timeout=30)) as ckpt:
         handle = ckpt.save({"model": {"w": torch.zeros(8 + rank)}}, step=1)
         try:
             handle.wait(60)
@@ -171,7 +172,8 @@ def test_fsdp2_sharded_save_and_resharding_load(tmp_path, saved_world, loaded_wo
 
 def _die_mid_save(rank, world, directory):
     from lazyckpt.storage import fileio
-    with lazyckpt.Checkpointer(directory, commit_timeout_s=10, host_cache_bytes=1 << 20) as ckpt:
+    with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(commit_timeout=10),
+                               host_cache_bytes=1 << 20) as ckpt:
         state = {"w": torch.randn(200_000) + rank}
         ckpt.save(state, step=1).wait()
         if rank == 1:
@@ -209,8 +211,9 @@ def _train_with_collectives(rank, world, directory):
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     refs = {}
-    with lazyckpt.Checkpointer(directory, replicated=["model", "optim"], keep_last=None,
-                               host_cache_bytes=256 << 10, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(directory, keep=None,
+                               distributed=lazyckpt.Distributed(identical_keys=["model", "optim"], commit_timeout=60),
+                               host_cache_bytes=256 << 10) as ckpt:
         ckpt.attach(opt)
         for step in range(6):
             torch.manual_seed(100 * step + rank)
@@ -254,7 +257,8 @@ def _a_rank_slow_to_read_the_outcome(rank, world, directory, persist_to):
             return wait_for(self, keys, what, step)
         RankInfo.wait_for = descheduled
     t0 = time.monotonic()
-    with lazyckpt.Checkpointer(directory, commit_timeout_s=8, persist_to=persist_to) as ckpt:
+    with lazyckpt.Checkpointer(directory, persist=persist_to,
+                               distributed=lazyckpt.Distributed(commit_timeout=8)) as ckpt:
         ckpt.save({"x": torch.full((4,), float(rank))}, step=1).wait()
     return time.monotonic() - t0
 

@@ -37,7 +37,7 @@ def _store_alone_is_on_the_line(tmp_path, url, opts, live):
     directory; and the functional API) returns a step of the live line --
     ``live``: step -> run -- never an abandoned one."""
     where = str(tmp_path / f"elsewhere{next(_elsewhere)}")
-    with lazyckpt.Checkpointer(where, persist_to=url, storage_options=opts) as other:
+    with lazyckpt.Checkpointer(where, persist=lazyckpt.Persist(url, storage_options=opts)) as other:
         got = other.load()
         assert got["run"] == live.get(got["step"]) and _same(got, _state(got["step"], got["run"])), \
             (got["step"], got["run"])
@@ -76,7 +76,7 @@ else:                                    # committed locally; its event never re
             die()
         return put(self, event)
     s3layout.ObjectCheckpointDir.put_event = die_instead
-ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts)
+ck = lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts))
 ck.load(step=2)
 g = torch.Generator().manual_seed(3 + 1000)
 ck.save({"w": torch.randn(200_000, generator=g), "step": 3, "run": "resumed"}, 3).wait()
@@ -95,7 +95,7 @@ def test_a_rollback_killed_before_it_reached_the_store_reaches_it_at_restart(s3_
                            timeout=300)
     assert child.returncode == -signal.SIGKILL
     live = {1: "first", 2: "first", 3: "resumed"}
-    ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts)
+    ck = lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts))
     try:
         # Opening published the rollback's event before anything newer: from here on.
         _store_alone_is_on_the_line(tmp_path, url, opts, live)
@@ -123,8 +123,8 @@ def test_a_rollback_saved_while_the_store_is_down_reaches_it_in_order_after_a_re
     url, opts = f"s3://{s3_bucket}/run", _options(s3_server)
     local = str(tmp_path / "local")
     _first_run_to_5(local, url, opts)
-    ck = lazyckpt.Checkpointer(local, persist_to=url,
-                               storage_options=_options(s3_server, proxy.endpoint, max_attempts=1))
+    ck = lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(
+        url, storage_options=_options(s3_server, proxy.endpoint, max_attempts=1)))
     proxy.fail_matching(lambda method, path, headers: True, status=503)      # the store is down
     try:
         assert _same(ck.load(step=2), _state(2))
@@ -135,7 +135,7 @@ def test_a_rollback_saved_while_the_store_is_down_reaches_it_in_order_after_a_re
             ck.close()
     proxy.reset()                                                           # back, and a restart
     live = {1: "first", 2: "first", 3: "resumed", 4: "resumed"}
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as ck:
+    with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts)) as ck:
         _store_alone_is_on_the_line(tmp_path, url, opts, live)
         ck.wait()
         assert ck.resumed_drain is not None and ck.resumed_drain.persist_state == "persisted"
@@ -150,8 +150,8 @@ def test_events_are_published_in_commit_order_once_the_store_is_back(s3_server, 
     url, opts = f"s3://{s3_bucket}/run", _options(s3_server)
     local = str(tmp_path / "local")
     _first_run_to_5(local, url, opts)
-    ck = lazyckpt.Checkpointer(local, persist_to=url,
-                               storage_options=_options(s3_server, proxy.endpoint, max_attempts=1))
+    ck = lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(
+        url, storage_options=_options(s3_server, proxy.endpoint, max_attempts=1)))
     try:
         assert _same(ck.load(step=2), _state(2))
         proxy.fail_matching(lambda method, path, headers: True, status=503)
@@ -180,7 +180,8 @@ def test_events_are_published_in_commit_order_once_the_store_is_back(s3_server, 
 def test_a_step_superseded_while_it_uploads_is_abandoned_not_failed(s3_server, s3_bucket, proxy, tmp_path):
     url = f"s3://{s3_bucket}/run"
     local = str(tmp_path / "local")
-    ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=_options(s3_server, proxy.endpoint))
+    ck = lazyckpt.Checkpointer(local,
+                               persist=lazyckpt.Persist(url, storage_options=_options(s3_server, proxy.endpoint)))
     try:
         for step in range(1, 5):
             ck.save(_state(step), step).wait(persisted=True)
@@ -224,7 +225,8 @@ def _rollback_while_replicating(rank, world, base):
         return digest(path)
     replicas._file_digest = held_digest
     node = os.path.join(base, f"node{rank // 2}")
-    with lazyckpt.Checkpointer(node, replicas=1, node_size=2, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(node, replicas=lazyckpt.Replicas(1, node_size=2),
+                               distributed=lazyckpt.Distributed(commit_timeout=60)) as ckpt:
         for step in range(1, 5):
             ckpt.save(_state(step + 10 * rank), step).wait()
         ckpt.wait()
@@ -257,8 +259,8 @@ def test_the_outbox_costs_no_listing_per_commit(s3_server, s3_bucket, proxy, tmp
     """Steady state: a commit's event is one PUT; nothing lists the store until
     the upload's own commit (its supersede check), as before the outbox."""
     url = f"s3://{s3_bucket}/run"
-    ck = lazyckpt.Checkpointer(str(tmp_path / "local"), persist_to=url,
-                               storage_options=_options(s3_server, proxy.endpoint))
+    ck = lazyckpt.Checkpointer(str(tmp_path / "local"),
+                               persist=lazyckpt.Persist(url, storage_options=_options(s3_server, proxy.endpoint)))
     try:
         ck.save(_state(1), 1).wait(persisted=True)
         hold = proxy.hold_matching(lambda method, path, headers: "step_0000000002/" in path
@@ -286,14 +288,14 @@ def test_close_that_raises_a_persist_failure_still_releases_the_writer_lease(s3_
     url = f"s3://{s3_bucket}/lease-after-failed-close"
     opts = _options(s3_server, proxy.endpoint, max_attempts=1)
     local = str(tmp_path / "run")
-    ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts)
+    ck = lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts))
     ck.save(_state(1), 1).wait(persisted=True)
     proxy.fail_matching(lambda *a: True)
     ck.save(_state(2), 2).wait()                    # committed locally; its upload fails
     with pytest.raises(CheckpointWriteError):
         ck.close()                                  # the persist failure is reported ...
     proxy.reset()
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as again:
+    with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts)) as again:
         again.save(_state(3), 3).wait(persisted=True)   # ... and the directory is free again
         assert again.steps()[-1] == 3
 
@@ -306,10 +308,10 @@ def test_a_checkpointer_opens_on_its_local_tier_while_the_store_is_down(s3_serve
     url = f"s3://{s3_bucket}/open-during-outage"
     opts = _options(s3_server, proxy.endpoint, max_attempts=2)
     local = str(tmp_path / "run")
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as ck:
+    with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts)) as ck:
         ck.save(_state(1), 1).wait(persisted=True)
     code = (f"import lazyckpt, torch\n"
-            f"ck = lazyckpt.Checkpointer({local!r}, persist_to={url!r}, storage_options={opts!r})\n"
+            f"ck = lazyckpt.Checkpointer({local!r}, persist=lazyckpt.Persist({url!r}, storage_options={opts!r}))\n"
             f"assert ck.load()['step'] == 1\n"
             f"ck.save({{'w': torch.ones(3), 'step': 2, 'run': 'first'}}, 2).wait()\n"
             f"print('resumed')\n")

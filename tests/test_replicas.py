@@ -31,8 +31,9 @@ def _node_dir(base, rank):
 
 
 def _train(rank, world, base, steps, persist_to=None):
-    with lazyckpt.Checkpointer(_node_dir(base, rank), keep_last=2, replicas=1, node_size=NODE,
-                               persist_to=persist_to, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(_node_dir(base, rank), keep=2, persist=persist_to,
+                               distributed=lazyckpt.Distributed(commit_timeout=60),
+                               replicas=lazyckpt.Replicas(1, node_size=NODE)) as ckpt:
         handles = []
         for step in range(1, steps + 1):
             h = ckpt.save(_state(rank, step), step=step)
@@ -44,8 +45,9 @@ def _train(rank, world, base, steps, persist_to=None):
 
 
 def _resume(rank, world, base, persist_to=None):
-    with lazyckpt.Checkpointer(_node_dir(base, rank), keep_last=2, replicas=1, node_size=NODE,
-                               persist_to=persist_to, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(_node_dir(base, rank), keep=2, persist=persist_to,
+                               distributed=lazyckpt.Distributed(commit_timeout=60),
+                               replicas=lazyckpt.Replicas(1, node_size=NODE)) as ckpt:
         state = ckpt.load()
         return {"state": state, "from": ckpt.loaded_from, "steps": ckpt.steps()}
 
@@ -156,8 +158,8 @@ def test_two_failures_in_one_replica_group_fall_back_to_the_persistent_tier(tmp_
 def _partner_dies(rank, world, base):
     big = {"x": torch.arange(250_000, dtype=torch.float32) + rank}
     out = {}
-    with lazyckpt.Checkpointer(_node_dir(base, rank), replicas=1, node_size=NODE, commit_timeout_s=15,
-                               replica_bandwidth=200_000) as ckpt:
+    with lazyckpt.Checkpointer(_node_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=NODE, bandwidth=200_000),
+                               distributed=lazyckpt.Distributed(commit_timeout=15)) as ckpt:
         ckpt.save({**_state(rank, 1), **big}, step=1).wait()
         ckpt.wait()                                    # step 1 replicated everywhere
         h2 = ckpt.save({**_state(rank, 2), **big}, step=2)
@@ -206,8 +208,8 @@ def test_a_partner_dying_mid_transfer_leaves_the_step_unreplicated_and_training_
 def _train_fast(rank, world, base, steps):
     # keep_last=1: every save retires the step before it, most likely while that
     # step is still waiting to be replicated (the CI failure of the 8-rank test).
-    with lazyckpt.Checkpointer(_node_dir(base, rank), keep_last=1, replicas=1, node_size=NODE,
-                               commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(_node_dir(base, rank), keep=1, distributed=lazyckpt.Distributed(commit_timeout=60),
+                               replicas=lazyckpt.Replicas(1, node_size=NODE)) as ckpt:
         handles = [ckpt.save(_state(rank, step), step=step) for step in range(1, steps + 1)]
         ckpt.wait()
         # The node's coordinator catches retention up inside its wait(): list after it.
@@ -234,8 +236,8 @@ def test_retention_never_deletes_a_step_waiting_to_be_replicated(tmp_path):
 
 
 def _resume_and_wait(rank, world, base):
-    with lazyckpt.Checkpointer(_node_dir(base, rank), keep_last=2, replicas=1, node_size=NODE,
-                               commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(_node_dir(base, rank), keep=2, distributed=lazyckpt.Distributed(commit_timeout=60),
+                               replicas=lazyckpt.Replicas(1, node_size=NODE)) as ckpt:
         state = ckpt.load()
         ckpt.wait()             # the re-replication of the restored step (close() would wait too)
         return {"state": state, "from": ckpt.loaded_from, "stats": ckpt.replica_stats()}
@@ -262,8 +264,8 @@ def test_two_losses_in_a_row_each_restored_before_the_next(tmp_path):
 
 
 def _ask_different_steps(rank, world, base):
-    with lazyckpt.Checkpointer(_node_dir(base, rank), keep_last=3, replicas=1, node_size=NODE,
-                               commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(_node_dir(base, rank), keep=3, distributed=lazyckpt.Distributed(commit_timeout=60),
+                               replicas=lazyckpt.Replicas(1, node_size=NODE)) as ckpt:
         try:
             ckpt.load(step=2 if rank == 0 else 3)
         except lazyckpt.CheckpointError as exc:

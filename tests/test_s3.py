@@ -181,7 +181,7 @@ def test_load_of_a_missing_object_is_not_found(s3env, s3_bucket):
 def test_checkpointer_on_the_object_store(s3env, s3_bucket):
     url = f"s3://{s3_bucket}/run"
     states = []
-    with lazyckpt.Checkpointer(url, keep_last=2, chunk_bytes=MiB) as ck:
+    with lazyckpt.Checkpointer(url, keep=2, io=lazyckpt.IO(chunk_bytes=MiB)) as ck:
         for step in range(4):
             states.append(_state(step, 200_000))
             h = ck.save(states[-1], step)
@@ -219,7 +219,7 @@ def test_object_store_saves_supersede_and_ignore_uncommitted_prefixes(s3env, s3_
 
 def test_failed_object_store_save_leaves_nothing_and_keeps_the_previous(s3env, s3_bucket):
     url = f"s3://{s3_bucket}/run"
-    with lazyckpt.Checkpointer(url, chunk_bytes=MiB) as ck:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(chunk_bytes=MiB)) as ck:
         ck.save(_state(1, 100_000), 1).wait()
         bad = _state(2, 100_000)
         bad["obj"] = lambda: None           # cannot be serialized: fails after data was uploaded
@@ -237,7 +237,8 @@ def test_tiered_commit_local_then_persist(s3env, s3_bucket, tmp_path):
     local = tmp_path / "local"
     url = f"s3://{s3_bucket}/tiered"
     state = _state(0)
-    with lazyckpt.Checkpointer(local, keep_last=1, persist_to=url, persist_keep_last=2, chunk_bytes=MiB) as ck:
+    with lazyckpt.Checkpointer(local, keep=1, persist=lazyckpt.Persist(url, keep=2),
+                               io=lazyckpt.IO(chunk_bytes=MiB)) as ck:
         handles = []
         for step in range(3):
             state["model"]["w"].add_(1)
@@ -254,7 +255,7 @@ def test_tiered_commit_local_then_persist(s3env, s3_bucket, tmp_path):
         assert ck.loaded_from["tier"] == "local"
     # A replaced node: the local tier is empty; the newest step comes from the store.
     shutil.rmtree(local)
-    with lazyckpt.Checkpointer(local, persist_to=url) as ck:
+    with lazyckpt.Checkpointer(local, persist=url) as ck:
         _equal(ck.load(), state)
         assert ck.loaded_from == {"step": 2, "tier": "persistent", "path": ck.persistent.dir.step_path(2)}
     _equal(lazyckpt.load(url), state)
@@ -263,7 +264,7 @@ def test_tiered_commit_local_then_persist(s3env, s3_bucket, tmp_path):
 def test_load_falls_back_to_the_persistent_tier_when_the_local_copy_is_damaged(s3env, s3_bucket, tmp_path):
     url = f"s3://{s3_bucket}/tiered"
     state = _state(3)
-    with lazyckpt.Checkpointer(tmp_path, persist_to=url) as ck:
+    with lazyckpt.Checkpointer(tmp_path, persist=url) as ck:
         ck.save(state, 7).wait(persisted=True)
         data = os.path.join(ck.step_path(7), "rank_00000.lzc")
         with open(data, "r+b") as f:
@@ -305,7 +306,7 @@ def test_drain_takes_the_newest_step_and_skips_the_backlog(s3env, s3_bucket, tmp
     superseded by newer ones, save() never blocks on the upload."""
     url = f"s3://{s3_bucket}/slow"
     state = _state(0, 1_000_000)                   # 4 MB
-    with lazyckpt.Checkpointer(tmp_path, persist_to=url, persist_bandwidth=4e6) as ck:
+    with lazyckpt.Checkpointer(tmp_path, persist=lazyckpt.Persist(url, bandwidth=4e6)) as ck:
         handles = []
         for step in range(5):
             t0 = time.perf_counter()
@@ -324,7 +325,7 @@ def test_drain_takes_the_newest_step_and_skips_the_backlog(s3env, s3_bucket, tmp
 
 def test_bandwidth_cap_bounds_the_upload_rate(s3env, s3_bucket, tmp_path):
     state = {"w": torch.randn(2_500_000)}          # 10 MB at 5 MB/s: at least ~2 s
-    with lazyckpt.Checkpointer(tmp_path, persist_to=f"s3://{s3_bucket}/cap", persist_bandwidth=5e6) as ck:
+    with lazyckpt.Checkpointer(tmp_path, persist=lazyckpt.Persist(f"s3://{s3_bucket}/cap", bandwidth=5e6)) as ck:
         h = ck.save(state, 0)
         h.wait()
         h.wait(persisted=True)
@@ -344,20 +345,20 @@ def test_wrong_credentials_fail_once_and_clearly(s3_server, s3_bucket, tmp_path)
     bad = _options(s3_server, secret_access_key="not-the-secret")
     t0 = time.perf_counter()
     with pytest.raises(StorageConfigError, match="credentials"):
-        lazyckpt.Checkpointer(tmp_path, persist_to=f"s3://{s3_bucket}/x", storage_options=bad)
+        lazyckpt.Checkpointer(tmp_path, persist=lazyckpt.Persist(f"s3://{s3_bucket}/x", storage_options=bad))
     with pytest.raises(StorageConfigError, match="credentials"):
-        lazyckpt.Checkpointer(f"s3://{s3_bucket}/x", storage_options=bad)
+        lazyckpt.Checkpointer(f"s3://{s3_bucket}/x", io=lazyckpt.IO(storage_options=bad))
     assert time.perf_counter() - t0 < 10           # not a stack of retries
 
 
 def test_missing_bucket_fails_once_and_clearly(s3_server, tmp_path):
     opts = _options(s3_server)
     with pytest.raises(StorageConfigError, match="no such bucket"):
-        lazyckpt.Checkpointer(tmp_path, persist_to="s3://no-such-bucket-here/x", storage_options=opts)
+        lazyckpt.Checkpointer(tmp_path, persist=lazyckpt.Persist("s3://no-such-bucket-here/x", storage_options=opts))
     with pytest.raises(StorageConfigError, match="no such bucket"):
         lazyckpt.save({"x": torch.arange(3)}, "s3://no-such-bucket-here/x.lzc", storage_options=opts)
     with pytest.raises(StorageConfigError):
-        lazyckpt.Checkpointer("s3://ab/x", storage_options=opts)       # not even a bucket name
+        lazyckpt.Checkpointer("s3://ab/x", io=lazyckpt.IO(storage_options=opts))       # not even a bucket name
 
 
 @pytest.fixture
@@ -380,7 +381,7 @@ def test_transient_errors_are_retried(s3_server, s3_bucket, proxy):
 def test_persistent_server_errors_fail_the_save_and_abort_the_upload(s3_server, s3_bucket, proxy):
     opts = _options(s3_server, endpoint=proxy.endpoint, max_attempts=2)
     url = f"s3://{s3_bucket}/run"
-    with lazyckpt.Checkpointer(url, storage_options=opts, chunk_bytes=MiB) as ck:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(chunk_bytes=MiB, storage_options=opts)) as ck:
         ck.save(_state(1, 100_000), 1).wait()
         proxy.fail_matching(lambda method, path, headers: "partNumber=" in path, status=500)
         with pytest.raises(CheckpointWriteError, match="500|InternalError|part"):
@@ -409,8 +410,8 @@ def test_server_killed_mid_drain(s3_server, s3_bucket, tmp_path):
     opts = _options(s3_server, max_attempts=2, connect_timeout=1, read_timeout=2)
     url = f"s3://{s3_bucket}/killed"
     state = _state(4, 3_000_000)
-    ck = lazyckpt.Checkpointer(tmp_path, persist_to=url, storage_options=opts, persist_bandwidth=6e6,
-                               chunk_bytes=MiB)
+    ck = lazyckpt.Checkpointer(tmp_path, persist=lazyckpt.Persist(url, bandwidth=6e6, storage_options=opts),
+                               io=lazyckpt.IO(chunk_bytes=MiB))
     try:
         h = ck.save(state, 1)
         h.wait()
@@ -441,8 +442,8 @@ def _rank_state(rank, step):
 
 
 def _two_ranks_persist(rank, world, local, url, opts):
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts, keep_last=1,
-                               commit_timeout_s=60) as ck:
+    with lazyckpt.Checkpointer(local, keep=1, persist=lazyckpt.Persist(url, storage_options=opts),
+                               distributed=lazyckpt.Distributed(commit_timeout=60)) as ck:
         for step in range(3):
             ck.save(_rank_state(rank, step), step)
         ck.wait()
@@ -450,7 +451,7 @@ def _two_ranks_persist(rank, world, local, url, opts):
 
 
 def _two_ranks_load(rank, world, local, url, opts):
-    with lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts) as ck:
+    with lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=opts)) as ck:
         out = ck.load()
         return ck.loaded_from["tier"], out["rank"], out["step"], float(out["w"][0])
 
@@ -471,8 +472,9 @@ def test_two_ranks_each_upload_their_file_and_the_coordinator_commits(s3_server,
 
 def _rank_dies_mid_drain(rank, world, local, url, opts):
     # Rank 1 uploads slowly and dies during its upload.
-    ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=opts, commit_timeout_s=8,
-                               persist_bandwidth=2e6 if rank == 1 else 0)
+    ck = lazyckpt.Checkpointer(local,
+                               persist=lazyckpt.Persist(url, bandwidth=2e6 if rank == 1 else 0, storage_options=opts),
+                               distributed=lazyckpt.Distributed(commit_timeout=8))
     h = ck.save(_rank_state(rank, 5), 5)
     h.wait()
     if rank == 1:

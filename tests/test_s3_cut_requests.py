@@ -117,18 +117,18 @@ def test_a_manifest_put_cut_before_its_body_leaves_the_previous_step_loading(s3_
     url = f"s3://{s3_bucket}/ck"
     opts = _options(s3_server)
     # The dead writer's lease lapses in 3 s, not the default minute (the reopen waits it out).
-    lease = {"lease_expiry_s": 3.0}
+    io = lazyckpt.IO(storage_options=opts, lease_expiry=3.0)
     first = {"w": torch.arange(10_000.0), "step": 1}
-    with lazyckpt.Checkpointer(url, storage_options=opts, **lease) as ck:
+    with lazyckpt.Checkpointer(url, io=io) as ck:
         ck.save(first, 1).wait()
     _run_killed(tmp_path, f"""
         import torch, lazyckpt
-        with lazyckpt.Checkpointer("{url}", storage_options={opts!r}, **{lease!r}) as ck:
+        with lazyckpt.Checkpointer("{url}", io=lazyckpt.IO(storage_options={opts!r}, lease_expiry=3.0)) as ck:
             ck.save({{"w": torch.arange(10_000.0) + 2, "step": 2}}, 2).wait()
     """, cut_key="manifest.json")
     got = lazyckpt.load(url, storage_options=opts)
     assert got["step"] == 1 and torch.equal(got["w"], first["w"])
-    with lazyckpt.Checkpointer(url, storage_options=opts, **lease) as ck:
+    with lazyckpt.Checkpointer(url, io=io) as ck:
         assert ck.steps() == [1]
         ck.save({"w": torch.arange(10_000.0) + 3, "step": 3}, 3).wait()
     assert lazyckpt.load(url, storage_options=opts)["step"] == 3

@@ -61,7 +61,7 @@ def _objects(server, bucket, prefix=""):
 def _reader(url, opts, step, seed, results):
     """Another process: open the run and load ``step``; report what happened."""
     try:
-        with lazyckpt.Checkpointer(url, storage_options=opts) as ck:
+        with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts)) as ck:
             got = ck.load(step=step)
         ok = torch.equal(got["w"], _state(seed)["w"]) and got["step"] == seed
         results.put(("ok", ok))
@@ -97,7 +97,7 @@ def test_retention_in_the_writer_keeps_a_step_another_process_is_reading(s3_serv
     keep_last=1. Step 1 stays, the reader gets its exact state, and the next
     retention pass deletes it (and no reader lease is left behind)."""
     url = f"s3://{s3_bucket}/run"
-    with lazyckpt.Checkpointer(url, keep_last=1, storage_options=_options(s3_server)) as ck:
+    with lazyckpt.Checkpointer(url, keep=1, io=lazyckpt.IO(storage_options=_options(s3_server))) as ck:
         ck.save(_state(1), 1).wait()
         hold = proxy.hold_matching(_data_get)
         proc, results = _start_reader(url, _options(s3_server, endpoint=proxy.endpoint), 1, 1)
@@ -118,7 +118,7 @@ def test_a_step_deleted_under_a_reader_anyway_is_not_found_not_corrupt(s3_server
     """Another tool (here: the S3 API itself) deletes the step while the
     reader is in the middle of it: CheckpointNotFoundError, saying so."""
     url = f"s3://{s3_bucket}/run"
-    with lazyckpt.Checkpointer(url, storage_options=_options(s3_server)) as ck:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=_options(s3_server))) as ck:
         ck.save(_state(1), 1).wait()
         prefix = lazyckpt.storage.s3layout.store_key(ck.layout.save_url(1, ck.layout.committed()[1]))
     hold = proxy.hold_matching(_data_get)
@@ -139,7 +139,7 @@ def test_prune_keeps_a_step_being_read(s3_server, s3_bucket, proxy, monkeypatch)
     """`lazyckpt prune` on an object store respects reader leases too (and
     says why it kept the step)."""
     url = f"s3://{s3_bucket}/run"
-    with lazyckpt.Checkpointer(url, storage_options=_options(s3_server)) as ck:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=_options(s3_server))) as ck:
         for s in (1, 2):
             ck.save(_state(s), s).wait()
     for k, v in s3_server.env().items():
@@ -167,7 +167,7 @@ def test_a_reader_that_arrives_while_retention_deletes_the_manifest_gets_it_back
     Two proxies hold each side at that instant (no sleeps)."""
     import threading
     url = f"s3://{s3_bucket}/run"
-    with lazyckpt.Checkpointer(url, storage_options=_options(s3_server)) as ck:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=_options(s3_server))) as ck:
         for s in (1, 2):
             ck.save(_state(s), s).wait()
     with _s3proxy.S3FaultProxy(s3_server.endpoint) as deleter_proxy:
@@ -255,7 +255,7 @@ def test_a_cleaner_whose_clock_runs_behind_still_removes_dead_saves(s3_server, s
 def test_retention_with_a_clock_ahead_keeps_a_step_being_read(s3_server, s3_bucket, proxy, monkeypatch):
     """Reader leases are aged by the server's clock too."""
     url = f"s3://{s3_bucket}/run"
-    with lazyckpt.Checkpointer(url, storage_options=_options(s3_server)) as ck:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=_options(s3_server))) as ck:
         for s in (1, 2):
             ck.save(_state(s), s).wait()
         hold = proxy.hold_matching(_data_get)
@@ -278,7 +278,7 @@ def test_a_persist_failure_is_raised_once(s3_server, s3_bucket, proxy, tmp_path)
     """handle.wait(persisted=True) raises the failed upload; ckpt.wait() and
     close() do not raise it a second time."""
     opts = _options(s3_server, endpoint=proxy.endpoint, max_attempts=1)
-    ck = lazyckpt.Checkpointer(tmp_path, persist_to=f"s3://{s3_bucket}/p", storage_options=opts)
+    ck = lazyckpt.Checkpointer(tmp_path, persist=lazyckpt.Persist(f"s3://{s3_bucket}/p", storage_options=opts))
     try:
         proxy.fail_matching(lambda m, p, h: m in ("PUT", "POST") and "rank_00000.lzc" in p, status=403)
         h = ck.save(_state(1), 1)

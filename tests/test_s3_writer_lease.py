@@ -39,9 +39,9 @@ def _state(v):
 
 def test_second_writer_on_a_prefix_is_refused_naming_the_holder(s3_server, s3_bucket):
     url, opts = f"s3://{s3_bucket}/run", _options(s3_server)
-    first = lazyckpt.Checkpointer(url, storage_options=opts)
+    first = lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts))
     first.save(_state(1), 1).wait()
-    second = lazyckpt.Checkpointer(url, storage_options=opts)
+    second = lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts))
     t0 = time.monotonic()
     with pytest.raises(CheckpointError, match=rf"another Checkpointer is saving.*pid {os.getpid()} on "
                                               rf"{socket.gethostname()}.*takeover=True"):
@@ -56,9 +56,10 @@ def test_second_writer_on_a_prefix_is_refused_naming_the_holder(s3_server, s3_bu
 
 def test_takeover_displaces_the_writer(s3_server, s3_bucket):
     url, opts = f"s3://{s3_bucket}/run", _options(s3_server)
-    first = lazyckpt.Checkpointer(url, storage_options=opts)
+    first = lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts))
     first.save(_state(1), 1).wait()
-    second = lazyckpt.Checkpointer(url, storage_options=opts, takeover=True)
+    second = lazyckpt.Checkpointer(url, distributed=lazyckpt.Distributed(takeover=True),
+                                   io=lazyckpt.IO(storage_options=opts))
     second.save(_state(2), 2).wait()
     with pytest.raises(CheckpointError, match="another Checkpointer took over"):
         first.save(_state(3), 3)
@@ -73,9 +74,10 @@ def test_displaced_writer_commits_nothing(s3_server, s3_bucket):
     """The check before publishing: a lease lost between save() and the commit
     (here: taken over while the save is queued behind a held snapshot)."""
     url, opts = f"s3://{s3_bucket}/run", _options(s3_server)
-    first = lazyckpt.Checkpointer(url, storage_options=opts)
+    first = lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts))
     first.save(_state(1), 1).wait()
-    second = lazyckpt.Checkpointer(url, storage_options=opts, takeover=True)
+    second = lazyckpt.Checkpointer(url, distributed=lazyckpt.Distributed(takeover=True),
+                                   io=lazyckpt.IO(storage_options=opts))
     second.save(_state(2), 2).wait()
     with pytest.raises(CheckpointError, match="another Checkpointer took over"):
         first.layout.commit(9, "displaced", b"{}")  # the manifest PUT of a save queued before the takeover
@@ -86,24 +88,24 @@ def test_displaced_writer_commits_nothing(s3_server, s3_bucket):
 
 def test_close_releases_the_lease(s3_server, s3_bucket):
     url, opts = f"s3://{s3_bucket}/run", _options(s3_server)
-    with lazyckpt.Checkpointer(url, storage_options=opts) as first:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts)) as first:
         first.save(_state(1), 1).wait()
         assert len(_writers(s3_server, s3_bucket)) == 2      # the holder and its heartbeat
     assert _writers(s3_server, s3_bucket) == []
     t0 = time.monotonic()
-    with lazyckpt.Checkpointer(url, storage_options=opts) as second:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts)) as second:
         second.save(_state(2), 2).wait()            # at once: no expiry to wait for
     assert time.monotonic() - t0 < 10
 
 
 def test_collected_checkpointer_releases_the_lease(s3_server, s3_bucket):
     url, opts = f"s3://{s3_bucket}/run", _options(s3_server)
-    first = lazyckpt.Checkpointer(url, storage_options=opts)
+    first = lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts))
     first.save(_state(1), 1).wait()
     del first
     gc.collect()
     assert _writers(s3_server, s3_bucket) == []
-    with lazyckpt.Checkpointer(url, storage_options=opts) as second:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=opts)) as second:
         second.save(_state(2), 2).wait()
 
 
@@ -115,7 +117,7 @@ def test_crashed_writer_lease_expires(s3_server, s3_bucket):
     expiry = 3.0
     script = textwrap.dedent(f"""
         import os, torch, lazyckpt
-        c = lazyckpt.Checkpointer({url!r}, storage_options={opts!r}, lease_expiry_s={expiry})
+        c = lazyckpt.Checkpointer({url!r}, io=lazyckpt.IO(storage_options={opts!r}, lease_expiry={expiry}))
         c.save({{"w": torch.zeros(10), "step": 1}}, 1).wait()
         os._exit(0)          # killed: no close(), no release
     """)
@@ -125,7 +127,7 @@ def test_crashed_writer_lease_expires(s3_server, s3_bucket):
     holder = json.loads(s3_server.client().get_object(Bucket=s3_bucket, Key=min(left, key=len))["Body"].read())
     assert holder["pid"] != os.getpid()
     t0 = time.monotonic()
-    with lazyckpt.Checkpointer(url, storage_options=opts, lease_expiry_s=expiry) as restarted:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(lease_expiry=expiry, storage_options=opts)) as restarted:
         restarted.save(_state(2), 2).wait()
         waited = time.monotonic() - t0
         print(f"restart after a crash waited {waited:.2f} s (lease_expiry_s={expiry})")
