@@ -146,3 +146,16 @@ def test_a_truncated_checkpoint_says_so_and_what_to_do(tmp_path, saved):
 def test_an_into_shape_mismatch_says_what_to_do(saved):
     with pytest.raises(lazyckpt.StateMismatchError, match=r"model/w.*\(3, 4\).*\(4, 3\).*(same|configuration)"):
         lazyckpt.load(saved, into={"model": {"w": torch.empty(4, 3), "b": torch.empty(4)}})
+
+
+def test_lazy_storage_reader_given_a_lazyckpt_file_or_checkpointer_directory_says_what_reads_it(tmp_path, saved):
+    """A .lzc file was "[Errno 20] Not a directory: '.../good.lzc/.metadata'"."""
+    from lazyckpt.integrations.dcp import LazyStorageReader
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.empty(4)}, storage_reader=LazyStorageReader(saved), no_dist=True)
+    assert "is a file, not a DCP checkpoint directory" in str(info.value) and "lazyckpt.load(" in str(info.value)
+    with lazyckpt.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save({"w": torch.ones(4)}, step=1).wait()
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.empty(4)}, storage_reader=LazyStorageReader(tmp_path / "run"), no_dist=True)
+    assert "Checkpointer directory" in str(info.value) and "lazyckpt.load(" in str(info.value)

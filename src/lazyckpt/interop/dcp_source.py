@@ -152,6 +152,10 @@ class LazyStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         store = for_path(self.path)
+        if not store.is_remote and os.path.isfile(self.path):
+            raise CheckpointError(f"{self.path} is a file, not a DCP checkpoint directory; a lazyckpt file is "
+                                  f"read with lazyckpt.load({self.path!r}) (into=state_dict to fill it in "
+                                  f"place)", path=self.path)
         names = [METADATA] if rank is None else [f"__{rank}{METADATA}", METADATA]
         for name in names:          # a no-collectives save wrote one metadata per rank
             path = store.join(self.path, name)
@@ -161,7 +165,12 @@ class LazyStorageReader(StorageReader):
             except CheckpointNotFoundError:
                 continue
         else:
-            raise CheckpointNotFoundError(f"{self.path}: no committed DCP checkpoint (no {METADATA})",
+            hint = ""
+            if not store.is_remote and os.path.isdir(self.path) \
+                    and any(n.startswith("step_") for n in os.listdir(self.path)):
+                hint = (f"; it is a lazyckpt Checkpointer directory: load it with lazyckpt.load({self.path!r}) "
+                        f"or lazyckpt.Checkpointer(...).load()")
+            raise CheckpointNotFoundError(f"{self.path}: no committed DCP checkpoint (no {METADATA}){hint}",
                                           path=self.path)
         try:
             metadata = MetadataUnpickler(io.BytesIO(raw), path).load()
