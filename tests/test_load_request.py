@@ -86,3 +86,13 @@ def test_bad_arguments_refused_before_the_load_starts(tmp_path):
             ckpt.load_async(keys=1)
         assert ckpt.load_async(keys="a").wait()["a"].tolist() == [1.0, 1.0]
         assert ckpt.load(keys=["a"])["a"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("load", [lazyckpt.load, lazyckpt.load_async])
+def test_a_misspelled_load_parameter_names_the_right_one(tmp_path, load):
+    """It was "unknown options: ['mapp_location']" (read as an option of the I/O)."""
+    lazyckpt.save({"a": torch.ones(2)}, tmp_path / "m.lzc")
+    with pytest.raises(TypeError, match="did you mean map_location="):
+        load(tmp_path / "m.lzc", mapp_location="cpu")
+    with pytest.raises(TypeError, match="did you mean allow_pickle="):
+        load(tmp_path / "m.lzc", allow_pickles=True)

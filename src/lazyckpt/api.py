@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, Optional
 
 from lazyckpt.formats.manifest import check_metadata
 from lazyckpt.loading.loader import load_path
-from lazyckpt.loading.request import KeySpec, LoadRequest, MapLocation
+from lazyckpt.loading.request import KeySpec, LoadRequest, MapLocation, refuse_misspelled
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.saving.commit import FileCommit
 from lazyckpt.saving.engine import FilePart, run_now
@@ -102,6 +102,7 @@ def load(path: str, map_location: MapLocation = None, keys: Optional[Iterable[Ke
     ``map_location`` works as in ``torch.load``. Pickled objects are refused
     unless ``allow_pickle=True``.
     """
+    refuse_misspelled(knobs, "lazyckpt.load")
     request = LoadRequest(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle,
                           strict=strict)
     path = os.fspath(path)
@@ -121,6 +122,7 @@ def load_async(path: str, map_location: MapLocation = None, keys: Optional[Itera
     ``handle.guard(model)`` install it as hooks). A path that does not exist
     is refused here, and so are arguments of a wrong type or value; every
     other error surfaces at the barrier."""
+    refuse_misspelled(knobs, "lazyckpt.load_async")
     request = LoadRequest(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle,
                           strict=strict)
     path = os.fspath(path)

@@ -13,6 +13,7 @@ list exactly this dataclass's fields, in order and with its defaults.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
@@ -124,6 +125,17 @@ class LoadRequest:
     def paths(self) -> Optional[Tuple[Tuple[Any, ...], ...]]:
         """The normalized key paths (None: everything)."""
         return self.keys  # type: ignore[return-value]
+
+
+def refuse_misspelled(knobs: Dict[str, Any], where: str) -> None:
+    """A keyword close to one of the load's own parameters (``mapp_location=``)
+    is a typo of it: said so here, before it reaches the options, whose error
+    would only call it an unknown option."""
+    fields = [f.name for f in dataclasses.fields(LoadRequest)]
+    for name in knobs:
+        close = difflib.get_close_matches(name, fields, n=1, cutoff=0.75)
+        if close:
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}; did you mean {close[0]}=?")
 
 
 #: The request of a load that was given no options.
