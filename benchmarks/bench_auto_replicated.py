@@ -43,7 +43,8 @@ def _state(rank, mib, step):
 def _run(rank, world, directory, mode, mib, saves):
     import lazyckpt
     out = {"bytes": [], "durable": []}
-    with lazyckpt.Checkpointer(directory, keep_last=2, replicated=MODES[mode]) as ckpt:
+    with lazyckpt.Checkpointer(directory, keep=2,
+                               distributed=lazyckpt.Distributed(identical_keys=MODES[mode])) as ckpt:
         for step in range(1, saves + 1):
             state = _state(rank, mib, step)
             t0 = time.perf_counter()

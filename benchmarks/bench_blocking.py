@@ -112,7 +112,7 @@ def measure(tensors: int, saves: int, root: str, profile: bool) -> dict:
     wall = {m: [] for m in modes}
     dirs = {m: tempfile.mkdtemp(prefix=f"bench_blocking_{m}_", dir=root) for m in modes}
     profiler = cProfile.Profile() if profile else None
-    ckpts = {m: lazyckpt.Checkpointer(dirs[m], keep_last=2) for m in modes}
+    ckpts = {m: lazyckpt.Checkpointer(dirs[m], keep=2) for m in modes}
     plans = getattr(ckpts["walk"], "_plans", None)
     if plans is not None:
         plans.enabled = False           # the full walk at every save, as before plans

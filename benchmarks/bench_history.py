@@ -43,9 +43,14 @@ def measure(saves: int) -> dict:
         bucket = srv.make_bucket()
         opts = {"endpoint_url": srv.endpoint, "access_key_id": srv.access_key,
                 "secret_access_key": srv.secret_key, "region": srv.region}
-        for name, kwargs in (("local", {}),
-                             ("persist", {"persist_to": f"s3://{bucket}/run", "storage_options": opts})):
-            with lazyckpt.Checkpointer(os.path.join(d, name), keep_last=3, **kwargs) as ckpt:
+        url = f"s3://{bucket}/run"
+        if hasattr(lazyckpt, "Persist"):
+            persist = {"keep": 3, "persist": lazyckpt.Persist(url, storage_options=opts)}
+        else:                           # --ab against a tree from before the option groups
+            persist = {"keep_last": 3, "persist_to": url, "storage_options": opts}
+        local = {k: v for k, v in persist.items() if k in ("keep", "keep_last")}
+        for name, kwargs in (("local", local), ("persist", persist)):
+            with lazyckpt.Checkpointer(os.path.join(d, name), **kwargs) as ckpt:
                 times = []
                 for step in range(saves):
                     t0 = time.perf_counter()

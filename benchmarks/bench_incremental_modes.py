@@ -93,7 +93,7 @@ def run_state(label: str, args, frozen_fraction: float) -> dict:
     ckpts = {}
     try:
         for mode in MODES:
-            ckpts[mode] = lazyckpt.Checkpointer(os.path.join(root, mode), keep_last=2, incremental=mode,
+            ckpts[mode] = lazyckpt.Checkpointer(os.path.join(root, mode), keep=2, incremental=mode,
                                                 host_cache_bytes=args.cache_mib << 20)
             ckpts[mode].attach(opt)
             ckpts[mode].save(state(0), step=0).wait()         # the first save of a Checkpointer is full

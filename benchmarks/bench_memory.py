@@ -138,7 +138,7 @@ def child(args) -> None:
     times = []
     after_close = None
     if method == "lazyckpt.Checkpointer":
-        ckpt = lazyckpt.Checkpointer(directory, keep_last=1, host_cache_bytes=cache)
+        ckpt = lazyckpt.Checkpointer(directory, keep=1, host_cache_bytes=cache)
         for i in range(args.saves):
             t = time.perf_counter()
             ckpt.save(state, step=i).wait()

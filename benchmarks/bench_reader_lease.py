@@ -60,7 +60,8 @@ def main() -> None:
 
         print(f"SeaweedFS on loopback, median of {args.reps} loads")
         for n in (1_000, 4_000_000):       # 4 KB and 16 MB of tensor data
-            with lazyckpt.Checkpointer(f"s3://{bucket}/run{n}", storage_options=dict(direct.storage_options)) as ck:
+            with lazyckpt.Checkpointer(f"s3://{bucket}/run{n}",
+                                       io=lazyckpt.IO(storage_options=dict(direct.storage_options))) as ck:
                 ck.save({"w": torch.randn(n)}, 1).wait()
                 url = ck.layout.save_url(1, ck.layout.committed()[1])
             ms = {}

@@ -119,12 +119,13 @@ def train(rank, world, base, cfg, replicas, persist_to):
     model, opt = _model(cfg["mib"], rank)
     times = []
     if replicas:
-        kwargs = {"replicas": replicas, "node_size": cfg["node_size"]}
+        kwargs = {"replicas": lazyckpt.Replicas(replicas, node_size=cfg["node_size"])}
     else:
         # The same node-local directories, each node committing its own steps, without replicas.
         from lazyckpt.tiers.replicas import Topology, node_group
-        kwargs = {"process_group": node_group(Topology(rank, world, cfg["node_size"]))}
-    with lazyckpt.Checkpointer(_node_dir(base, rank, cfg["node_size"]), keep_last=2, persist_to=persist_to,
+        group = node_group(Topology(rank, world, cfg["node_size"]))
+        kwargs = {"distributed": lazyckpt.Distributed(process_group=group)}
+    with lazyckpt.Checkpointer(_node_dir(base, rank, cfg["node_size"]), keep=2, persist=persist_to,
                                **kwargs) as ckpt:
         ckpt.attach(opt)
         for i in range(cfg["iters"]):
@@ -144,8 +145,8 @@ def resume(rank, world, base, cfg, persist_to):
     t0 = time.perf_counter()
     model, opt = _model(cfg["mib"], 12345)
     _step(model, opt, 0)          # the optimizer state exists before it is loaded into
-    with lazyckpt.Checkpointer(_node_dir(base, rank, cfg["node_size"]), replicas=1, node_size=cfg["node_size"],
-                               persist_to=persist_to) as ckpt:
+    with lazyckpt.Checkpointer(_node_dir(base, rank, cfg["node_size"]),
+                               replicas=lazyckpt.Replicas(1, node_size=cfg["node_size"]), persist=persist_to) as ckpt:
         ckpt.load(into={"model": model.state_dict(), "optim": opt.state_dict()})
         where = dict(ckpt.loaded_from)
     _step(model, opt, 999)

@@ -39,7 +39,8 @@ def _run(rank, world, directory, mode, mib, saves):
     if mode == "nocheck":       # the A/B's baseline: no per-rank hashing, nothing reported
         StepPlanner._hash_named_replicated = lambda self, part, resources: None
     out = {"capture": [], "durable": []}
-    with lazyckpt.Checkpointer(directory, keep_last=2, replicated=["model", "optim"]) as ckpt:
+    with lazyckpt.Checkpointer(directory, keep=2,
+                               distributed=lazyckpt.Distributed(identical_keys=["model", "optim"])) as ckpt:
         for step in range(1, saves + 1):
             state = _state(rank, mib, step)
             t0 = time.perf_counter()

@@ -59,7 +59,7 @@ def setup(args) -> float:
     model(batches[0], labels=batches[0]).loss.backward()
     opt.step()
     opt.zero_grad()
-    with lazyckpt.Checkpointer(args.dir, keep_last=1) as ckpt:
+    with lazyckpt.Checkpointer(args.dir, keep=1) as ckpt:
         ckpt.save(train_state(model, opt, 1), step=1).wait()
     return model(batches[1], labels=batches[1]).loss.item()
 

@@ -63,7 +63,7 @@ def child(ranks: int, steps: int, full_ranks: int, threads: int, data_mb: int = 
                   "secret_access_key": server.secret_key, "region": server.region,
                   "max_pool_connections": 64}
             state = {"w": torch.randn(4096), "b": torch.randn(64)}
-            with lazyckpt.Checkpointer(url, keep_last=None, storage_options=so) as ckpt:
+            with lazyckpt.Checkpointer(url, keep=None, io=lazyckpt.IO(storage_options=so)) as ckpt:
                 for s in range(1, steps + 1):
                     ckpt.save(state, step=s).wait()
             # Every save prefix as an R-rank job's: R rank objects.
@@ -122,7 +122,7 @@ def child(ranks: int, steps: int, full_ranks: int, threads: int, data_mb: int = 
                 t0 = time.perf_counter()
                 if r < full_ranks:
                     # A restarting rank: open, load the latest step.
-                    c = lazyckpt.Checkpointer(url, storage_options=so)
+                    c = lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=so))
                     try:
                         got = c.load()
                         assert got["w"].shape == (4096,)
@@ -175,7 +175,7 @@ def data_reads(lazyckpt, client, bucket: str, so: dict, data_mb: int, readers: i
     import torch
     from lazyckpt.distributed import RankInfo
     url = f"s3://{bucket}/data"
-    with lazyckpt.Checkpointer(url, storage_options=so) as c:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=so)) as c:
         c.save({"w": torch.randn(data_mb * 2 ** 20 // 4)}, step=1).wait()
     key = next(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="data/step_")["Contents"]
                if o["Key"].endswith("/rank_00000.lzc"))
@@ -183,14 +183,14 @@ def data_reads(lazyckpt, client, bucket: str, so: dict, data_mb: int, readers: i
 
     def lazy(_r: int) -> None:
         place.info = RankInfo()
-        with lazyckpt.Checkpointer(url, storage_options=so) as c:
+        with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=so)) as c:
             assert c.load()["w"].numel() == data_mb * 2 ** 20 // 4
 
     def lazy_opened(_r: int) -> float:
         """The data read alone: every rank's Checkpointer opened first (a barrier),
         then the loads timed from one instant, then the closes (untimed)."""
         place.info = RankInfo()
-        with lazyckpt.Checkpointer(url, storage_options=so) as c:
+        with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=so)) as c:
             opened.wait()
             t = time.perf_counter()
             assert c.load()["w"].numel() == data_mb * 2 ** 20 // 4
@@ -232,7 +232,7 @@ def _process_load(args) -> float:
     time ``load()`` (ranged GETs, checksums verified), close."""
     url, so, barrier = args
     import lazyckpt
-    with lazyckpt.Checkpointer(url, storage_options=so) as c:
+    with lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=so)) as c:
         barrier.wait()
         t = time.perf_counter()
         c.load()

@@ -177,7 +177,7 @@ def main() -> None:
         json.dump(like_state(state), f)
 
     raw.remove(path("ckpt-read"))
-    with lazyckpt.Checkpointer(path("ckpt-read"), keep_last=1) as ckpt:
+    with lazyckpt.Checkpointer(path("ckpt-read"), keep=1) as ckpt:
         ckpt.save(state, step=1).wait()
 
     def save_lazy() -> None:
@@ -193,7 +193,7 @@ def main() -> None:
     # One Checkpointer for the whole run, as in training: its host cache is
     # allocated at its first (untimed) save, not in every repetition.
     raw.remove(path("save.ckpt"))
-    writer = lazyckpt.Checkpointer(path("save.ckpt"), keep_last=1)
+    writer = lazyckpt.Checkpointer(path("save.ckpt"), keep=1)
     writer.save(state, step=0).wait()
     steps = iter(range(1, 1 << 30))
 

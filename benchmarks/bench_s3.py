@@ -18,7 +18,7 @@ it (untimed). Methods:
 * Checkpointer s3    ``Checkpointer("s3://b/run")``: blocking = the save() call,
                      persisted = until ``h.wait()`` returns (the commit is on the
                      store); load = ``ck.load()`` by a fresh Checkpointer.
-* Checkpointer tier  ``Checkpointer(local, persist_to="s3://b/run")``: blocking =
+* Checkpointer tier  ``Checkpointer(local, persist="s3://b/run")``: blocking =
                      the save() call, local = ``stats()["tiers"]["local"]``,
                      persisted = until ``h.wait(persisted=True)`` returns
                      (``stats()["tiers"]["persistent"]`` printed too); load = a
@@ -314,7 +314,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         rec(method, blocking=t1 - t0, persisted=t1 - t0, load=t2 - t1)
                     elif method == "Checkpointer s3":
                         url = f"s3://{bucket}/run"
-                        ck = lazyckpt.Checkpointer(url, storage_options=so, **knobs)
+                        ck = lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=so, **knobs))
                         try:
                             t0 = time.perf_counter()
                             h = ck.save(state, step=seq)
@@ -323,7 +323,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                             t2 = time.perf_counter()
                         finally:
                             ck.close()
-                        ck = lazyckpt.Checkpointer(url, storage_options=so, **knobs)
+                        ck = lazyckpt.Checkpointer(url, io=lazyckpt.IO(storage_options=so, **knobs))
                         try:
                             t3 = time.perf_counter()
                             got = ck.load()
@@ -338,7 +338,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     elif method == "Checkpointer tier":
                         url = f"s3://{bucket}/run"
                         local = os.path.join(local_parent, f"tier-{seq}")
-                        ck = lazyckpt.Checkpointer(local, persist_to=url, storage_options=so, **knobs)
+                        ck = lazyckpt.Checkpointer(local, persist=lazyckpt.Persist(url, storage_options=so),
+                                                   io=lazyckpt.IO(**knobs))
                         try:
                             t0 = time.perf_counter()
                             h = ck.save(state, step=seq)
@@ -352,7 +353,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                             ck.close()
                         shutil.rmtree(local, ignore_errors=True)
                         empty_local = os.path.join(local_parent, f"tier-{seq}-empty")
-                        ck = lazyckpt.Checkpointer(empty_local, persist_to=url, storage_options=so, **knobs)
+                        ck = lazyckpt.Checkpointer(empty_local, persist=lazyckpt.Persist(url, storage_options=so),
+                                                   io=lazyckpt.IO(**knobs))
                         try:
                             t4 = time.perf_counter()
                             got = ck.load()

@@ -39,7 +39,7 @@ def measure(variant: str, iters: int, saves: int) -> dict:
     x = torch.randn(8, 64)
     out = {}
     with tempfile.TemporaryDirectory() as d:
-        with lazyckpt.Checkpointer(os.path.join(d, "run"), keep_last=2) as ckpt:
+        with lazyckpt.Checkpointer(os.path.join(d, "run"), keep=2) as ckpt:
             ckpt.attach(opt)
             # Iterations with no save: the hook's cost on a step of ~tens of microseconds.
             times = []

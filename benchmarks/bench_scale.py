@@ -5,7 +5,7 @@ Parts, each optional (``--parts``; default scale,throughput,merge,store):
 ``scale``       For each world size in ``--worlds``, that many real processes
                 (spawn, gloo process group, tcp init on a free port, one thread
                 each) save ``--saves`` checkpoints of ``--mib`` MiB per rank
-                through ``Checkpointer(dir, keep_last=2)``, ``handle.wait()``
+                through ``Checkpointer(dir, keep=2)``, ``handle.wait()``
                 after each. Phases per save are taken from monotonic
                 timestamps (CLOCK_MONOTONIC, comparable across processes on
                 one machine) recorded by a forwarding proxy around the
@@ -345,7 +345,8 @@ def _rank_main(rank: int, world: int, cfg: Dict[str, Any], t_import: float) -> D
     import lazyckpt
     from lazyckpt.saving.commit import StepCommit
     state, replicated = make_state(cfg["state"], rank, world, cfg["mib"], cfg["tensors"])
-    ckpt = lazyckpt.Checkpointer(cfg["dir"], keep_last=2, replicated=replicated, **cfg["knobs"])
+    ckpt = lazyckpt.Checkpointer(cfg["dir"], keep=2, distributed=lazyckpt.Distributed(identical_keys=replicated),
+                                 **cfg["knobs"])
     probe = None
     if ckpt._dist.distributed:
         probe = StoreProbe(ckpt._dist.store)
@@ -813,7 +814,7 @@ def _limit_child(rank: int, world: int, cfg: Dict[str, Any], t_import: float) ->
     state = {"model": {f"t{i}": DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                    shape=torch.Size([world, 1]), stride=(1, 1))
                        for i in range(cfg["tensors"])}}
-    ckpt = lazyckpt.Checkpointer(cfg["dir"], keep_last=1)
+    ckpt = lazyckpt.Checkpointer(cfg["dir"], keep=1)
     ckpt.save({"model": {"t0": state["model"]["t0"]}}, step=1).wait()     # small: loads fine
     out = {"rank": rank, "step1_load": _try_load(ckpt, 1)}
     t = now()

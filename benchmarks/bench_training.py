@@ -17,7 +17,7 @@ the same config, seed and batches:
     dcp_async_proc    dcp.async_save(async_checkpointer_type=PROCESS) + DefaultStager
                       (async staging, shared memory); needs a 1-rank gloo group; the
                       daemon process is spawned by a warm-up save outside the timing
-    lazyckpt          Checkpointer(keep_last=2).attach(optimizer); ckpt.save(state, step)
+    lazyckpt          Checkpointer(keep=2).attach(optimizer); ckpt.save(state, step)
     torch_checkpointing
                       torch-checkpointing's CheckpointManager, asynchronous saver (its
                       default): save() stages in a background thread (shared memory
@@ -456,9 +456,9 @@ class Lazy(Saver):
 
     def __init__(self, directory, args):
         super().__init__(directory, args)
-        self.ckpt = lazyckpt.Checkpointer(directory, keep_last=KEEP,
+        self.ckpt = lazyckpt.Checkpointer(directory, keep=KEEP, io=lazyckpt.IO(writer_threads=args.writer_threads),
                                           host_cache_bytes=args.cache_mib << 20,
-                                          writer_threads=args.writer_threads, incremental=self.incremental)
+                                          incremental=self.incremental)
         self.handles: List[Any] = []
         self._t = 0.0
 
@@ -493,7 +493,7 @@ class Lazy(Saver):
 
 
 class LazyPersist(Lazy):
-    """Checkpointer(persist_to="s3://..."): committed locally, drained to the
+    """Checkpointer(persist="s3://..."): committed locally, drained to the
     object store in the background (--persist-to)."""
     name = PERSIST_MODE
 
@@ -501,9 +501,10 @@ class LazyPersist(Lazy):
         Saver.__init__(self, directory, args)
         server = args.s3_server
         bucket = server.make_bucket()
-        self.ckpt = lazyckpt.Checkpointer(directory, keep_last=KEEP, host_cache_bytes=args.cache_mib << 20,
-                                          writer_threads=args.writer_threads,
-                                          persist_to=f"s3://{bucket}/run", storage_options=args.s3_options)
+        self.ckpt = lazyckpt.Checkpointer(
+            directory, keep=KEEP, host_cache_bytes=args.cache_mib << 20,
+            persist=lazyckpt.Persist(f"s3://{bucket}/run", storage_options=args.s3_options),
+            io=lazyckpt.IO(writer_threads=args.writer_threads))
         self.handles = []
         self._t = 0.0
 

@@ -127,7 +127,7 @@ def main() -> None:
         commit(plan, 3 + 2 * i, flat)
     blocking = []
     with tempfile.TemporaryDirectory() as d:
-        with lazyckpt.Checkpointer(d, keep_last=1, incremental="version-counters",
+        with lazyckpt.Checkpointer(d, keep=1, incremental="version-counters",
                                    host_cache_bytes=256 << 20) as ckpt:
             for i in range(max(3, args.reps // 3)):
                 step(model, opt)

@@ -132,7 +132,7 @@ def check_buffers_and_optimizer(directory: str) -> bool:
                                 torch.nn.BatchNorm1d(2048)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     refs = {}
-    with lazyckpt.Checkpointer(directory, host_cache_bytes=8 << 20, chunk_bytes=2 << 20) as ckpt:
+    with lazyckpt.Checkpointer(directory, host_cache_bytes=8 << 20, io=lazyckpt.IO(chunk_bytes=2 << 20)) as ckpt:
         ckpt.attach(opt)
         for step in range(6):
             x = torch.randn(128, 2048, device=dev)
@@ -159,7 +159,7 @@ def check_several_devices(directory: str) -> bool:
     with torch.cuda.device(b):
         state["b"].mul_(2.0)                        # queued on cuda:1's stream before save()
     expected = _cpu(state)
-    with lazyckpt.Checkpointer(directory, host_cache_bytes=16 << 20, chunk_bytes=4 << 20) as ckpt:
+    with lazyckpt.Checkpointer(directory, host_cache_bytes=16 << 20, io=lazyckpt.IO(chunk_bytes=4 << 20)) as ckpt:
         ckpt.save(state, step=1)
         ckpt.wait_for_snapshot()
         state["a"].add_(1.0)
@@ -172,14 +172,15 @@ def check_several_devices(directory: str) -> bool:
 
 def check_cancel(directory: str) -> bool:
     dev = torch.device("cuda")
-    ckpt = lazyckpt.Checkpointer(os.path.join(directory, "a"), host_cache_bytes=8 << 20, chunk_bytes=2 << 20)
+    ckpt = lazyckpt.Checkpointer(os.path.join(directory, "a"), host_cache_bytes=8 << 20,
+                                 io=lazyckpt.IO(chunk_bytes=2 << 20))
     ckpt.save({"w": torch.randn(256 << 20, device=dev)}, step=1)
     time.sleep(0.05)
     ckpt.close(cancel=True)
     torch.cuda.synchronize()
     small = {"w": torch.randn(4 << 20, device=dev)}
     with lazyckpt.Checkpointer(os.path.join(directory, "b"), host_cache_bytes=8 << 20,
-                               chunk_bytes=2 << 20) as c2:
+                               io=lazyckpt.IO(chunk_bytes=2 << 20)) as c2:
         c2.save(small, step=1).wait()
         ok = torch.equal(c2.load()["w"], small["w"].cpu())
     print(f"[6] cancel mid-capture, then a clean save: {'OK' if ok else 'FAIL'}")

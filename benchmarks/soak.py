@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     base = args.dir or tempfile.mkdtemp(prefix="lazyckpt-soak-")
     directory = os.path.join(base, "run")
-    knobs = dict(host_cache_bytes=args.host_cache_bytes, max_pending_saves=2)
+    knobs = dict(host_cache_bytes=args.host_cache_bytes, io=lazyckpt.IO(max_pending_saves=2))
     h = args.hidden
     model = torch.nn.Sequential(torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     mem = {"start": proc_status()}
 
     faulthandler.dump_traceback_later(2 * args.bound, exit=True)
-    ckpt = lazyckpt.Checkpointer(directory, keep_last=args.keep_last, **knobs)
+    ckpt = lazyckpt.Checkpointer(directory, keep=args.keep_last, **knobs)
     ckpt.attach(opt)
     handles: List[Any] = []
     t0 = time.monotonic()
@@ -190,13 +190,13 @@ def main(argv=None) -> int:
             bounded("wait_for_snapshot", lambda: ckpt.wait_for_snapshot(args.bound))
         elif roll < 0.30:
             bounded("close", lambda: ckpt.close())
-            ckpt = lazyckpt.Checkpointer(directory, keep_last=args.keep_last, **knobs)
+            ckpt = lazyckpt.Checkpointer(directory, keep=args.keep_last, **knobs)
             ckpt.attach(opt)
             counts["reopen"] += 1
         elif roll < 0.32:
             bounded("close(cancel=True)", lambda: ckpt.close(cancel=True))
             counts["cancelled"] += sum(1 for x in handles if x.cancelled)
-            ckpt = lazyckpt.Checkpointer(directory, keep_last=args.keep_last, **knobs)
+            ckpt = lazyckpt.Checkpointer(directory, keep=args.keep_last, **knobs)
             ckpt.attach(opt)
             counts["reopen"] += 1
         if roll < 0.32 or step % 3 == 0:
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     # Re-verify the survivors from a fresh Checkpointer.
     verified.clear()
     bounded("close", lambda: ckpt.close())
-    with lazyckpt.Checkpointer(directory, keep_last=args.keep_last, **knobs) as again:
+    with lazyckpt.Checkpointer(directory, keep=args.keep_last, **knobs) as again:
         verify_committed(again)
     faulthandler.cancel_dump_traceback_later()
     ckpt = again = None
