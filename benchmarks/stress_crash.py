@@ -303,7 +303,7 @@ def verify_directory(directory: str, log_path: str, size: int, ckpt_kwargs: Dict
         # LEASE_EXPIRY_S of the kill rightly leaves it, and a verify-only
         # Checkpointer never takes (and so never replaces) it.
         time.sleep(LEASE_EXPIRY_S * 1.2)
-    ckpt = lazyckpt.Checkpointer(directory, keep_last=KEEP_LAST, **ckpt_kwargs)
+    ckpt = lazyckpt.Checkpointer(directory, keep=KEEP_LAST, **ckpt_kwargs)
     ckpt.layout.close()     # the leftover scan opening starts runs in the background: wait for it
     after = leftovers(directory)
     report["leftovers_after_open"] = after
@@ -563,8 +563,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     base = args.dir or tempfile.mkdtemp(prefix="lazyckpt-crash-")
     directory = os.path.join(base, "run") if args.dir is None else args.dir
-    kwargs = dict(host_cache_bytes=args.host_cache_bytes, max_pending_saves=2, lease_expiry_s=LEASE_EXPIRY_S,
-                  incremental=args.incremental, full_every=args.full_every)
+    kwargs = dict(host_cache_bytes=args.host_cache_bytes,
+                  io=lazyckpt.IO(max_pending_saves=2, lease_expiry=LEASE_EXPIRY_S),
+                  incremental=(lazyckpt.Incremental(args.incremental, full_every=args.full_every)
+                               if args.incremental != "off" else False))
     global FROZEN_FIRST_LAYER
     FROZEN_FIRST_LAYER = args.incremental != "off"
     print(f"stress_crash: {args.trials} trials, size {args.size} (hidden {SIZES[args.size]}), seed {seed}, "

@@ -83,7 +83,7 @@ def test_the_checker_detects_a_wrong_checkpoint(tmp_path):
     sc = _stress_module()
     directory, log = str(tmp_path / "run"), str(tmp_path / "run.reflog")
     model, opt = sc.build(16)
-    with lazyckpt.Checkpointer(directory, keep_last=2) as ckpt:
+    with lazyckpt.Checkpointer(directory, keep=2) as ckpt:
         for step in (1, 2):
             sc.train_step(model, opt, 16, step)
             state = sc.make_state(model, opt, step)

@@ -28,7 +28,7 @@ def test_model_optimizer_and_buffers_are_captured_bit_exact(tmp_path):
     model = _model(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     refs = {}
-    with lazyckpt.Checkpointer(tmp_path, host_cache_bytes=4 << 20, chunk_bytes=1 << 20) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, host_cache_bytes=4 << 20, io=lazyckpt.IO(chunk_bytes=1 << 20)) as ckpt:
         ckpt.attach(opt)
         for step in range(6):
             x = torch.randn(64, 1024, device=dev)
@@ -49,7 +49,7 @@ def test_a_state_on_several_devices(tmp_path):
     a, b = torch.device("cuda", 0), torch.device("cuda", 1)
     state = {"a": torch.randn(1 << 20, device=a), "b": torch.randn(1 << 20, device=b)}
     expected = clone_state(state, "cpu")
-    with lazyckpt.Checkpointer(tmp_path, host_cache_bytes=1 << 20, chunk_bytes=1 << 18) as ckpt:
+    with lazyckpt.Checkpointer(tmp_path, host_cache_bytes=1 << 20, io=lazyckpt.IO(chunk_bytes=1 << 18)) as ckpt:
         # Work queued on each device's stream before save() must be in the checkpoint.
         with torch.cuda.device(b):
             state["b"].mul_(2.0)
@@ -67,12 +67,12 @@ def test_a_state_on_several_devices(tmp_path):
 def test_cancel_mid_capture_then_reuse_is_clean(tmp_path):
     dev = torch.device("cuda")
     big = {"w": torch.randn(64 << 20, device=dev)}
-    ckpt = lazyckpt.Checkpointer(tmp_path / "a", host_cache_bytes=2 << 20, chunk_bytes=1 << 20)
+    ckpt = lazyckpt.Checkpointer(tmp_path / "a", host_cache_bytes=2 << 20, io=lazyckpt.IO(chunk_bytes=1 << 20))
     ckpt.save(big, step=1)
     ckpt.close(cancel=True)                       # copies in flight are waited for, not abandoned
     torch.cuda.synchronize()
     small = {"w": torch.randn(1 << 20, device=dev)}
-    with lazyckpt.Checkpointer(tmp_path / "b", host_cache_bytes=2 << 20, chunk_bytes=1 << 20) as c2:
+    with lazyckpt.Checkpointer(tmp_path / "b", host_cache_bytes=2 << 20, io=lazyckpt.IO(chunk_bytes=1 << 20)) as c2:
         c2.save(small, step=1).wait()
         assert torch.equal(c2.load()["w"], small["w"].cpu())
 

@@ -19,7 +19,7 @@ def test_a_step_pruned_right_after_the_reader_saw_it_is_not_found(tmp_path, monk
     .deleting-* between locate()'s exists() and its isdir(). A step deleted under a reader
     is CheckpointNotFoundError (the prune rule's contract), never another error."""
     from lazyckpt.storage import localstore
-    with lazyckpt.Checkpointer(str(tmp_path), keep_last=None) as ck:
+    with lazyckpt.Checkpointer(str(tmp_path), keep=None) as ck:
         ck.save({"w": torch.ones(4)}, 1).wait()
         ck.save({"w": torch.ones(4) * 2}, 2).wait()
         path = ck.step_path(1)

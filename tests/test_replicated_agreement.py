@@ -44,7 +44,8 @@ def _equal(got, want):
 
 def _auto_sizes(rank, world, directory):
     out = {}
-    with lazyckpt.Checkpointer(directory, replicated="auto", commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(directory,
+                               distributed=lazyckpt.Distributed(identical_keys="auto", commit_timeout=60)) as ckpt:
         for step in (1, 2, 3, 4):
             ckpt.save(_sizes_state(rank, step), step=step).wait()
         out["steps"] = ckpt.steps()
@@ -72,7 +73,8 @@ def _save_two(rank, world, directory, first, second, replicated):
     """Save step 1 (agreeing), then step 2 from ``first(rank)`` and, when that fails,
     step 3 from ``second(rank)``."""
     out = {}
-    with lazyckpt.Checkpointer(directory, replicated=replicated, commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(directory,
+                               distributed=lazyckpt.Distributed(identical_keys=replicated, commit_timeout=60)) as ckpt:
         ckpt.save(second(rank), step=1).wait()
         try:
             ckpt.save(first(rank), step=2).wait()
@@ -141,7 +143,9 @@ def _ddp_bn(rank, world, directory):
     model = DDP(net, broadcast_buffers=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {}
-    with lazyckpt.Checkpointer(directory, replicated=["model", "optim"], commit_timeout_s=60) as ckpt:
+    with lazyckpt.Checkpointer(directory,
+                               distributed=lazyckpt.Distributed(identical_keys=["model", "optim"],
+                                                                commit_timeout=60)) as ckpt:
         ckpt.save({"model": net.state_dict(), "optim": opt.state_dict()}, step=1).wait()   # not trained yet
         torch.manual_seed(100 + rank)                   # each rank's own data
         for _ in range(2):
