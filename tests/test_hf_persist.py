@@ -1,5 +1,5 @@
 """The Hugging Face Trainer with a persistent tier (issue 35, 8):
-``LazyCheckpointTrainer(..., lazyckpt_persist_to="s3://...")`` uploads every
+``LazyCheckpointTrainer(..., lazyckpt_persist="s3://...")`` uploads every
 committed ``checkpoint-<step>`` (``trainer_state.json`` last: complete there
 only then), applies ``save_total_limit`` rotation to the store, and
 ``train(resume_from_checkpoint=True)`` with ``output_dir`` deleted fetches the
@@ -11,6 +11,8 @@ import os
 import shutil
 
 import pytest
+
+import lazyckpt
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from _frameworks import require  # noqa: E402
@@ -48,10 +50,10 @@ def _train(out, store, seed=0, resume=None, stop_at=None, fmt="hf", persist=True
     record = _Record()
     callbacks = [record] + ([_StopAt(stop_at)] if stop_at else [])
     trainer = _Trainer(model=_model(seed), args=args, train_dataset=_Data(), callbacks=callbacks,
-                       lazyckpt_options={"host_cache_bytes": 1 << 20, "storage_options": options} if persist
-                       else {"host_cache_bytes": 1 << 20},
+                       lazyckpt_options={"host_cache_bytes": 1 << 20},
                        lazyckpt_checkpoint_format=fmt,
-                       lazyckpt_persist_to=f"s3://{bucket}/tier" if persist else None)
+                       lazyckpt_persist=lazyckpt.Persist(f"s3://{bucket}/tier", storage_options=options)
+                       if persist else None)
     trainer.losses = []
     trainer.train(resume_from_checkpoint=resume)
     return trainer, record
@@ -102,7 +104,7 @@ def test_persist_to_must_be_an_object_store(tmp_path):
     with pytest.raises(ValueError, match="expected an object store URL"):
         _Trainer(model=_model(0), args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                                                       report_to=[]),
-                 lazyckpt_persist_to=str(tmp_path / "elsewhere"))
+                 lazyckpt_persist=str(tmp_path / "elsewhere"))
 
 
 def test_every_rank_of_a_node_may_fetch_the_same_checkpoint_at_once(store, tmp_path):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from lazyckpt.integrations._async import WHOLE_FILE_REFUSED
+from lazyckpt import Persist
+from lazyckpt.integrations._async import WHOLE_FILE_REFUSED, tier_options
+from lazyckpt.options import LazyckptDeprecationWarning
 from lazyckpt.integrations.dcp import DCP_REFUSED, LazyStorageWriter
 
 IGNORED_BY_FILE_WRITERS = [("incremental", True), ("incremental", "version-counters"), ("full_every", 4),
                            ("storage_options", {"endpoint_url": "http://127.0.0.1:1"}),
-                           ("persist_bandwidth", 1e6), ("advise_mtbf", "8h"), ("persist_to", "s3://b/run"),
+                           ("persist_bandwidth", 1e6), ("advise_mtbf", "8h"), ("persist_to", "s3://bkt/run"),
                            ("keep_last", 3), ("replicas", 1), ("replicated", ["model"])]
 
 
@@ -80,3 +82,83 @@ def test_the_hf_trainer_refuses_what_it_would_ignore_and_says_why(tmp_path, name
         lzhf.LazyCheckpointTrainer(model=transformers.LlamaForCausalLM(config), args=args,
                                    lazyckpt_options={name: value})
     assert str(caught.value).startswith(f"lazyckpt_options: {name}=") and WHOLE_FILE_REFUSED[name] in str(caught.value)
+
+
+# ---------------------------------------------------------------------- the persistent tier's spellings
+
+def _hf_trainer(tmp_path, **kw):
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (extra 'hf')")
+    from lazyckpt.integrations import huggingface as lzhf
+    config = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=32, vocab_size=64, max_position_embeddings=16)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    return lzhf.LazyCheckpointTrainer(model=transformers.LlamaForCausalLM(config), args=args, **kw)
+
+
+STORE = {"endpoint_url": "http://127.0.0.1:1"}
+
+
+def test_lightning_takes_the_persistent_tier_as_persist():
+    for plugin in _lightning_plugins():
+        io = plugin(persist="s3://bkt/run")
+        assert io.persist == Persist("s3://bkt/run") and io.persist_to == "s3://bkt/run"
+        tier = Persist("s3://bkt/run", bandwidth="2MB", storage_options=STORE)
+        io = plugin(persist=tier, storage_options={"endpoint_url": "http://127.0.0.1:2"})
+        assert io.persist is tier
+        # The uploads take the tier's cap and store settings; the s3:// checkpoint paths the plugin's.
+        options = tier_options(io.options, io.persist)
+        assert options.persist_bandwidth == 2e6 and dict(options.storage_options) == STORE
+        assert dict(io.options.storage_options) == {"endpoint_url": "http://127.0.0.1:2"}
+
+
+def test_lightning_old_persist_spellings_work_and_warn_naming_the_new_one():
+    for plugin in _lightning_plugins():
+        with pytest.warns(DeprecationWarning) as caught:
+            io = plugin(persist_to="s3://bkt/run", persist_bandwidth=1e6)
+        messages = [str(w.message) for w in caught]
+        assert any(m.startswith("persist_to='s3://bkt/run' is deprecated: use persist='s3://bkt/run'") for m in messages)
+        assert any("persist_bandwidth=1000000.0 is deprecated here: use lazyckpt.Persist(url, bandwidth="
+                   in m for m in messages)
+        assert all(issubclass(w.category, LazyckptDeprecationWarning) for w in caught)
+        assert io.persist == Persist("s3://bkt/run", bandwidth=10 ** 6) and io.persist_to == "s3://bkt/run"
+        assert tier_options(io.options, io.persist).persist_bandwidth == 1e6
+
+
+def test_the_persistent_tier_refuses_what_cannot_apply():
+    for plugin in _lightning_plugins():
+        with pytest.raises(TypeError, match="persist_to= and persist= were both given"):
+            plugin(persist="s3://bkt/run", persist_to="s3://bkt/other")
+        with pytest.raises(ValueError, match=r"Persist\(keep=...\) is not supported: the persistent tier mirrors"):
+            plugin(persist=Persist("s3://bkt/run", keep=2))
+        with pytest.raises(ValueError, match="expected an object store URL"):
+            plugin(persist="/tmp/elsewhere")
+        with pytest.raises(TypeError, match=r"persist must be an object store URL or lazyckpt.Persist"):
+            plugin(persist=3)
+        with pytest.raises(TypeError, match=r"persist_bandwidth= and lazyckpt.Persist\(bandwidth=...\) were both"):
+            plugin(persist=Persist("s3://bkt/run", bandwidth=5), persist_bandwidth=6)
+
+
+def test_the_hf_trainer_takes_the_persistent_tier_as_lazyckpt_persist(tmp_path):
+    tier = Persist("s3://bkt/run", bandwidth=10 ** 6, storage_options=STORE)
+    trainer = _hf_trainer(tmp_path, lazyckpt_persist=tier)
+    assert trainer.lazyckpt_persist is tier and trainer.lazyckpt_persist_to == "s3://bkt/run"
+    options = tier_options(trainer.lazyckpt_writer.options, tier)
+    assert options.persist_bandwidth == 1e6 and dict(options.storage_options) == STORE
+    trainer.lazyckpt_close()
+    assert _hf_trainer(tmp_path, lazyckpt_persist="s3://bkt/run").lazyckpt_persist == Persist("s3://bkt/run")
+
+
+def test_the_hf_trainer_old_persist_spellings_work_and_warn_naming_the_new_one(tmp_path):
+    with pytest.warns(LazyckptDeprecationWarning) as caught:
+        trainer = _hf_trainer(tmp_path, lazyckpt_persist_to="s3://bkt/run",
+                              lazyckpt_options={"storage_options": STORE, "persist_bandwidth": 1e6})
+    messages = [str(w.message) for w in caught]
+    assert any(m.startswith("lazyckpt_persist_to='s3://bkt/run' is deprecated: use lazyckpt_persist='s3://bkt/run'")
+               for m in messages)
+    assert any(m.startswith("storage_options={...} is deprecated here: use lazyckpt.Persist(url, storage_options=")
+               for m in messages)
+    assert any(m.startswith("persist_bandwidth=1000000.0 is deprecated here") for m in messages)
+    assert trainer.lazyckpt_persist == Persist("s3://bkt/run", bandwidth=10 ** 6, storage_options=STORE)
+    trainer.lazyckpt_close()
+    with pytest.raises(TypeError, match="lazyckpt_persist_to= and lazyckpt_persist= were both given"):
+        _hf_trainer(tmp_path, lazyckpt_persist="s3://bkt/run", lazyckpt_persist_to="s3://bkt/run")

@@ -168,7 +168,7 @@ def test_a_kill_on_s3_leaves_last_naming_a_committed_checkpoint(kill_batch, s3en
 
 
 def _persisting(tmp_path, s3_bucket, **kw):
-    return lzl.LazyCheckpointIO(persist_to=f"s3://{s3_bucket}/tier", local_root=str(tmp_path), **kw)
+    return lzl.LazyCheckpointIO(persist=f"s3://{s3_bucket}/tier", local_root=str(tmp_path), **kw)
 
 
 @pytest.mark.parametrize("save_last", [True, "link"])
@@ -215,8 +215,8 @@ def test_persist_to_mirrors_rotation_and_resumes_bit_exact_with_the_local_direct
 
 def test_persist_to_refusals_say_why(s3env, s3_bucket, tmp_path):
     with pytest.raises(ValueError, match="expected an object store URL"):
-        lzl.LazyCheckpointIO(persist_to=str(tmp_path / "elsewhere"))
-    with pytest.raises(ValueError, match="local_root= names what persist_to= mirrors"):
+        lzl.LazyCheckpointIO(persist=str(tmp_path / "elsewhere"))
+    with pytest.raises(ValueError, match="local_root= names what persist= mirrors"):
         lzl.LazyCheckpointIO(local_root=str(tmp_path))
     plugin = _persisting(tmp_path / "root", s3_bucket)
     with pytest.raises(ValueError, match="outside local_root"):

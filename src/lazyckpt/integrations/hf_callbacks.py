@@ -224,7 +224,7 @@ def rotate(trainer: Any, run_dir: str, limit: Optional[int], best: Optional[str]
            hidden: AbstractSet[str] = frozenset()) -> None:
     """The plain Trainer's ``save_total_limit`` rotation of ``run_dir``, without the
     checkpoints in ``hidden`` (absolute paths): neither counted nor deleted. What it
-    removed is removed from the persistent tier too (``lazyckpt_persist_to``)."""
+    removed is removed from the persistent tier too (``lazyckpt_persist``)."""
     if not trainer.args.should_save:
         return
     before = _checkpoint_dirs(run_dir)

@@ -106,7 +106,7 @@ from lazyckpt.storage.fileio import fsync_dir, make_dirs_durable, write_file_ato
 from lazyckpt.storage.sidefiles import clean_sibling_temps, sibling_temp
 from lazyckpt.storage.stores import for_path
 from lazyckpt.tiers.files import FileMirror
-from ._async import AsyncFileWriter, file_writer_options
+from ._async import AsyncFileWriter, file_writer_options, persist_tier, tier_options
 from .hf_layout import queue_hf_checkpoint, read_hf_checkpoint, rng_state
 from . import hf_callbacks
 from .hf_layout import check_format
@@ -160,24 +160,31 @@ class LazyCheckpointMixin:
       ``"lazyckpt"`` (one ``lazyckpt.lzc`` per checkpoint).
     * ``lazyckpt_max_shard_size``: ``max_shard_size`` of ``model.safetensors``
       in the ``"hf"`` format (default ``"50GB"``, ``save_pretrained``'s).
+    * ``lazyckpt_persist``: the persistent tier, an object store URL
+      (``s3://bucket/prefix``) or ``lazyckpt.Persist(url, bandwidth=...,
+      storage_options=...)``: ``args.output_dir`` is mirrored under it
+      (``lazyckpt_persist_to=``, and ``persist_bandwidth``/``storage_options``
+      in ``lazyckpt_options``, are its deprecated spellings).
     """
 
     def __init__(self, *args: Any, lazyckpt_options: Optional[Dict[str, Any]] = None,
                  lazyckpt_allow_pickle: bool = False, lazyckpt_guard_buffers: bool = True,
                  lazyckpt_checkpoint_format: str = "hf", lazyckpt_max_shard_size: Any = "50GB",
-                 lazyckpt_persist_to: Optional[str] = None, **kwargs: Any) -> None:
+                 lazyckpt_persist: Any = None, lazyckpt_persist_to: Optional[str] = None, **kwargs: Any) -> None:
         check_format(lazyckpt_checkpoint_format)
         self.lazyckpt_checkpoint_format = lazyckpt_checkpoint_format
         self.lazyckpt_max_shard_size = lazyckpt_max_shard_size
         self.lazyckpt_options = dict(lazyckpt_options or {})
+        #: The persistent tier (a lazyckpt.Persist), or None.
+        self.lazyckpt_persist = persist_tier(type(self).__name__, lazyckpt_persist, self.lazyckpt_options,
+                                             new="lazyckpt_persist", old="lazyckpt_persist_to",
+                                             old_url=lazyckpt_persist_to,
+                                             moved=("persist_bandwidth", "storage_options"))
         # Unknown or invalid knobs, and those a file writer would ignore (issue 35, 6), fail here.
         self._lazyckpt_resolved = file_writer_options("lazyckpt_options", self.lazyckpt_options,
-                                                      persist=lazyckpt_persist_to is not None)
-        if lazyckpt_persist_to is not None and not for_path(lazyckpt_persist_to).is_remote:
-            raise ValueError(f"lazyckpt_persist_to={lazyckpt_persist_to!r}: expected an object store URL "
-                             f"(s3://bucket/prefix): the persistent tier is where the checkpoints survive the "
-                             f"loss of this node")
-        self.lazyckpt_persist_to = lazyckpt_persist_to
+                                                      persist=self.lazyckpt_persist is not None)
+        #: The persistent tier's URL, or None.
+        self.lazyckpt_persist_to = self.lazyckpt_persist.url if self.lazyckpt_persist is not None else None
         self._lazyckpt_mirror: Optional[FileMirror] = None
         self.lazyckpt_allow_pickle = lazyckpt_allow_pickle
         self.lazyckpt_guard_buffers = lazyckpt_guard_buffers
@@ -206,11 +213,12 @@ class LazyCheckpointMixin:
 
     @property
     def lazyckpt_mirror(self) -> Optional[FileMirror]:
-        """The persistent tier (``lazyckpt_persist_to``): ``args.output_dir`` mirrored
+        """The persistent tier (``lazyckpt_persist``): ``args.output_dir`` mirrored
         under it; None without one."""
-        if getattr(self, "_lazyckpt_mirror", None) is None and getattr(self, "lazyckpt_persist_to", None):
-            self._lazyckpt_mirror = FileMirror(for_path(self.lazyckpt_persist_to), self.lazyckpt_persist_to,
-                                               self.args.output_dir, self.lazyckpt_writer.options)
+        persist = getattr(self, "lazyckpt_persist", None)
+        if getattr(self, "_lazyckpt_mirror", None) is None and persist is not None:
+            self._lazyckpt_mirror = FileMirror(for_path(persist.url), persist.url, self.args.output_dir,
+                                               tier_options(self.lazyckpt_writer.options, persist))
         return getattr(self, "_lazyckpt_mirror", None)
 
     def lazyckpt_wait(self) -> None:

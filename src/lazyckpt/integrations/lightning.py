@@ -111,7 +111,7 @@ from . import _lightning_order
 from lazyckpt.storage.fileio import replace_with_link as _replace_with_link
 from lazyckpt.storage.stores import for_path
 from lazyckpt.tiers.files import FileMirror, check_mirror_target
-from ._async import AsyncFileWriter, file_writer_options, is_lazyckpt_file
+from ._async import AsyncFileWriter, file_writer_options, is_lazyckpt_file, persist_tier, tier_options
 from ._async import file_location as _store_location
 
 
@@ -133,22 +133,27 @@ class _LazyCheckpointIOImpl:
             allow unless ``weights_only=True``. ``False``: always refuse.
         guard_buffers: also wait for a pending capture before the forward of a
             training-mode module that owns persistent buffers (BatchNorm).
-        persist_to: an object store URL (``s3://bucket/prefix``): every file
-            committed under ``local_root`` is uploaded there in the background,
-            removals are applied there too, and ``fit(ckpt_path="last")`` with
-            the local directory gone fetches ``last.ckpt`` back from it
-            (:mod:`lazyckpt.tiers.files`). ``persist_bandwidth`` caps it.
-        local_root: the local directory mirrored under ``persist_to`` (default:
+        persist: the persistent tier, an object store URL (``s3://bucket/prefix``)
+            or ``lazyckpt.Persist(url, bandwidth=..., storage_options=...)``:
+            every file committed under ``local_root`` is uploaded there in the
+            background, removals are applied there too, and
+            ``fit(ckpt_path="last")`` with the local directory gone fetches
+            ``last.ckpt`` back from it (:mod:`lazyckpt.tiers.files`). The
+            Persist's bandwidth caps the uploads; its storage_options default to
+            the plugin's. (``persist_to=`` and ``persist_bandwidth=`` are its
+            deprecated spellings.)
+        local_root: the local directory mirrored under ``persist`` (default:
             the working directory when the plugin is made); every checkpoint
             directory must be under it.
         **knobs: lazyckpt options (``host_cache_bytes``, ``writer_threads``,
-            ``o_direct``, ``chunk_bytes``, ``max_pending_saves`` ...).
+            ``o_direct``, ``chunk_bytes``, ``max_pending_saves``, and
+            ``storage_options`` for ``s3://`` checkpoint paths ...).
     """
 
     _torch_io_path = ""     # module of the tree's TorchCheckpointIO, set per tree
 
     def __init__(self, file_format: Optional[str] = None, allow_pickle: Optional[bool] = None,
-                 guard_buffers: bool = True, persist_to: Optional[str] = None, local_root: Optional[str] = None,
+                 guard_buffers: bool = True, persist: Any = None, local_root: Optional[str] = None,
                  **knobs: Any) -> None:
         super().__init__()
         if file_format not in (None, "torch", "lazyckpt"):
@@ -158,15 +163,16 @@ class _LazyCheckpointIOImpl:
         self.allow_pickle = allow_pickle
         self.guard_buffers = guard_buffers
         self.knobs = dict(knobs)
+        #: The persistent tier (a lazyckpt.Persist), or None.
+        self.persist = persist_tier(type(self).__name__, persist, self.knobs, new="persist", old="persist_to",
+                                    old_url=self.knobs.pop("persist_to", None))
         # Unknown knobs, and those a file writer would ignore, are refused now, not at the first save.
         self.options = file_writer_options(type(self).__name__, self.knobs, object_stores=True,
-                                           persist=persist_to is not None)
-        if persist_to is not None and not for_path(persist_to).is_remote:
-            raise ValueError(f"persist_to={persist_to!r}: expected an object store URL (s3://bucket/prefix): the "
-                             f"persistent tier is where the checkpoints survive the loss of this node")
-        if local_root is not None and persist_to is None:
-            raise ValueError("local_root= names what persist_to= mirrors; without persist_to it does nothing")
-        self.persist_to = persist_to
+                                           persist=self.persist is not None)
+        if local_root is not None and self.persist is None:
+            raise ValueError("local_root= names what persist= mirrors; without persist it does nothing")
+        #: The persistent tier's URL, or None.
+        self.persist_to = self.persist.url if self.persist is not None else None
         self.local_root = os.path.abspath(local_root or os.getcwd())
         self._mirror: Optional[FileMirror] = None
         self._writer: Optional[AsyncFileWriter] = None
@@ -212,9 +218,10 @@ class _LazyCheckpointIOImpl:
 
     @property
     def mirror(self) -> Optional[FileMirror]:
-        """The persistent tier (``persist_to``), made at first use; None without one."""
-        if self._mirror is None and self.persist_to is not None:
-            self._mirror = FileMirror(for_path(self.persist_to), self.persist_to, self.local_root, self.options)
+        """The persistent tier (``persist``), made at first use; None without one."""
+        if self._mirror is None and self.persist is not None:
+            self._mirror = FileMirror(for_path(self.persist.url), self.persist.url, self.local_root,
+                                      tier_options(self.options, self.persist))
         return self._mirror
 
     @property
