@@ -20,7 +20,8 @@ import torch
 
 from lazyckpt.formats.manifest import check_metadata
 from lazyckpt.loading.joblatest import JobLatest
-from lazyckpt.loading.loader import KeySpec, MapLocation, load_step
+from lazyckpt.loading.loader import load_step
+from lazyckpt.loading.request import KeySpec, LoadRequest, MapLocation
 from lazyckpt.loading.restore import RestoreHandle
 from lazyckpt.loading.verify import verify
 from lazyckpt.saving.capture import record_events
@@ -175,7 +176,6 @@ class Checkpointer:
         #: replicas= the world, not this node's commit group, agrees.
         self._schedule = SaveSchedule(groups.interval, groups.preemption,
                                       dist=self._replicas.world if self._replicas is not None else self._dist)
-
 
     # ------------------------------------------------------------------ saving
 
@@ -473,18 +473,22 @@ class Checkpointer:
         one (a replaced node, a corrupt or partial local copy); an older step
         is tried only when neither tier can give the newer one. ``loaded_from``
         says which step and tier were read."""
+        request = LoadRequest(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle,
+                              strict=strict)
+        return self._load_request(step, request)
+
+    def _load_request(self, step: Optional[int], request: LoadRequest) -> Any:
         self._check_open()
-        kwargs = dict(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle, strict=strict)
         try:
-            return self._load(step, kwargs)
+            return self._load(step, request)
         except CheckpointNotFoundError:
             if not self._latest_at_open.used:
                 raise
             # The step found at open went without a commit since (pruned by another process).
             self._latest_at_open.forget()
-            return self._load(step, kwargs)
+            return self._load(step, request)
 
-    def _load(self, step: Optional[int], kwargs: Dict[str, Any]) -> Any:
+    def _load(self, step: Optional[int], request: LoadRequest) -> Any:
         where = None
         if self._replicas is not None:
             # Collective: a node that lost its directory gets its files back from partners.
@@ -496,14 +500,14 @@ class Checkpointer:
         for step_, tier, path in self._candidates(step):
             try:
                 try:
-                    state = self._load_from(tier, path, kwargs)
+                    state = self._load_from(tier, path, request)
                 except CheckpointNotFoundError:
                     if tier != "local" or path == self.layout.step_path(step_):
                         raise
                     # Read from where its commit left it before the rename (another process's
                     # commit in progress): renamed in meanwhile, it is read under its name.
                     path = self.layout.step_path(step_)
-                    state = self._load_from(tier, path, kwargs)
+                    state = self._load_from(tier, path, request)
             except (CorruptCheckpointError, CheckpointNotFoundError, CheckpointReadError) as exc:
                 if self.persistent is None:
                     raise
@@ -554,7 +558,7 @@ class Checkpointer:
                 "holds": r.holds(), "held_bytes": r.held_bytes,
                 "failed_rounds": r.failed_rounds}
 
-    def _load_from(self, tier: str, path: str, kwargs: Dict[str, Any]) -> Any:
+    def _load_from(self, tier: str, path: str, request: LoadRequest) -> Any:
         pool = self._engine.resources.readers
         # Any tier, any store: the manifest is read under the step's hold. The persistent tier's
         # steps are read with its own store settings (Persist(url, storage_options=...)).
@@ -562,7 +566,7 @@ class Checkpointer:
             store, options = self.persistent.store, self.persistent.options
         else:
             store, options = self.store, self.options
-        return load_step(path, None, options, pool, self._dist.rank, store=store, **kwargs)
+        return load_step(path, None, options, pool, self._dist.rank, store=store, request=request)
 
     def _candidates(self, step: Optional[int]) -> Iterable[Any]:
         """(step, tier, path) to try, best first: newest step first, local before persistent."""
@@ -581,8 +585,10 @@ class Checkpointer:
         """``load()`` on a background thread (the step is chosen now): returns a
         :class:`RestoreHandle`; ``handle.wait()`` is the barrier before first use
         (``handle.attach(optimizer)``, ``handle.guard(model)`` make it a hook)."""
+        request = LoadRequest(map_location=map_location, keys=keys, into=into, allow_pickle=allow_pickle,
+                              strict=strict)
         step = self._step_to_load(step)
-        return RestoreHandle(lambda: self.load(step, map_location, keys, into, allow_pickle, strict),
+        return RestoreHandle(lambda: self._load_request(step, request),
                              f"{self.directory} step {step}")
 
     def _step_to_load(self, step: Optional[int]) -> int:
