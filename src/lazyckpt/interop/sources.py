@@ -30,6 +30,7 @@ from lazyckpt.loading.reader import CheckpointFile
 from lazyckpt.loading.resolve import resolve as resolve_target
 from lazyckpt.storage.stores import for_path
 from lazyckpt.state.walk import walk
+from .zipcheck import check_torch_zip
 
 # safetensors dtype codes (https://github.com/huggingface/safetensors, format spec).
 ST_CODES: Dict[str, str] = {
@@ -345,6 +346,12 @@ class TorchSource(Source):
     def state(self) -> Any:
         if self._state is None:
             kwargs = dict(map_location="cpu", weights_only=not self.allow_pickle)
+            with open(self.path, "rb") as f:
+                zipped = f.read(4) == b"PK\x03\x04"
+            if zipped:
+                # torch.load does not check the records' CRC-32s: a damaged record
+                # would load as other values.
+                check_torch_zip(self.path, self.path)
             try:
                 try:
                     self._state = torch.load(self.path, mmap=True, **kwargs)
@@ -361,10 +368,13 @@ class TorchSource(Source):
                         f"--allow-pickle if you trust this file (unpickling runs code from it)",
                         path=self.path) from None
                 raise CorruptCheckpointError(f"{self.path}: cannot unpickle: {first}", path=self.path) from None
-            except (RuntimeError, EOFError, ValueError, KeyError) as exc:
+            except (RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+                    OSError, OverflowError, RecursionError, struct.error, UnicodeDecodeError) as exc:
+                # The unpickler interprets the file's opcodes: a damaged stream fails in
+                # whatever way the opcode it reaches does.
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise CorruptCheckpointError(f"{self.path}: not a loadable torch.save file: {first}",
-                                             path=self.path) from None
+                raise CorruptCheckpointError(f"{self.path}: not a loadable torch.save file: "
+                                             f"{type(exc).__name__}: {first[:300]}", path=self.path) from None
         return self._state
 
 
