@@ -104,3 +104,104 @@ def test_convert_of_a_torch_zip_unpickler_errors_are_the_librarys(tmp_path):
             convert(src, str(tmp_path / f"o{len(outcomes)}.safetensors"))
         assert src in str(info.value)
         outcomes.append(type(info.value).__name__)
+
+
+# --------------------------------------------------------------------------- step directories
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    directory = tmp_path / "run"
+    with lazyckpt.Checkpointer(str(directory)) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"w": torch.full((4,), float(step))}, step=step).wait(60)
+    return directory
+
+
+@pytest.mark.parametrize("name", ["history.json", "latest"])
+@pytest.mark.parametrize("target", ["/dev/zero", "dir"])
+def test_step_directory_files_symlinked_to_a_device_or_directory(run_dir, tmp_path, name, target):
+    path = run_dir / name
+    if not path.exists() and not path.is_symlink():
+        pytest.skip(f"this layout writes no {name}")
+    if target == "dir":
+        target = str(tmp_path / "a_dir")
+        os.mkdir(target)
+    os.remove(path)
+    os.symlink(target, path)
+    for call in (lambda: lazyckpt.load(str(run_dir)),
+                 lambda: lazyckpt.Checkpointer(str(run_dir)).load(),
+                 lambda: lazyckpt.Checkpointer(str(run_dir)).steps()):
+        try:
+            out = call()
+        except CheckpointError as exc:
+            assert str(run_dir) in str(exc) or name in str(exc), str(exc)
+            continue
+        if isinstance(out, dict):
+            assert torch.equal(out["w"], torch.full((4,), 2.0))
+
+
+# --------------------------------------------------------------------------- footers and headers
+
+
+def _reseal(path, change):
+    from lzc_fuzz import footer_of, with_footer
+    with open(path, "rb") as f:
+        data = f.read()
+    doc = json.loads(footer_of(data))
+    change(doc)
+    with open(path, "wb") as f:
+        f.write(with_footer(data, json.dumps(doc).encode()))
+
+
+def _first_tensor_node(doc):
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("dtype"), str) and "shape" in node:
+                return node
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    raise AssertionError("no tensor node")
+
+
+def test_verify_of_a_resealed_footer_with_a_list_dtype(tmp_path):
+    path = str(tmp_path / "x.lzc")
+    lazyckpt.save({"w": torch.ones(8)}, path)
+    _reseal(path, lambda doc: _first_tensor_node(doc).__setitem__("dtype", ["float32"]))
+    with pytest.raises(CorruptCheckpointError):
+        lazyckpt.load(path)
+    from lazyckpt.loading.verify import verify
+    from lazyckpt.storage.stores import for_path
+    try:
+        report = verify(path, store=for_path(path))
+    except CheckpointError as exc:
+        assert path in str(exc)
+    else:
+        assert not report.ok
+
+
+def _safetensors(path, header, data=b""):
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("header", [
+    {"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}},
+    {"w": {"dtype": {"F32": 1}, "shape": [1], "data_offsets": [0, 4]}},
+    {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": [1, 2]},
+    {"w": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}},
+    {"w": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 4]}},
+    b"[" * 100000 + b"]" * 100000,
+    b'{"w": ' + b'{"a": ' * 50000 + b"1" + b"}" * 50000 + b"}",
+], ids=["list-dtype", "dict-dtype", "list-metadata", "bool-shape", "huge-shape", "deep-list", "deep-dict"])
+def test_hostile_safetensors_header(tmp_path, header):
+    src = str(tmp_path / "x.safetensors")
+    _safetensors(src, header, b"\0" * 4)
+    for dst in ("out.lzc", "out.safetensors"):
+        with pytest.raises(CheckpointError) as info:
+            convert(src, str(tmp_path / dst), src_format="safetensors")
+        assert src in str(info.value)

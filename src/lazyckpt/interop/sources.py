@@ -303,6 +303,22 @@ class SafetensorsSource(Source):
                 yield n, sf.get_tensor(n)
 
 
+#: A valid header nests three levels: the object, a tensor's entry, its shape or offsets.
+MAX_ST_DEPTH = 8
+
+
+def _json_depth(raw: bytes) -> int:
+    """How deep the brackets of a JSON text nest, outside its strings."""
+    depth = deepest = 0
+    for ch in re.findall(rb"[\[\]{}]", re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', raw)):
+        if ch in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
 def read_safetensors_header(path: str) -> Tuple[Dict[str, Any], int]:
     """Parse and validate a safetensors header: (header, absolute offset of the data)."""
     size = os.path.getsize(path)
@@ -313,17 +329,28 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, Any], int]:
         n = struct.unpack("<Q", raw)[0]
         if n > MAX_ST_HEADER or 8 + n > size:
             raise CorruptCheckpointError(f"{path}: not a safetensors file (header length {n})", path=path)
-        try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON", path=path) from None
+        raw = f.read(n)
+    depth = _json_depth(raw)
+    if depth > MAX_ST_DEPTH:
+        # json.loads recurses per level: a deep header would end in a RecursionError.
+        raise CorruptCheckpointError(f"{path}: safetensors header nests {depth} levels deep (a valid one "
+                                     f"nests {MAX_ST_DEPTH} at most)", path=path)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON", path=path) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not an object", path=path)
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise CorruptCheckpointError(f"{path}: safetensors __metadata__ is not an object of strings", path=path)
     data = size - 8 - n
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        ok = isinstance(info, dict) and info.get("dtype") in ST_DTYPES and isinstance(info.get("shape"), list) \
+        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] in ST_DTYPES \
+            and isinstance(info.get("shape"), list) \
             and all(type(s) is int and s >= 0 for s in info["shape"]) \
             and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2 \
             and all(type(o) is int for o in info["data_offsets"])

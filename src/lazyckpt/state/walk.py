@@ -141,9 +141,12 @@ def value_text(node: Any, limit: int = 60) -> str:
 
 
 def itemsize(dtype_name: str) -> Optional[int]:
-    """Element size of a torch dtype name (as written in tensor nodes)."""
+    """Element size of a torch dtype name (as written in tensor nodes); None
+    for anything else, a damaged footer's list or dict included."""
+    if not isinstance(dtype_name, str):
+        return None
     if dtype_name not in DTYPE_SIZES:
-        value = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+        value = getattr(torch, dtype_name, None)
         if not isinstance(value, torch.dtype):
             return None
         DTYPE_SIZES[dtype_name] = torch.empty((), dtype=value).element_size()

@@ -12,6 +12,7 @@ import stat
 import threading
 from typing import Callable, Optional
 
+from lazyckpt.errors import CorruptCheckpointError
 from lazyckpt.keptpools import KeptPool
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -352,8 +353,18 @@ def replace_with_link(target: str, linkpath: str, hard: bool = False) -> None:
     fsync_dir(directory)
 
 
-class NotARegularFile(OSError):
-    """A path that should be a checkpoint file is a FIFO, a device, a directory..."""
+class NotARegularFile(CorruptCheckpointError, OSError):
+    """A path that should be a checkpoint file is a FIFO, a device, a directory...
+    (a symlink to ``/dev/zero`` as ``history.json``): the directory is damaged, an
+    error of the library's family; still an OSError, with ``errno`` and ``filename``."""
+
+    def __init__(self, errno_: int, strerror: str, path: str):
+        super().__init__(f"{path}: {strerror}; a checkpoint's files are regular files (remove or replace "
+                         f"this one)", path=path)
+        self.errno, self.strerror, self.filename = errno_, strerror, path
+
+    def __str__(self) -> str:   # OSError would format its own way
+        return Exception.__str__(self)
 
 
 def open_regular(path: str, follow: bool = True) -> int:
