@@ -106,6 +106,81 @@ def test_convert_of_a_torch_zip_unpickler_errors_are_the_librarys(tmp_path):
         outcomes.append(type(info.value).__name__)
 
 
+# --------------------------------------------------------------------------- DCP
+
+
+def _dcp_checkpoint(path):
+    import torch.distributed.checkpoint as dcp
+    state = {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(3)}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def _rewrite_metadata(path, change):
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)
+    change(metadata)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _dcp_load(path):
+    import torch.distributed.checkpoint as dcp
+    from lazyckpt.interop.dcp_source import LazyStorageReader
+    target = {"w": torch.zeros(64), "b": torch.zeros(3)}
+    dcp.load(target, storage_reader=LazyStorageReader(str(path)), no_dist=True)
+    return target
+
+
+def _set_span(offset=None, length=None, relative_path=None):
+    import dataclasses
+
+    def change(metadata):
+        for index, info in list(metadata.storage_data.items()):
+            fields = {}
+            if offset is not None:
+                fields["offset"] = offset
+            if length is not None:
+                fields["length"] = length
+            if relative_path is not None:
+                fields["relative_path"] = relative_path
+            metadata.storage_data[index] = dataclasses.replace(info, **fields)
+    return change
+
+
+def _dcp_error(path):
+    """The exception DCP's load re-raises, unwrapped from its CheckpointException."""
+    from lazyckpt.interop.sources import _exception_chain
+    try:
+        _dcp_load(path)
+    except BaseException as exc:        # DCP wraps a rank's error in a CheckpointException
+        for inner in _exception_chain(exc):
+            if isinstance(inner, CheckpointError):
+                return inner
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("span", [dict(length=10**12), dict(offset=10**12), dict(offset=-5), dict(length=-1),
+                                  dict(offset=2**63, length=2**63), dict(relative_path="missing.distcp"),
+                                  dict(length=1.5), dict(offset="0")],
+                         ids=["huge-length", "huge-offset", "negative-offset", "negative-length",
+                              "overflow", "missing-file", "float-length", "str-offset"])
+def test_dcp_spans_beyond_the_file_are_refused_before_reading(tmp_path, span):
+    _dcp_checkpoint(tmp_path)
+    _rewrite_metadata(str(tmp_path), _set_span(**span))
+    error = _dcp_error(tmp_path)
+    assert isinstance(error, CheckpointError), repr(error)
+    assert str(tmp_path) in str(error)
+
+
+def test_dcp_convert_of_huge_span_is_the_librarys(tmp_path):
+    _dcp_checkpoint(tmp_path / "d")
+    _rewrite_metadata(str(tmp_path / "d"), _set_span(length=10**12))
+    with pytest.raises(CheckpointError):
+        convert(str(tmp_path / "d"), str(tmp_path / "out.lzc"))
+
+
 # --------------------------------------------------------------------------- step directories
 
 

@@ -22,9 +22,7 @@ import io
 import mmap
 import os
 import pickle
-import struct
 import uuid
-import zipfile
 from typing import Any, Dict, List, Union
 
 import torch
@@ -39,8 +37,8 @@ from lazyckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCh
                              WrongReaderError)
 from lazyckpt.formats.datafile import ALIGNMENT, align_up
 from lazyckpt.knobs import resolve
-from lazyckpt.saving.torchzip import fast_crc32
 from lazyckpt.storage.stores import for_path
+from .zipcheck import check_torch_zip
 
 METADATA = ".metadata"
 SUFFIX = ".lzc"
@@ -229,14 +227,26 @@ class LazyStorageReader(StorageReader):
                                   f"(compression, extensions), which this reader does not apply; read it "
                                   f"with DCP's FileSystemReader", path=self.path)
         store = for_path(self.path)
-        source = store.open_input(store.join(self.path, name), self.options, threads=1)
+        file_path = store.join(self.path, name)
+        size = store.read_ends(file_path, self.options, lambda size, read: size)
+        # Every span against the file before anything is allocated or mapped for it:
+        # the lengths come from the metadata, which may claim anything.
+        for item, info in entries:
+            offset, length = info.offset, info.length
+            if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 \
+                    or offset + length > size:
+                raise CorruptCheckpointError(f"{self.path}/{name}: the metadata places "
+                                             f"{item.storage_index.fqn} at bytes {offset!r}+{length!r}, outside "
+                                             f"the file ({size} bytes)", path=self.path)
+        source = store.open_input(file_path, self.options, threads=1)
         try:
             for item, info in sorted(entries, key=lambda e: e[1].offset):
                 start = info.offset // ALIGNMENT * ALIGNMENT    # aligned: the input may bypass the page cache
                 end = align_up(info.offset + info.length)
                 buf = mmap.mmap(-1, max(end - start, ALIGNMENT))
                 try:
-                    got = source.read_into(memoryview(buf)[:end - start], start)
+                    with memoryview(buf) as view:
+                        got = source.read_into(view[:end - start], start)
                     if got < info.offset + info.length - start:
                         raise CorruptCheckpointError(f"{self.path}/{name}: truncated: {item.storage_index} "
                                                      f"ends at byte {info.offset + info.length}",
@@ -248,7 +258,7 @@ class LazyStorageReader(StorageReader):
                     value: Any = raw
                 else:
                     try:
-                        _check_crcs(raw)
+                        check_torch_zip(raw, f"{self.path}/{name}")
                         value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
                     except Exception as exc:
                         raise CorruptCheckpointError(f"{self.path}/{name}: {item.storage_index.fqn}: "
@@ -280,17 +290,3 @@ def _deliver(planner: LoadPlanner, item: Any, value: Any, name: str, key: str, p
     planner.commit_tensor(item, target)
 
 
-def _check_crcs(raw: bytes) -> None:
-    """Every record of a stored (uncompressed) zip against its CRC-32: torch.load
-    reads the bytes without checking them. A CRC of 0 is taken as "not computed"
-    (``torch.serialization.set_crc32_options(False)`` writes 0)."""
-    view = memoryview(raw)
-    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
-        for info in archive.infolist():
-            if info.CRC == 0 or info.compress_type != zipfile.ZIP_STORED:
-                continue
-            at = info.header_offset
-            name_len, extra_len = struct.unpack_from("<HH", raw, at + 26)
-            start = at + 30 + name_len + extra_len
-            if fast_crc32(view[start:start + info.file_size]) != info.CRC:
-                raise ValueError(f"record {info.filename} fails its CRC-32")
