@@ -12,6 +12,7 @@ from lazyckpt.errors import CheckpointError
 from lazyckpt.knobs import resolve as resolve_options
 from lazyckpt.retention import KeepLast
 from lazyckpt.storage.stores import for_path
+from lazyckpt.formats.names import step_dirname
 from .inspect import list_directory
 
 
@@ -60,28 +61,40 @@ def prune(directory: str, keep: int, dry_run: bool = False, force: bool = False)
             continue
         removable.append(leftover)
         actions.append(PruneAction(leftover.name, leftover.kind, leftover.bytes, leftover.step))
+    left: Optional[List[int]] = None
     if not dry_run and doomed:
+        left = []
         # The library's own retention: newest first, a step being read stays and
         # so does every step it refers to.
+        # It plans again under the commit lock and acts on that plan: a commit in another
+        # process since the listing above (a rollback) may have changed the line.
         try:
-            deleted = set(layout.retire_old(policy)[0])     # (a set: one lookup per step)
+            deleted = set(layout.retire_old(policy, line=left)[0])     # (a set: one lookup per step)
         except CheckpointError as exc:
-            deleted = set()
+            deleted, left = set(), None
             for action in actions:
                 if action.what == "step":
                     action.error = str(exc)
+        planned = {a.step for a in actions if a.what == "step"}
+        for step in sorted(deleted - planned, reverse=True):
+            actions.insert(0, PruneAction(step_dirname(step), "step", rows[step]["bytes"] if step in rows else 0,
+                                          step))
         for action in actions:
             if action.what == "step" and action.error is None:
                 action.done = action.step in deleted
                 if not action.done:
-                    action.error = "being read by another process, or referred to by one; kept"
+                    action.error = "being read by another process, referred to by one, or no longer " \
+                                   "doomed (another process committed meanwhile); kept"
     if not dry_run and removable:
         outcome = layout.remove_leftovers(removable)
         for action in actions:
             if action.what != "step" and action.name in outcome:
                 action.error = outcome[action.name]
                 action.done = action.error is None
-    kept = sorted(set(rows) - {a.step for a in actions if a.what == "step" and (a.done or dry_run)})
+    if dry_run or left is None:
+        kept = sorted(set(rows) - {a.step for a in actions if a.what == "step" and (a.done or dry_run)})
+    else:
+        kept = sorted(left)     # the line prune's deletions left (a commit after them is not its doing)
     return {"directory": directory, "kept": kept, "kept_for_references": referred, "dry_run": dry_run,
             "actions": [a.__dict__ for a in actions], "kept_leftovers": kept_leftovers,
             "freed_bytes": sum(a.bytes for a in actions if a.done)}

@@ -327,20 +327,26 @@ class CheckpointDir:
                 # No record names this commit: the index must not outlive it (tail()).
                 remove_quietly(os.path.join(self.path, LATEST))
                 fsync_dir(self.path)
-                return self._move_in(tmp, step, keep_superseded, superseded=superseded)
+                return self._move_in(tmp, step, keep_superseded, undo=True, superseded=superseded)
             record = LocalRecord(self.path)
             before = read_small_file(record.path, 16 << 20)
-            record.add(event, tmp=os.path.basename(tmp))
             try:
+                # The record's own write is inside: an fsync of it that fails leaves the
+                # commit point's durability unknown, and the save is undone as below.
+                record.add(event, tmp=os.path.basename(tmp))
                 return self._move_in(tmp, step, keep_superseded, undo=True, superseded=superseded)
             except BaseException:
                 # This process is alive to undo it: the failed save changes nothing (the
-                # superseded steps are back, the record as it was). If the undo fails too,
-                # the step stays committed and recovery finishes it.
-                if before is None:
-                    remove_quietly(record.path)
-                else:
-                    write_file_atomic(record.path, before)
+                # superseded steps are back, the record as it was). If the undo of the
+                # renames failed, the step stays committed (the record says so) and
+                # recovery finishes it.
+                back = os.path.isfile(os.path.join(tmp, MANIFEST)) and \
+                    all(os.path.isfile(os.path.join(self.step_path(s), MANIFEST)) for s in superseded)
+                if back and read_small_file(record.path, 16 << 20) != before:
+                    if before is None:
+                        remove_quietly(record.path)
+                    else:
+                        write_file_atomic(record.path, before)
                 raise
 
     def recover(self, wait: bool = True) -> List[int]:
@@ -371,12 +377,20 @@ class CheckpointDir:
 
     def _move_in(self, tmp: str, step: int, keep_superseded: bool, undo: bool = False,
                  superseded: Optional[List[int]] = None) -> List[int]:
-        """The renames after a commit point. ``undo``: if one fails, the steps
-        already moved aside are put back before the error propagates.
+        """The renames after a commit point. ``undo``: if one fails, or the
+        fsync of the directory after the new step's rename does, the new step
+        goes back to ``tmp`` and the steps already moved aside are put back
+        before the error propagates. An fsync that failed leaves the rename's
+        durability unknown: the save is then undone, not reported committed,
+        so the caller (which puts the record back) sees the line before, the
+        listing agrees with it and a retry of the step finds its name free.
+        Without ``undo`` (recovery: the record says committed) the error
+        propagates with the renames done; the record and the listing agree.
         ``superseded``: the steps >= ``step`` (listed when not given)."""
         if superseded is None:
             superseded = [s for s in self._present() if s >= step]
         retired = []
+        moved_in = False
         try:
             for s in sorted(superseded, reverse=True):
                 trash = self._retire(s, ABANDONED_PREFIX if keep_superseded else DELETING_PREFIX, force=True)
@@ -387,13 +401,20 @@ class CheckpointDir:
                 log.warning("lazyckpt: %s: step %d supersedes step(s) %s of an abandoned run (%s)", self.path,
                             step, superseded, "kept as .abandoned-*" if keep_superseded else "deleted")
             os.rename(tmp, self.step_path(step))
+            moved_in = True
+            fsync_dir(self.path)
         except BaseException:
             if undo:
+                if moved_in:
+                    os.rename(self.step_path(step), tmp)
                 for s, trash in reversed(retired):
                     os.rename(trash, self.step_path(s))
-                fsync_dir(self.path)
+                try:
+                    fsync_dir(self.path)
+                except OSError as exc:  # the renames back are visible: the line before, as reported
+                    log.warning("lazyckpt: %s: fsync after undoing the commit of step %d failed: %s",
+                                self.path, step, exc)
             raise
-        fsync_dir(self.path)
         retired = [trash for _s, trash in retired]
         if not keep_superseded:
             for trash in retired:
@@ -519,23 +540,41 @@ class CheckpointDir:
     def _need(self, step: int, needed: set, steps: List[int]) -> None:
         need([step], needed, steps, self.references)
 
-    def retire_old(self, policy: Union[None, int, Policy]) -> Tuple[List[int], List[int]]:
+    def retire_old(self, policy: Union[None, int, Policy],
+                   line: Optional[List[int]] = None) -> Tuple[List[int], List[int]]:
         """Apply ``retention_plan``: returns (deleted, kept because referred to
-        or being read)."""
-        steps, _kept, needed, doomed, referred = self._plan(as_policy(policy))
-        needed = set(needed)
-        deleted, kept = [], list(referred)
-        for step in doomed:                            # newest first
-            if step in needed:                         # a busy step below needs it
-                kept.append(step)
-                continue
-            if self.delete_step(step):
-                deleted.append(step)
-            else:
-                log.info("lazyckpt: %s: step %d is being read; deleting it later", self.path, step)
-                kept.append(step)
-                needed.add(step)
-                self._need(step, needed, steps)        # it stays, so must what it refers to
+        or being read). ``line``: filled with the committed steps this left
+        (a commit after it is not among them).
+
+        Decided and acted on under the commit lock: deletions go by step
+        number, and a commit in another process (a rollback) can put a new
+        save under a number planned for deletion; under the lock the plan is
+        of the line as it is when the renames run. Only the renames aside are
+        under it; the trash is removed after."""
+        deleted, kept, trash = [], [], []
+        with self.commit_lock():
+            steps, _kept, needed, doomed, referred = self._plan(as_policy(policy))
+            needed = set(needed)
+            kept = list(referred)
+            for step in doomed:                        # newest first
+                if step in needed:                     # a busy step below needs it
+                    kept.append(step)
+                    continue
+                moved = self._retire(step, DELETING_PREFIX, force=False)
+                if moved is not None:
+                    deleted.append(step)
+                    trash.append(moved)
+                else:
+                    log.info("lazyckpt: %s: step %d is being read; deleting it later", self.path, step)
+                    kept.append(step)
+                    needed.add(step)
+                    self._need(step, needed, steps)    # it stays, so must what it refers to
+            if trash:
+                fsync_dir(self.path)
+            if line is not None:
+                line[:] = [s for s in steps if s not in deleted]
+        for moved in trash:
+            self._remove_trash(moved)
         if referred:
             log.info("lazyckpt: %s: keeping step(s) %s: kept steps refer to their bytes", self.path, referred)
         return deleted, sorted(kept)
@@ -551,11 +590,14 @@ class CheckpointDir:
 
     def delete_step(self, step: int, even_if_read: bool = False) -> bool:
         """Rename the step to ``.deleting-*``, fsync, then remove it (FORMAT.md §11.4).
-        Returns False (and leaves it) if a reader holds it, unless ``even_if_read``."""
-        trash = self._retire(step, DELETING_PREFIX, force=even_if_read)
-        if trash is None:
-            return False
-        fsync_dir(self.path)
+        Returns False (and leaves it) if a reader holds it, unless ``even_if_read``.
+        The rename is under the commit lock: between a caller's decision and
+        this act no commit puts another save under that number."""
+        with self.commit_lock():
+            trash = self._retire(step, DELETING_PREFIX, force=even_if_read)
+            if trash is None:
+                return False
+            fsync_dir(self.path)
         self._remove_trash(trash)
         return True
 

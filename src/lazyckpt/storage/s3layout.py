@@ -609,10 +609,14 @@ class ObjectCheckpointDir:
         to another here: incremental steps are local only)."""
         return self._plan(as_policy(policy), self.committed() if committed is None else committed).doomed, []
 
-    def retire_old(self, policy: Union[None, int, Policy]) -> Tuple[List[int], List[int]]:
+    def retire_old(self, policy: Union[None, int, Policy],
+                   line: Optional[List[int]] = None) -> Tuple[List[int], List[int]]:
         """Each step's manifest first, then its data; a step with a live reader
         lease stays, as a locked one does locally. Then the history events of
-        the deleted steps (FORMAT.md §11.10)."""
+        the deleted steps (FORMAT.md §11.10). A save is deleted by its save id,
+        never by its step number alone: a rollback that commits a new save
+        under a planned number meanwhile keeps it. ``line``: filled with the
+        committed steps this left."""
         committed = self.committed()        # one listing for every step (one per step made
         doomed, _ = self.retention_plan(policy, committed)   # a prune of N steps list N times)
         deleted, kept = [], []
@@ -622,6 +626,8 @@ class ObjectCheckpointDir:
             else:
                 log.info("lazyckpt: %s: step %d is being read; deleting it later", self.url, step)
                 kept.append(step)
+        if line is not None:
+            line[:] = sorted(s for s in committed if s not in deleted)
         if doomed:
             try:
                 self.prune_events()
