@@ -162,7 +162,6 @@ def _dead_lease(d):
     return path
 
 
-@pytest.mark.xfail(strict=True, reason="the removal acts on the name it listed")
 @pytest.mark.parametrize("remover", ["prune", "open"])
 def test_removing_a_dead_writer_lease_never_removes_a_live_one(tmp_path, monkeypatch, remover):
     """A dead ``.writer`` is listed, a restarted run takes the lease, then the
@@ -204,6 +203,52 @@ def test_removing_a_dead_writer_lease_never_removes_a_live_one(tmp_path, monkeyp
         assert ck.steps() == [1, 2, 3]
     finally:
         ck.close()
+
+
+def test_a_writer_meeting_the_lock_of_a_dead_lease_removal_takes_the_lease(tmp_path, monkeypatch):
+    """The other order: the removal holds the dead lease's lock (to unlink it)
+    when the restarted run tries it; the run waits for the name to go and
+    takes a new lease, it is not refused as if a live writer held it."""
+    import fcntl
+    from lazyckpt.storage import locks
+    d = tmp_path / "run"
+    _make(d, [1])
+    _dead_lease(d)
+    real_flock = locks._flock
+    box = {}
+
+    def flock(fd, op):
+        real_flock(fd, op)
+        st = os.fstat(fd)
+        if "thread" not in box and os.path.samestat(st, os.stat(d / ".writer")) and \
+                not locks._held_here(st) and os.get_blocking(fd) is False and box.get("removing"):
+            def restart():
+                try:
+                    with lazyckpt.Checkpointer(d, keep=None) as ck:
+                        ck.save(_state(2), 2).wait()
+                        box["steps"] = ck.steps()
+                except BaseException as exc:
+                    box["error"] = exc
+            box["thread"] = threading.Thread(target=restart, daemon=True)
+            box["thread"].start()
+            time.sleep(0.1)                   # its lease attempt meets this lock
+    real_remove = locks.remove_dead_lease
+
+    def remove(path, expiry_s):
+        box["removing"] = True
+        try:
+            return real_remove(path, expiry_s)
+        finally:
+            box["removing"] = False
+    monkeypatch.setattr(locks, "_flock", flock)
+    monkeypatch.setattr(locks, "remove_dead_lease", remove)
+    report = prune(str(d), keep=5)
+    box["thread"].join(60)
+    monkeypatch.undo()
+    assert "error" not in box, box.get("error")
+    assert box["steps"] == [1, 2]
+    assert [a["done"] for a in report["actions"] if a["what"] == "dead-writer"] == [True]
+    del fcntl
 
 
 def test_a_dead_writer_lease_is_still_removed(tmp_path):

@@ -685,6 +685,8 @@ class CheckpointDir:
             path = os.path.join(self.path, leftover.name)
             if leftover.kind == "deleting":
                 self._remove_trash(path)
+            elif leftover.kind == "dead-writer":
+                self._remove_dead_writer()
             else:
                 remove_tree(path)
             if not os.path.lexists(path):
@@ -692,6 +694,17 @@ class CheckpointDir:
         if removed:
             log.info("lazyckpt: %s: removed leftovers of interrupted saves: %s", self.path, removed)
         return removed
+
+    def _remove_dead_writer(self) -> Optional[str]:
+        """Remove ``.writer`` if its holder is dead, judged on the file unlinked
+        (locks.remove_dead_lease): between a listing that found it dead and the
+        unlink, a restarted run may have taken it. Under the commit lock, so no
+        takeover renames a new lease over it meanwhile; a lock held by a commit
+        leaves it for a later cleanup. None when gone, else why it stays."""
+        with self.commit_lock(0) as held:
+            if not held:
+                return "a commit in another process holds the directory; left for a later cleanup"
+            return locks.remove_dead_lease(os.path.join(self.path, WRITER), self.lease_expiry_s)
 
     # ---------------------------------------------------------------- a save waiting for the job (replicas=)
 
@@ -787,6 +800,9 @@ class CheckpointDir:
         out: Dict[str, Optional[str]] = {}
         for leftover in leftovers:
             try:
+                if leftover.kind == "dead-writer":
+                    out[leftover.name] = self._remove_dead_writer()
+                    continue
                 remove_tree(os.path.join(self.path, leftover.name))
                 out[leftover.name] = None
             except OSError as exc:

@@ -405,6 +405,46 @@ class _Held:
         return deleted_while_reading(self.step_dir.path, self.step_dir.step)
 
 
+def remove_dead_lease(path: str, expiry_s: float) -> Optional[str]:
+    """Unlink a lease file (``DIR/.writer``) only if it is provably dead,
+    deciding on the file that is unlinked, not on its name: it is opened,
+    locked exclusively (a holder's lock refuses it), found not fresh, and still
+    the file at ``path`` while the lock is held, then unlinked. A writer that
+    opens it meanwhile finds it locked and the name gone, and takes it anew
+    (:meth:`WriterLease._acquire`). Returns None when it is gone, else why it
+    stays. The caller excludes takeovers (their rename over ``path``): the
+    commit lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot open it: {exc.strerror or exc}"
+    try:
+        if _held_here(os.fstat(fd)):
+            return "held by this process"
+        try:
+            _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return "held by a live writer"
+            if exc.errno not in _LOCK_UNSUPPORTED:
+                raise
+            # No locks here: the heartbeat alone says whether it is alive.
+        st = os.fstat(fd)
+        if time.time() - st.st_mtime < expiry_s:
+            return "its heartbeat is fresh"
+        try:
+            if not os.path.samestat(st, os.stat(path)):
+                return "replaced since it was looked at (a new writer's lease)"
+        except FileNotFoundError:
+            return None
+        os.unlink(path)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _flock(fd: int, operation: int) -> None:
     """``fcntl.flock`` (a seam: file systems without locks raise ENOLCK here)."""
     fcntl.flock(fd, operation)
@@ -483,6 +523,8 @@ class WriterLease:
                 lease = Lease(self.path, heartbeat_s)
             except OSError as exc:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    if self._unlinked_since(before):
+                        continue        # locked by a cleanup proving a dead lease dead: take it anew
                     raise self._refused(read_writer(self.path)) from None
                 raise
             if not self._current(lease):
@@ -521,6 +563,23 @@ class WriterLease:
             raise
         lease.path = self.path
         return lease
+
+    def _unlinked_since(self, before: Optional[os.stat_result], wait_s: float = 0.2) -> bool:
+        """Whether the lease file found locked was a dead lease being removed
+        (:func:`remove_dead_lease` locks it only to unlink it): within
+        ``wait_s`` the name goes, or names another file."""
+        if before is None:
+            return False
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if not os.path.samestat(before, os.stat(self.path)):
+                    return True
+            except FileNotFoundError:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
     def _current(self, lease: Lease) -> bool:
         """Whether ``.writer`` still names the file ``lease`` holds."""
