@@ -82,7 +82,8 @@ def make_program(seed: int, length: int) -> Program:
 
     def ck(ctx: Ctx) -> Any:
         import lazyckpt
-        return lazyckpt.Checkpointer(os.path.join(ctx.case, "run"), keep_last=keep_last, **KNOBS)
+        from _groups import groups
+        return lazyckpt.Checkpointer(os.path.join(ctx.case, "run"), keep=keep_last, **groups(KNOBS))
 
     def prepare(ctx: Ctx) -> None:
         with ck(ctx) as c:
@@ -128,7 +129,7 @@ def make_program(seed: int, length: int) -> Program:
             return [world(f"during op {i} {ops[i][0]}", i + 1)]
         return [world(f"before op {i} {ops[i][0]}", i), world(f"after op {i} {ops[i][0]}", i + 1)]
 
-    return Program(f"soak-{seed}", prepare, run, [], kwargs={"keep_last": keep_last}, worlds_at=worlds_at)
+    return Program(f"soak-{seed}", prepare, run, [], kwargs={"keep": keep_last}, worlds_at=worlds_at)
 
 
 def main() -> int:

@@ -22,13 +22,16 @@ NEW = make_state(33)                                # the operation's save
 BIG = {i: make_state(i, big=True) for i in range(1, 4)}    # incremental: a frozen 48 KiB part, shared
 
 
-def _ck(ctx: Ctx, persist: bool = False, **kw: Any) -> Any:
+def _ck(ctx: Ctx, persist: bool = False, takeover: bool = False, **kw: Any) -> Any:
     import lazyckpt
+    from _groups import groups
     args = dict(KNOBS)
     args.update(kw)
     if persist:
-        args.update(persist_to=ctx.persist_to, storage_options=ctx.storage_options)
-    return lazyckpt.Checkpointer(os.path.join(ctx.case, "run"), **args)
+        args["persist"] = lazyckpt.Persist(ctx.persist_to, storage_options=ctx.storage_options)
+    if takeover:
+        args["distributed"] = lazyckpt.Distributed(takeover=True)
+    return lazyckpt.Checkpointer(os.path.join(ctx.case, "run"), **groups(args))
 
 
 def _prepare_line(n: int, persist: bool = False, states: Optional[Dict[int, Any]] = None, **kw: Any):
@@ -60,16 +63,16 @@ def save_program(keep_last: Optional[int], persist: bool = False) -> Program:
     before = World("before", 2, _line(2), (1, 2))
     after = World("after", 3, {**_line(2), 3: NEW}, (1, 2, 3) if keep_last is None else (2, 3))
     name = f"save-keep{keep_last}" + ("-persist" if persist else "")
-    return Program(name, _prepare_line(2, persist, keep_last=keep_last), _save_run(3, NEW, persist, keep_last=keep_last),
-                   [before, after], kwargs={"keep_last": keep_last}, persist=persist)
+    return Program(name, _prepare_line(2, persist, keep=keep_last), _save_run(3, NEW, persist, keep=keep_last),
+                   [before, after], kwargs={"keep": keep_last}, persist=persist)
 
 
 def rollback_program(keep_last: Optional[int], persist: bool = False) -> Program:
     before = World("before", 5, _line(5), (1, 2, 3, 4, 5))
     after = World("after", 3, {**_line(2), 3: NEW}, (1, 2, 3) if keep_last is None else (2, 3))
     name = f"rollback-keep{keep_last}" + ("-persist" if persist else "")
-    return Program(name, _prepare_line(5, persist), _save_run(3, NEW, persist, load_step=2, keep_last=keep_last),
-                   [before, after], kwargs={"keep_last": keep_last}, persist=persist)
+    return Program(name, _prepare_line(5, persist), _save_run(3, NEW, persist, load_step=2, keep=keep_last),
+                   [before, after], kwargs={"keep": keep_last}, persist=persist)
 
 
 def incremental_program(keep_last: Optional[int]) -> Program:
@@ -81,7 +84,7 @@ def incremental_program(keep_last: Optional[int]) -> Program:
     new = make_state(33, big=True)
 
     def run(ctx: Ctx, icp: Interceptor) -> None:
-        ck = _ck(ctx, incremental=True, keep_last=keep_last)
+        ck = _ck(ctx, incremental=True, keep=keep_last)
         ck.save(BIG[2], step=2).wait()
         with icp.operation():
             ck.save(new, step=3).wait()
@@ -89,7 +92,7 @@ def incremental_program(keep_last: Optional[int]) -> Program:
     before = World("before", 2, _line(2, BIG), (1, 2) if keep_last is None else (2,))
     after = World("after", 3, {**_line(2, BIG), 3: new}, (1, 2, 3) if keep_last is None else (2, 3))
     return Program(f"incremental-keep{keep_last}", _prepare_line(1, False, BIG, incremental=True), run,
-                   [before, after], kwargs={"keep_last": keep_last, "incremental": True})
+                   [before, after], kwargs={"keep": keep_last, "incremental": True})
 
 
 #: The losses the policy programs' saves record (metadata={"loss": ...}); NEW's is LOSS_NEW.
@@ -270,7 +273,7 @@ def lightning_persist_program() -> Program:
     restart's first save must bring the store level with the directory."""
     def plugin(ctx: Ctx) -> Any:
         from lazyckpt.integrations.lightning import LazyCheckpointIO
-        return LazyCheckpointIO(storage_options=ctx.storage_options, persist_to=ctx.persist_to,
+        return LazyCheckpointIO(storage_options=ctx.storage_options, persist=ctx.persist_to,
                                 local_root=ctx.case, **KNOBS)
 
     def prepare(ctx: Ctx) -> None:
@@ -317,6 +320,7 @@ def hf_trainer(ctx: Ctx, stop_at: Optional[int] = None) -> Any:
     mirrored to ``ctx.persist_to`` (its lazyckpt format: three files a checkpoint)."""
     import torch
     import transformers
+    import lazyckpt
     from lazyckpt.integrations.huggingface import LazyCheckpointTrainer
 
     class Data(torch.utils.data.Dataset):
@@ -341,9 +345,8 @@ def hf_trainer(ctx: Ctx, stop_at: Optional[int] = None) -> Any:
         dataloader_num_workers=0, logging_strategy="no")
     return LazyCheckpointTrainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=Data(),
                                  callbacks=[StopAt()], lazyckpt_checkpoint_format="lazyckpt",
-                                 lazyckpt_persist_to=ctx.persist_to,
-                                 lazyckpt_options=dict(KNOBS, chunk_bytes=1 << 20, host_cache_bytes=2 << 20,
-                                                       storage_options=ctx.storage_options))
+                                 lazyckpt_persist=lazyckpt.Persist(ctx.persist_to, storage_options=ctx.storage_options),
+                                 lazyckpt_options=dict(KNOBS, chunk_bytes=1 << 20, host_cache_bytes=2 << 20))
 
 
 def hf_train(ctx: Ctx, stop_at: Optional[int] = None, resume: Any = None) -> Any:

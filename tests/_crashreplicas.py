@@ -48,7 +48,6 @@ import _crashpoints as cp
 from _crashpoints import INFINITY, KNOBS, Interceptor, differs, make_state
 
 RANKS = 2
-KW = dict(KNOBS, replicas=1, node_size=1, commit_timeout_s=60)
 
 
 def state(rank: int, step: int) -> Any:
@@ -71,7 +70,9 @@ def node_dir(case: str, rank: int) -> str:
 
 def _ck(case: str, rank: int) -> Any:
     import lazyckpt
-    return lazyckpt.Checkpointer(node_dir(case, rank), **KW)
+    from _groups import groups
+    return lazyckpt.Checkpointer(node_dir(case, rank), **groups(KNOBS, replicas=lazyckpt.Replicas(1, node_size=1),
+                                                                distributed=lazyckpt.Distributed(commit_timeout=60)))
 
 
 @dataclasses.dataclass
