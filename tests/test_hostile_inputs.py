@@ -280,3 +280,39 @@ def test_hostile_safetensors_header(tmp_path, header):
         with pytest.raises(CheckpointError) as info:
             convert(src, str(tmp_path / dst), src_format="safetensors")
         assert src in str(info.value)
+
+
+def _tensor_meta(metadata, fqn="w"):
+    return metadata.state_dict_metadata[fqn]
+
+
+DCP_METADATA = {
+    "size-beyond-chunks": lambda m: object.__setattr__(_tensor_meta(m), "size", torch.Size([100])),
+    "chunk-outside": lambda m: object.__setattr__(_tensor_meta(m).chunks[0], "sizes", torch.Size([65])),
+    "chunk-dims": lambda m: object.__setattr__(_tensor_meta(m).chunks[0], "offsets", torch.Size([0, 0])),
+    "list-offsets": lambda m: object.__setattr__(_tensor_meta(m).chunks[0], "offsets", [[0]]),
+    "str-dtype": lambda m: object.__setattr__(_tensor_meta(m).properties, "dtype", "float32"),
+    "no-storage": lambda m: m.storage_data.clear(),
+    "path-escapes": _set_span(relative_path="../x.distcp"),
+}
+
+
+@pytest.mark.parametrize("change", list(DCP_METADATA.values()), ids=list(DCP_METADATA))
+def test_dcp_metadata_refused_by_the_reader_before_dcps_planner(tmp_path, change):
+    _dcp_checkpoint(tmp_path)
+    _rewrite_metadata(str(tmp_path), change)
+    error = _dcp_error(tmp_path)
+    assert isinstance(error, CorruptCheckpointError), repr(error)
+    assert os.path.join(str(tmp_path), ".metadata") in str(error)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_convert_of_a_fifo_or_device_is_refused_not_read_forever(tmp_path, kind):
+    src = str(tmp_path / "src.pt")
+    if kind == "fifo":
+        os.mkfifo(src)
+    else:
+        os.symlink("/dev/zero", src)
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        convert(src, str(tmp_path / "out.lzc"))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from lazyckpt import api
-from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.state.providers import dtype_name
 from lazyckpt.storage.fileio import fsync_dir, remove_quietly
@@ -223,8 +224,14 @@ def convert(src: str, dst: str, src_format: Optional[str] = None, dst_format: Op
             batch_bytes: int = 256 << 20, progress: Optional[Callable[[int], None]] = None,
             on_total: Optional[Callable[[int], None]] = None) -> ConvertResult:
     """Convert ``src`` to ``dst``; formats detected unless given."""
-    if not os.path.exists(src):
-        raise CheckpointNotFoundError(f"{src}: no such file or directory", path=src)
+    try:
+        mode = os.stat(src).st_mode
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{src}: no such file or directory", path=src) from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        # A FIFO or a device (/dev/zero) would block the reader or never end.
+        raise CorruptCheckpointError(f"{src}: not a regular file or directory; convert reads checkpoint "
+                                     f"files and directories", path=src)
     sfmt = detect(src, src_format, source=True)
     dfmt = detect(dst, dst_format, source=False)
     if dfmt not in WRITABLE:

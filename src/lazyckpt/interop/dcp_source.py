@@ -185,6 +185,10 @@ class LazyStorageReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
+        # Checked here, not in read_metadata: DCP's loader replaces an error of
+        # read_metadata by an AssertionError holding only its text, while one raised
+        # here reaches the caller as itself (inside DCP's CheckpointException).
+        check_metadata(metadata, os.path.join(self.path, METADATA))
         self.storage_data = metadata.storage_data or {}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -271,6 +275,74 @@ class LazyStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and all(type(v) is int and v >= 0 for v in value)
+
+
+def check_metadata(metadata: Metadata, path: str) -> None:
+    """DCP metadata as its writers make it, checked before DCP's planner sees it
+    (which would fail on a damaged one with AssertionError, ValueError, TypeError
+    or IndexError): names are strings; a tensor's dtype a torch.dtype, its size
+    non-negative ints; its chunks lie within it, as many dimensions, their
+    volumes summing to its own; every chunk and byte item has a storage entry
+    naming a file of the checkpoint, at a non-negative int offset and length."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: damaged DCP metadata: {what}", path=path)
+
+    items, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(items, dict):
+        raise bad("state_dict_metadata is not a dict")
+    if storage is not None and not isinstance(storage, dict):
+        raise bad("storage_data is not a dict")
+    storage = storage or {}
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str) \
+                or not (index.offset is None or _ints(index.offset)):
+            raise bad(f"storage key {index!r}")
+        if isinstance(info, LazyStorageInfo):
+            fields_ok = isinstance(info.relative_path, str) and isinstance(info.key, str)
+        elif isinstance(info, _StorageInfo):
+            fields_ok = isinstance(info.relative_path, str) and type(info.offset) is int \
+                and type(info.length) is int and info.offset >= 0 and info.length >= 0
+        else:
+            fields_ok = False
+        if not fields_ok or not info.relative_path or "/" in info.relative_path or "\0" in info.relative_path \
+                or info.relative_path.startswith("."):
+            raise bad(f"storage entry of {index.fqn!r}: {info!r}")
+    for fqn, meta in items.items():
+        if not isinstance(fqn, str):
+            raise bad(f"key {fqn!r} is not a string")
+        if isinstance(meta, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                raise bad(f"{fqn!r} has no storage entry")
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            raise bad(f"{fqn!r}: {type(meta).__name__} is not tensor or bytes metadata")
+        size = meta.size
+        dtype = getattr(meta.properties, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or not _ints(size) or not isinstance(meta.chunks, list):
+            raise bad(f"{fqn!r}: dtype {dtype!r}, size {size!r}")
+        volume = 0
+        for chunk in meta.chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if not (_ints(offsets) and _ints(sizes) and len(offsets) == len(sizes) == len(size)
+                    and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
+                raise bad(f"{fqn!r}: a chunk at {offsets!r} of {sizes!r} does not lie within {tuple(size)}")
+            if MetadataIndex(fqn, offsets) not in storage:
+                raise bad(f"{fqn!r}: the chunk at {tuple(offsets)} has no storage entry")
+            n = 1
+            for d in sizes:
+                n *= d
+            volume += n
+        whole = 1
+        for d in size:
+            whole *= d
+        if volume != whole:
+            raise bad(f"{fqn!r}: its chunks hold {volume} elements, its size {tuple(size)} {whole}")
 
 
 def _deliver(planner: LoadPlanner, item: Any, value: Any, name: str, key: str, path: str) -> None:
