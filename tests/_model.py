@@ -120,30 +120,32 @@ def expected_refusal(cfg: Config) -> List[str]:
     return reasons
 
 
-def checkpointer_kwargs(cfg: Config, persist_url: Optional[str], **knobs: Any) -> Dict[str, Any]:
+def checkpointer_kwargs(cfg: Config, persist_url: Optional[str], *, takeover: bool = False,
+                        lease_expiry: float = 30.0, **knobs: Any) -> Dict[str, Any]:
     """The Checkpointer's keyword arguments for ``cfg``; ``knobs`` (a run's draw, see
     ``run_knobs``: keep -- or its old name keep_last --, full_every) override the
     defaults. A child process gets the same from the MODEL_KNOBS variable (repr
-    of the dict)."""
+    of the dict). ``takeover``, ``lease_expiry``: a writer that takes the directory
+    over, one whose lease lapses sooner."""
     if not knobs and os.environ.get("MODEL_KNOBS"):
         knobs = eval(os.environ["MODEL_KNOBS"])
-    kw: Dict[str, Any] = dict(keep=3, incremental=cfg.incremental, commit_timeout_s=60,
-                              lease_expiry_s=30.0)
+    knobs = {("keep" if k == "keep_last" else k): v for k, v in knobs.items()
+             if k in ("keep", "keep_last", "full_every")}
+    identical = {"named": ["shared"], "auto": "auto"}.get(cfg.replicated)
+    kw: Dict[str, Any] = dict(keep=knobs.get("keep", 3),
+                              distributed=lazyckpt.Distributed(identical_keys=identical, commit_timeout=60,
+                                                               takeover=takeover),
+                              io=lazyckpt.IO(lease_expiry=lease_expiry))
+    mode = resolve(incremental=cfg.incremental).incremental
+    if mode != "off":
+        kw["incremental"] = lazyckpt.Incremental(mode, full_every=knobs.get("full_every"))
     if cfg.persist:
         # Two attempts per request (botocore's standard backoff, <= 1 s): an injected
         # fault (tests/_s3proxy.py) is retried once, an outage fails in about a second.
-        kw.update(persist_to=persist_url, persist_keep_last=6,
-                  storage_options={"max_attempts": 2, "connect_timeout": 2, "read_timeout": 10})
+        kw["persist"] = lazyckpt.Persist(persist_url, keep=6, storage_options={
+            "max_attempts": 2, "connect_timeout": 2, "read_timeout": 10})
     if cfg.replicas:
-        kw.update(replicas=cfg.replicas, node_size=1)
-    if cfg.replicated == "named":
-        kw["replicated"] = ["shared"]
-    elif cfg.replicated == "auto":
-        kw["replicated"] = "auto"
-    kw.update({("keep" if k == "keep_last" else k): v for k, v in knobs.items()
-               if k in ("keep", "keep_last", "full_every")})
-    if resolve(incremental=cfg.incremental).incremental == "off":
-        kw.pop("full_every", None)          # refused where it does not apply
+        kw["replicas"] = lazyckpt.Replicas(cfg.replicas, node_size=1)
     return kw
 
 
@@ -370,7 +372,7 @@ _TAKER = """
 import sys, torch, lazyckpt
 from _model import Config, checkpointer_kwargs, step_metadata
 directory, state_file, step, cfg, url = sys.argv[1:]
-with lazyckpt.Checkpointer(directory, takeover=True, **checkpointer_kwargs(eval(cfg), eval(url))) as ckpt:
+with lazyckpt.Checkpointer(directory, **checkpointer_kwargs(eval(cfg), eval(url), takeover=True)) as ckpt:
     ckpt.save(torch.load(state_file, weights_only=False), step=int(step), metadata=step_metadata(int(step))).wait()
 print("committed", flush=True)
 """
@@ -393,7 +395,7 @@ def no_file_locks():
         locks._flock = real
 
 
-# A writer whose lease expires (no file locks): it commits a step with a short lease_expiry_s, prints
+# A writer whose lease expires (no file locks): it commits a step with a short lease expiry, prints
 # "committed", is stopped (SIGSTOP) by the model past its expiry while a new writer takes
 # the directory and commits, then is continued, told "go", and tries another save: it
 # must be refused (prints "refused"), never commit.
@@ -402,8 +404,7 @@ import sys, torch, lazyckpt
 from _model import Config, checkpointer_kwargs, no_file_locks, step_metadata
 directory, state_file, step, cfg, url, expiry = sys.argv[1:]
 no_file_locks().__enter__()
-kw = {**checkpointer_kwargs(eval(cfg), eval(url)), "lease_expiry_s": float(expiry)}
-ckpt = lazyckpt.Checkpointer(directory, **kw)
+ckpt = lazyckpt.Checkpointer(directory, **checkpointer_kwargs(eval(cfg), eval(url), lease_expiry=float(expiry)))
 state = torch.load(state_file, weights_only=False)
 ckpt.save(state, step=int(step), metadata=step_metadata(int(step))).wait()
 print("committed", flush=True)
@@ -521,8 +522,8 @@ class Run:
         return sorted(set.intersection(*(set(x) for x in every)))
 
     def _open(self, **over: Any) -> lazyckpt.Checkpointer:
-        return lazyckpt.Checkpointer(self.local, **{**checkpointer_kwargs(self.cfg, self.persist_url, **self.knobs),
-                                                    **over})
+        return lazyckpt.Checkpointer(self.local, **checkpointer_kwargs(self.cfg, self.persist_url, **self.knobs,
+                                                                       **over))
 
     def _store_down(self) -> bool:
         """Faults are armed on the proxy now (requests to the store may fail)."""
@@ -1124,7 +1125,7 @@ class Run:
             self.trainee.train("plain")
             mine, mine_values = step + 1, flat(self.trainee.state())
             with no_file_locks():
-                self.ckpt = self._open(lease_expiry_s=expiry)
+                self.ckpt = self._open(lease_expiry=expiry)
                 try:
                     self.ckpt.save(self.trainee.state(), step=mine, metadata=step_metadata(mine)).wait()
                 except CheckpointError as exc:
@@ -1238,8 +1239,8 @@ class Run:
                 self.fail(problem)
             if self.cfg.persist and not self._store_down():
                 self._wait()            # the drain has published what it will
-                kw = checkpointer_kwargs(self.cfg, self.persist_url, **self.knobs)
-                for problem in remote_index_problems(kw["persist_to"], kw.get("storage_options"),
+                persist = checkpointer_kwargs(self.cfg, self.persist_url, **self.knobs)["persist"]
+                for problem in remote_index_problems(persist.url, dict(persist.storage_options),
                                                      f"after {self.log[-1] if self.log else 'the start'}"):
                     self.fail(problem)
                 for problem in tiers_index_problems(self.ckpt, f"after {self.log[-1] if self.log else 'the start'}"):

@@ -348,7 +348,7 @@ def test_a_long_history_keeps_the_index_on_the_line(cfg, keep_last, tmp_path):
     program = [("save", 0), ("burst", 0), ("train", 1), ("rollback", 7), ("save", 0), ("burst", 0),
                ("kill_in_commit", 0), ("rollback", 1 << 15), ("train", 2), ("kill_in_commit", 1),
                ("save", 0), ("crash", 0), ("burst", 0), ("restart", 0), ("save", 0), ("wait", 0)]
-    run_program(cfg, str(tmp_path), None, program, knobs={"keep_last": keep_last})
+    run_program(cfg, str(tmp_path), None, program, knobs={"keep": keep_last})
 
 
 #: Saves, a long burst, rollbacks into what the policy kept, a restart and a crash: the
@@ -443,7 +443,7 @@ PERSIST_FAULT_PROGRAM = [("save", 0), ("save", 0), ("wait", 0), ("corrupt_meta",
 def test_faults_corruption_and_prune_in_flight_keep_the_line_of_history(cfg, model_store, tmp_path):
     persist_url, faults = model_store
     url = f"{persist_url}/{uuid.uuid4().hex[:12]}" if persist_url else None
-    knobs = {"keep_last": 2, **({"full_every": 3} if cfg.incremental else {})}
+    knobs = {"keep": 2, **({"full_every": 3} if cfg.incremental else {})}
     program = PERSIST_FAULT_PROGRAM if cfg.persist else LOCAL_FAULT_PROGRAM
     run_program(cfg, str(tmp_path), url, program, knobs=knobs, faults=faults)
 
@@ -453,4 +453,4 @@ def test_a_writer_whose_lease_expired_never_commits_again(tmp_path):
     lost, and the displaced one's next save is refused (also after a rollback)."""
     program = [("save", 0), ("train", 1), ("save", 0), ("rollback", 0), ("lease_expiry", 0), ("save", 0),
                ("wait", 0)]
-    run_program(Config(), str(tmp_path), None, program, knobs={"keep_last": None})
+    run_program(Config(), str(tmp_path), None, program, knobs={"keep": None})
