@@ -51,7 +51,7 @@ def main() -> None:
 
         cli = [sys.executable, "-m", "lazyckpt"]
         subprocess.run(cli + ["diff", f"{run}@1", f"{run}@10", "--top", "2"], check=True)
-        subprocess.run(cli + ["history", run, "--keys", "model/0.weight", "--stat", "std"], check=True)
+        subprocess.run(cli + ["trajectory", run, "--keys", "model/0.weight", "--stat", "std"], check=True)
         print(f"studied {len(norms)} weights over 10 steps from the checkpoints alone")
     finally:
         shutil.rmtree(root)
