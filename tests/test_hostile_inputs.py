@@ -316,3 +316,37 @@ def test_convert_of_a_fifo_or_device_is_refused_not_read_forever(tmp_path, kind)
         os.symlink("/dev/zero", src)
     with pytest.raises(CorruptCheckpointError, match="not a regular file"):
         convert(src, str(tmp_path / "out.lzc"))
+
+
+def test_convert_of_a_torch_zip_whose_central_crc_is_zeroed_is_still_checked(tmp_path):
+    """A CRC of 0 means "not computed" (torch.serialization.set_crc32_options(False));
+    one damaged field must not turn the check off: the data descriptor's CRC still
+    holds the real one."""
+    src = _torch_zip(str(tmp_path / "src.pt"))
+    name, start, size = _record(src, "/data/0")
+    _patch(src, start + 8, b"\x01\x02\x03\x04")
+    with open(src, "rb") as f:
+        raw = bytearray(f.read())
+    at = raw.find(b"PK\x01\x02")
+    while at >= 0:
+        name_len = struct.unpack_from("<H", raw, at + 28)[0]
+        if raw[at + 46:at + 46 + name_len].decode().endswith("/data/0"):
+            struct.pack_into("<I", raw, at + 16, 0)
+        at = raw.find(b"PK\x01\x02", at + 4)
+    with open(src, "wb") as f:
+        f.write(raw)
+    with pytest.raises(CorruptCheckpointError, match="CRC"):
+        convert(src, str(tmp_path / "out.safetensors"))
+
+
+def test_a_torch_zip_written_without_crcs_still_converts(tmp_path):
+    from torch.serialization import get_crc32_options, set_crc32_options
+    w = torch.arange(100, dtype=torch.float32)
+    old = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        torch.save({"w": w}, str(tmp_path / "src.pt"))
+    finally:
+        set_crc32_options(old)
+    convert(str(tmp_path / "src.pt"), str(tmp_path / "out.lzc"))
+    assert torch.equal(lazyckpt.load(str(tmp_path / "out.lzc"))["w"], w)

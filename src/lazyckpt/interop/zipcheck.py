@@ -3,8 +3,8 @@
 damaged data record loads as other values with no error.
 
 Every record of the central directory is checked against the file: its
-local header where it says (signature, name), its data within the file, and
-its bytes against the CRC-32 of the central directory (ISA-L's crc32 where
+local header where it says (signature, name), its data within the file, its CRC-32 fields (local header or data descriptor,
+central entry) equal, and its bytes against that CRC-32 (ISA-L's crc32 where
 installed, as the writer computes it, else zlib's). A CRC of 0 over a
 non-empty record is taken as "not computed": ``torch.serialization.
 set_crc32_options(False)`` writes 0. Failures are CorruptCheckpointError
@@ -77,6 +77,24 @@ def _check(view: memoryview, label: str) -> None:
         if stored != info.file_size:
             raise CorruptCheckpointError(f"{label}: record {name!r}: stored size {stored} differs from its "
                                          f"size {info.file_size}", path=label, entry=name)
+        # The CRC is written twice: in the local header, or (flag bit 3, as torch's
+        # writer does) in a data descriptor after the data, and in the central entry.
+        # They must agree where both are written, so that one damaged field cannot turn
+        # the check off (a writer that patches only the central entry, as lazyckpt's
+        # DCP writer does on an object store, leaves the local one 0).
+        flags, local_crc = struct.unpack_from("<H", view, at + 6)[0], struct.unpack_from("<I", view, at + 14)[0]
+        if flags & 8:
+            desc = start + stored
+            if bytes(view[desc:desc + 4]) == b"PK\x07\x08":
+                desc += 4
+            if desc + 4 > size:
+                raise CorruptCheckpointError(f"{label}: record {name!r}: its data descriptor is past the end "
+                                             f"of the file", path=label, entry=name)
+            local_crc = struct.unpack_from("<I", view, desc)[0]
+        if local_crc != info.CRC and local_crc != 0:
+            raise CorruptCheckpointError(f"{label}: record {name!r}: the CRC-32 of its local header or data "
+                                         f"descriptor ({local_crc:#010x}) differs from its central entry's "
+                                         f"({info.CRC:#010x}) (the file is damaged)", path=label, entry=name)
         if info.CRC == 0 and stored:
             continue
         crc = 0
