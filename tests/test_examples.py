@@ -56,11 +56,14 @@ def test_example_runs_and_shows_it_worked(name, tmp_path):
             pytest.fail(f"{name} needs {missing}, which CI installs")
         pytest.skip(f"{name} needs {missing}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LAZYCKPT_") and k not in ("RANK", "WORLD_SIZE")}
-    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    # Every deprecation shown, wherever it is raised: an example uses only the current spellings.
+    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path),
+               PYTHONWARNINGS="always::DeprecationWarning")
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, name)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{out[-6000:]}"
     assert expected in proc.stdout, f"{name} did not print {expected!r}:\n{out[-6000:]}"
+    assert "LazyckptDeprecationWarning" not in out, f"{name} uses a deprecated spelling:\n{out[-6000:]}"
     left = [n for n in os.listdir(tmp_path) if n.startswith("lazyckpt-")]   # torch keeps caches there too
     assert not left, f"{name} left its files behind: {left}"

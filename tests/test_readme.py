@@ -37,8 +37,11 @@ def test_python_block_runs_as_written(tmp_path, path, line, code):
     script = tmp_path / "block.py"
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LAZYCKPT_")}
-    env.update(HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.update(HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="always::DeprecationWarning")   # a block uses only the current spellings
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (f"the ```python block at {path}:{line} failed (exit {proc.returncode}):\n"
                                   f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    assert "LazyckptDeprecationWarning" not in proc.stderr, \
+        f"the ```python block at {path}:{line} uses a deprecated spelling:\n{proc.stderr[-4000:]}"
