@@ -344,7 +344,7 @@ def _waiting_first(function: Any) -> Any:
 def wait_for_snapshot(engine: Any) -> None:
     """Block until every checkpoint ``engine`` saved has copied its data out of
     the live tensors: call it before changing weights or optimizer state in
-    place outside the paths :func:`enable` hooks (see docs/integrations.md)."""
+    place outside the paths :func:`enable` hooks (see docs/frameworks/deepspeed.md)."""
     _lazy_engine(engine).wait_for_snapshot()
 
 
