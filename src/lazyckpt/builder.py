@@ -1,4 +1,4 @@
-"""Assembling a Checkpointer from its options (issue 36).
+"""Assembling a Checkpointer from its options.
 
 ``Checkpointer(...)`` is what users call; this module is what it is made of,
 decided from the arguments in one place: the arguments in their groups

@@ -283,7 +283,7 @@ class Checkpointer:
         the persistent tier lacks that save (its upload failed, or the process
         died first). Every rank enqueues it (call -1: any new save supersedes it).
         One listing of the store for both; none when the two tiers' indexes say
-        the newest save is on the store (issue 34)."""
+        the newest save is on the store."""
         newest = self.line.newest_save()
         if newest is not None and newest[0] in (None, newest[1]):     # (None: no local step to send)
             if self._dist.coordinator:
@@ -574,7 +574,7 @@ class Checkpointer:
             # One tier: its steps are one line by construction (committing S removes every step >= S).
             found = self._latest_at_open.locate(step)
             if found is False:
-                found = self.layout.locate_step(step)   # the index: no listing (issue 34)
+                found = self.layout.locate_step(step)   # the index: no listing
             tier = "local" if not self.on_object_store else "object store"
             return [] if found is None else [(found[0], tier, found[1])]
         return self.line.candidates(step)      # the choice among two tiers' copies: the tier's

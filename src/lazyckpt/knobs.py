@@ -126,7 +126,7 @@ class Options:
             raise ValueError(f"queue_policy must be 'block' or 'skip', got {self.queue_policy!r}")
         if self.exit_policy not in ("drain", "warn"):
             raise ValueError(f"exit_policy must be 'drain' or 'warn', got {self.exit_policy!r}")
-        # True means content digests: version counters miss writes (issue 22), so they
+        # True means content digests: version counters miss writes, so they
         # are only ever chosen by name ("version" is the name they had before).
         mode = {True: "content", False: "off", None: "off", "1": "content", "true": "content", "yes": "content",
                 "on": "content", "0": "off", "false": "off", "no": "off", "version": "version-counters"}.get(

@@ -52,7 +52,7 @@ _EVENT_KEY = re.compile(r"^history/(\d{12})-(\d{10})-([A-Za-z0-9_.-]{1,128})$")
 # no commit is numbered past them.
 #: Events kept in the local record (the newest; present steps' events are also
 #: in their manifests): enough to tell any tier's leftover of a recent
-#: abandoned run from the live line, and bounded (issue 34).
+#: abandoned run from the live line, and bounded.
 RECENT_EVENTS = 256
 
 

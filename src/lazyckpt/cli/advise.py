@@ -1,4 +1,4 @@
-"""Which interval to checkpoint at: ``lazyckpt advise RUN --mtbf 8h`` (issue 26).
+"""Which interval to checkpoint at: ``lazyckpt advise RUN --mtbf 8h``.
 
 Reads the save costs every committed step records (``cost`` in its manifest,
 lazyckpt/saving/costs.py, docs/FORMAT.md §11.2) and the mean time between failures

@@ -2,7 +2,7 @@
 only by that command and by benchmarks/ (the peers' setup lives here, not in the
 core the library imports).
 
-Why it lives in the package, and why it is one long module (issue 23): ``lazyckpt
+Why it lives in the package, and why it is one long module: ``lazyckpt
 bench`` is a command of the installed package (README, ``[bench]`` extra), and
 benchmarks/ is not installed (setuptools finds packages under src/ only), so
 moving the harness there would break the command outside a checkout. It is

@@ -42,7 +42,7 @@ __all__ = ["AsyncFileWriter", "file_location", "file_writer_options", "is_lazyck
 
 _KEEPS_FILES = ("the framework decides where each checkpoint file goes and how many to keep "
                 "(Lightning's ModelCheckpoint dirpath/save_top_k, the Trainer's output_dir/save_total_limit)")
-#: What an integration that writes whole files cannot act on, and why (issue 35, 6):
+#: What an integration that writes whole files cannot act on, and why:
 #: accepted and ignored, these would promise what is not done.
 WHOLE_FILE_REFUSED = {
     "incremental": "each checkpoint file must stand alone: the framework deletes older files itself "

@@ -370,7 +370,7 @@ def _wrap_model_checkpoint(mc_cls: type, plugin_of: Any) -> None:
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         if trainer.is_global_zero and self.save_last and not self.__dict__.get("_lazyckpt_saving_last"):
-            # A top-k file: last.ckpt names it from the instant it is published (issue 35, 1),
+            # A top-k file: last.ckpt names it from the instant it is published,
             # before Lightning asks (after save_checkpoint returns: a kill in between, with
             # the file committed, would resume from the step before).
             last = self.last_model_path or self.format_checkpoint_name(self._monitor_candidates(trainer),

@@ -62,13 +62,13 @@ from lazyckpt.storage.stores import for_path
 
 # The reader lives in the core (lazyckpt.interop.dcp_source: `lazyckpt convert` reads these directories);
 # both are importable here. LazyStorageInfo stays importable here: .metadata files pickle
-# it under this module's path (those written before issue 23, and new ones: its __module__
+# it under this module's path (those written by older versions, and new ones: its __module__
 # names this module, see lazyckpt.interop.dcp_source, so that older lazyckpt versions read them).
 __all__ = ["LazyStorageWriter", "LazyStorageReader", "LazyStorageInfo"]
 
 _DELETES_ITS_OWN = ("DCP (and torchtitan's keep_latest_k) delete old checkpoint directories themselves, "
                     "so a checkpoint cannot refer to bytes of an earlier one")
-#: What a DCP writer cannot act on, and why (issue 35, 6): accepted and ignored,
+#: What a DCP writer cannot act on, and why: accepted and ignored,
 #: these would promise what is not done.
 DCP_REFUSED = {
     "incremental": "each DCP checkpoint_id must stand alone: " + _DELETES_ITS_OWN,

@@ -2,7 +2,7 @@
 
 :class:`~lazyckpt.integrations.huggingface.LazyCheckpointMixin` queues a
 checkpoint and returns; this module keeps the plain ``Trainer``'s contract
-around that (issue 24):
+around that:
 
 * **Callbacks after the commit.** ``Trainer`` calls ``callback_handler.on_save``
   right after ``_save_checkpoint``. :class:`CommittedSaveEvents` holds that

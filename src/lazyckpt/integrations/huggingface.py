@@ -180,7 +180,7 @@ class LazyCheckpointMixin:
                                              new="lazyckpt_persist", old="lazyckpt_persist_to",
                                              old_url=lazyckpt_persist_to,
                                              moved=("persist_bandwidth", "storage_options"))
-        # Unknown or invalid knobs, and those a file writer would ignore (issue 35, 6), fail here.
+        # Unknown or invalid knobs, and those a file writer would ignore, fail here.
         self._lazyckpt_resolved = file_writer_options("lazyckpt_options", self.lazyckpt_options,
                                                       persist=self.lazyckpt_persist is not None)
         #: The persistent tier's URL, or None.
@@ -191,7 +191,7 @@ class LazyCheckpointMixin:
         self._lazyckpt_writer: Optional[AsyncFileWriter] = None
         self._lazyckpt_warned = False
         self._lazyckpt_in_jit = False
-        # issue 24 (hf_callbacks): refuse what would silently be synchronous; on_save after the commit.
+        # hf_callbacks: refuse what would silently be synchronous; on_save after the commit.
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             hf_callbacks.refuse_unsupported(training_args, lazyckpt_checkpoint_format)
@@ -364,7 +364,7 @@ class LazyCheckpointMixin:
                     or writer.pending(best_dir):
                 state.best_model_checkpoint = best_dir
 
-        # Layout (issue 24): "hf" writes the plain Trainer's files (hf_layout), "lazyckpt" one file.
+        # Layout: "hf" writes the plain Trainer's files (hf_layout), "lazyckpt" one file.
         hf_format = getattr(self, "lazyckpt_checkpoint_format", "hf") == "hf"
         rng = rng_state(args) if hf_format else _rng_state()
         if args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():

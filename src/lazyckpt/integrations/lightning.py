@@ -191,7 +191,7 @@ class _LazyCheckpointIOImpl:
         self._last_save: Optional[SaveHandle] = None
         self.saves = 0                                   # saves queued (proves the plugin is in use)
         # Links also run on the writer's thread, the moment the save they wait for is
-        # durable (issue 35, 1): last.ckpt then names the newest committed file at once,
+        # durable: last.ckpt then names the newest committed file at once,
         # not at the next safe point, which a kill may never reach. _action_lock makes each
         # action run once, whichever thread gets to it first.
         self._action_lock = threading.Lock()
@@ -345,9 +345,9 @@ class _LazyCheckpointIOImpl:
         publishes it (a file of its own; with ``"link"`` Lightning's own link then
         replaces it with a symlink, with ``True`` last.ckpt's own save). Lightning
         asks for that link or save only after ``save_checkpoint`` returns; a kill
-        in between, the file committed, would leave last.ckpt a step behind
-        (issue 35, 1). ``new_name``: the callback has no last file yet; ``path`` is
-        the name it will choose, and is left alone if something already has it.
+        in between, the file committed, would leave last.ckpt a step behind.
+        ``new_name``: the callback has no last file yet; ``path`` is the name it
+        will choose, and is left alone if something already has it.
 
         On an object store nothing is visible before it is complete and nothing
         links: ``path`` becomes a server-side copy of ``source`` right after

@@ -1,4 +1,4 @@
-"""The latest step, looked up once for the whole job (issue 34).
+"""The latest step, looked up once for the whole job.
 
 A job restarting from an object store opens one Checkpointer per rank, and
 every rank then loads the latest step. Asked separately, each rank would

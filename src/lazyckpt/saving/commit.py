@@ -279,7 +279,7 @@ class StepCommit(CommitStrategy):
         self.layout.apply_retention(self.keep)
         # Superseding made the step just committed the newest one.
         self.layout.write_latest(self.step)
-        self.layout.tidy()              # what needs another look, not a listing (issue 34)
+        self.layout.tidy()              # what needs another look, not a listing
 
     def failure_message(self, job: Job, cause: str) -> str:
         return f"{self.path}: checkpoint of step {self.step} failed: {cause}"

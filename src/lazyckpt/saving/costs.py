@@ -1,4 +1,4 @@
-"""What each save cost the training, recorded in its step's manifest (issue 26).
+"""What each save cost the training, recorded in its step's manifest.
 
 A Checkpointer keeps one :class:`SaveCosts`. Every rank reports, with its
 commit report, what it measured of this save and of its previous one; the

@@ -1,4 +1,4 @@
-# Why one module of ~780 lines (issue 23 asks for a reason above 600): it is the one save
+# Why one module of ~780 lines (a module above 600 lines says why): it is the one save
 # engine. Handles, parts, the CommitStrategy interface, run_job and SaveEngine share one set of
 # rules (ordering, the capture barrier, the error rule, leases, the exit policy: the docstring
 # below), each written once here; the strategies, the writer and the capture have their own modules.

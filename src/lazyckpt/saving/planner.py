@@ -179,8 +179,8 @@ class StepPlanner(StepSavePlanner):
             except CheckpointNotFoundError:
                 gone.add(step)          # deleted meanwhile (by hand): write those bytes again
                 continue
-            # Another writer may have re-saved that step since this index recorded it
-            # (issue 22 case 6): a reference to it would commit an unloadable step.
+            # Another writer may have re-saved that step since this index recorded it:
+            # a reference to it would commit an unloadable step.
             wanted = plan.save_ids(step)
             found = _held_save_id(held)
             if wanted != {found}:

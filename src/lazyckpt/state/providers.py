@@ -1,4 +1,4 @@
-# Why one module of ~760 lines (issue 23 asks for a reason above 600): the providers together are
+# Why one module of ~760 lines (a module above 600 lines says why): the providers together are
 # the tree's tag set, the one list of what a file may ask the loader to build (anything else is
 # refused); it is reviewed in one place. The walker is state/walk.py, the plan cache state/plancache.py.
 """State providers: turn each kind of state into tree nodes and byte sources,

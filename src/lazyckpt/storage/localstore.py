@@ -135,7 +135,7 @@ class LocalStore(Store):
         if all_steps:
             paths = directory.step_paths()
         else:
-            # The index: a few stat calls (issue 34); where it cannot tell, locate_step
+            # The index: a few stat calls; where it cannot tell, locate_step
             # lists the directory itself, so None means no committed step.
             found = directory.locate_step(None)
             if found is not None:

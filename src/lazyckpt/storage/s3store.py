@@ -119,7 +119,7 @@ class S3Store(Store):
         if all_steps:
             paths = directory.step_paths()
         else:
-            # head.json and one page of events (issue 34); where they cannot tell,
+            # head.json and one page of events; where they cannot tell,
             # locate_step lists the prefix itself, so None means no committed step.
             found = directory.locate_step(None)
             if found is not None:

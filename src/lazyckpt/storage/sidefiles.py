@@ -51,7 +51,7 @@ def clean_sibling_temps(directory: str, expiry_s: float = DEFAULT_EXPIRY_S) -> L
         if not m:
             continue
         path = os.path.join(directory, name)
-        # A killed process's save is over at once (issue 35, 2): the resumed run must
+        # A killed process's save is over at once: the resumed run must
         # not carry its temporary for a lease expiry; any other waits for the expiry.
         if is_live(path, expiry_s, now) and not holder_died_here(m.group("token"), path):
             continue

@@ -279,7 +279,7 @@ def _step_location(run: str, step: int, options: Options) -> str:
         raise CheckpointNotFoundError(f"{run}: no such Checkpointer directory", path=run)
     store.check(run, options)
     layout = store.checkpoint_dir(run, options)
-    found = layout.locate_step(step)        # a few stat calls on a local directory, not a listing (issue 34)
+    found = layout.locate_step(step)        # a few stat calls on a local directory, not a listing
     if found is not None:
         return found[1]
     paths = layout.step_paths()             # (for the message)

@@ -124,8 +124,8 @@ def run_steps(run: str, persist_to: Optional[str] = None, options: Optional[Opti
     (a save abandoned by a rollback is not one). A step on both tiers is read
     from the local one. ``run`` may itself be an ``s3://`` prefix. ``wanted``:
     only those steps, each looked up by itself in a local directory (a few
-    ``stat`` calls: a range costs what it holds, not what the run does,
-    issue 34); elsewhere one listing still finds them."""
+    ``stat`` calls: a range costs what it holds, not what the run does);
+    elsewhere one listing still finds them."""
     options = options or resolve_options()
     store = for_path(run)
     run = store.normalize(run)

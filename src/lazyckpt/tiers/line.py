@@ -82,7 +82,7 @@ class Line:
     def newest_save(self) -> Optional[Tuple[Optional[Event], Event, Event]]:
         """(the local tail or None, the persistent tail, the newest live save) from
         the two tiers' indexes alone, without reading every manifest or listing
-        the store (issue 34); None when either cannot tell -- the caller builds
+        the store; None when either cannot tell -- the caller builds
         the whole line. Why the newest commit by ``seq`` is the newest live save:
         a commit of S supersedes every save >= S, so after the last one nothing
         is above it; each tier's tail is its own newest commit."""
@@ -164,7 +164,7 @@ class Line:
         (the same save id), so neither an abandoned step nor another run's save
         of the same number is ever offered; asking for an abandoned step raises
         ``CheckpointNotFoundError``. For the newest step the two indexes answer
-        first (a few requests, issue 34); the whole line only if neither copy
+        first (a few requests); the whole line only if neither copy
         loads or they cannot tell. Lazy: the line is built when asked for."""
         if step is None:
             newest = self._newest_copies()

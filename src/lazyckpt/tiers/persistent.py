@@ -163,7 +163,7 @@ class PersistentTier(NewestWinsDrain):
         be listed). On an empty store only the live line's events go up: the
         abandoned ones would supersede nothing there."""
         if listing is None and not self._outbox:
-            # The store's index and the local record, when they tell: no listing (issue 34).
+            # The store's index and the local record, when they tell: no listing.
             top = self.dir.published_seq()
             missing = self.local_events_above(top) if top else None
             if missing is not None:
@@ -234,7 +234,7 @@ class PersistentTier(NewestWinsDrain):
             if d.coordinator:
                 # The store's leftover scan: one listing, which grows with the steps it keeps,
                 # on a thread from the first upload on, never in the way of opening and a
-                # restore (issue 34: a replaced node's open + load at 10,000 steps waited
+                # restore (a replaced node's open + load at 10,000 steps waited
                 # for it, 4.1 s); close() joins it.
                 self.dir.start_tidy()
                 self._flush_events()        # never a manifest here before its commit event

@@ -1,4 +1,4 @@
-# Why one module of ~660 lines (issue 23 asks for a reason above 600): one tier, both of its sides.
+# Why one module of ~660 lines (a module above 600 lines says why): one tier, both of its sides.
 # The save side and the restore side share the topology, the on-disk layout of held replicas
 # (.replicas/node_N/rank_L/step_S, COMPLETE) and the wire format of a transfer, which change together.
 """Replica tier: each committed rank file copied to partner ranks on other nodes.
@@ -437,7 +437,7 @@ class ReplicaTier(NewestWinsDrain):
             base = os.path.dirname(tmp)
             with open(os.path.join(tmp, MANIFEST), "wb") as f:
                 f.write(r["manifest"])
-                f.flush()           # before the fsync: else it syncs an empty file (issue 33 item 4)
+                f.flush()           # before the fsync: else it syncs an empty file
                 os.fsync(f.fileno())
             os.rename(r["path"], os.path.join(tmp, rank_filename(r["local_rank"])))
             final = os.path.join(base, _step_name(r["step"]))
