@@ -350,3 +350,21 @@ def test_a_torch_zip_written_without_crcs_still_converts(tmp_path):
         set_crc32_options(old)
     convert(str(tmp_path / "src.pt"), str(tmp_path / "out.lzc"))
     assert torch.equal(lazyckpt.load(str(tmp_path / "out.lzc"))["w"], w)
+
+
+def test_convert_of_a_dcp_checkpoint_with_a_damaged_record_is_corrupt(tmp_path):
+    """convert read DCP's own layout with FileSystemReader, which checks no CRC-32:
+    a damaged record converted as other values."""
+    _dcp_checkpoint(tmp_path / "d")
+    data = [n for n in os.listdir(tmp_path / "d") if n.endswith(".distcp")][0]
+    name, start, size = _record(str(tmp_path / "d" / data), "/data/0")
+    _patch(str(tmp_path / "d" / data), start + size // 2, b"\xde\xad\xbe\xef")
+    with pytest.raises(CorruptCheckpointError, match="CRC"):
+        convert(str(tmp_path / "d"), str(tmp_path / "out.lzc"))
+
+
+def test_convert_of_an_intact_dcp_checkpoint_still_converts(tmp_path):
+    state = _dcp_checkpoint(tmp_path / "d")
+    convert(str(tmp_path / "d"), str(tmp_path / "out.lzc"))
+    out = lazyckpt.load(str(tmp_path / "out.lzc"))
+    assert all(torch.equal(out[k], v) for k, v in state.items())

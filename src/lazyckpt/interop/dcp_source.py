@@ -129,6 +129,11 @@ class MetadataUnpickler(pickle.Unpickler):
                                 f"this checkpoint", path=self.path)
 
 
+class StorageTransformsError(CheckpointError):
+    """The checkpoint was written with DCP storage transforms (compression,
+    extensions), which :class:`LazyStorageReader` does not apply."""
+
+
 class LazyStorageReader(StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`LazyStorageWriter`
     (either file format) and by DCP's ``FileSystemWriter`` (untransformed), on a
@@ -226,8 +231,8 @@ class LazyStorageReader(StorageReader):
         """Items of a DCP data file: each one's (offset, length) run, a ``torch.save``
         zip for a tensor (its records' CRC-32s checked here: ``torch.load`` does not;
         ``weights_only``: no code runs), raw bytes for a ``BYTE_IO`` item."""
-        if entries and any(info.transform_descriptors for _, info in entries):
-            raise CheckpointError(f"{self.path}/{name}: written with DCP storage transforms "
+        if entries and any(getattr(info, "transform_descriptors", None) for _, info in entries):
+            raise StorageTransformsError(f"{self.path}/{name}: written with DCP storage transforms "
                                   f"(compression, extensions), which this reader does not apply; read it "
                                   f"with DCP's FileSystemReader", path=self.path)
         store = for_path(self.path)
@@ -278,7 +283,8 @@ class LazyStorageReader(StorageReader):
 
 
 def _ints(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) and all(type(v) is int and v >= 0 for v in value)
+    """A shape or offsets: non-negative ints that fit a torch.Size (int64)."""
+    return isinstance(value, (tuple, list)) and all(type(v) is int and 0 <= v < 2**62 for v in value)
 
 
 def check_metadata(metadata: Metadata, path: str) -> None:
@@ -293,26 +299,29 @@ def check_metadata(metadata: Metadata, path: str) -> None:
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: damaged DCP metadata: {what}", path=path)
 
-    items, storage = metadata.state_dict_metadata, metadata.storage_data
+    # A damaged pickle can rebuild these classes without some of their fields: getattr.
+    items, storage = getattr(metadata, "state_dict_metadata", None), getattr(metadata, "storage_data", None)
     if not isinstance(items, dict):
         raise bad("state_dict_metadata is not a dict")
     if storage is not None and not isinstance(storage, dict):
         raise bad("storage_data is not a dict")
     storage = storage or {}
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str) \
-                or not (index.offset is None or _ints(index.offset)):
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str) \
+                or not (getattr(index, "offset", None) is None or _ints(index.offset)):
             raise bad(f"storage key {index!r}")
+        relative = getattr(info, "relative_path", None)
         if isinstance(info, LazyStorageInfo):
-            fields_ok = isinstance(info.relative_path, str) and isinstance(info.key, str)
+            fields_ok = isinstance(getattr(info, "key", None), str)
         elif isinstance(info, _StorageInfo):
-            fields_ok = isinstance(info.relative_path, str) and type(info.offset) is int \
-                and type(info.length) is int and info.offset >= 0 and info.length >= 0
+            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+            fields_ok = type(offset) is int and type(length) is int and offset >= 0 and length >= 0 \
+                and isinstance(getattr(info, "transform_descriptors", ()), (list, tuple, type(None)))
         else:
             fields_ok = False
-        if not fields_ok or not info.relative_path or "/" in info.relative_path or "\0" in info.relative_path \
-                or info.relative_path.startswith("."):
-            raise bad(f"storage entry of {index.fqn!r}: {info!r}")
+        if not fields_ok or not isinstance(relative, str) or not relative or "/" in relative \
+                or "\0" in relative or relative.startswith("."):
+            raise bad(f"storage entry of {index.fqn!r}: {info!r}"[:500])
     for fqn, meta in items.items():
         if not isinstance(fqn, str):
             raise bad(f"key {fqn!r} is not a string")
@@ -322,12 +331,12 @@ def check_metadata(metadata: Metadata, path: str) -> None:
             continue
         if not isinstance(meta, TensorStorageMetadata):
             raise bad(f"{fqn!r}: {type(meta).__name__} is not tensor or bytes metadata")
-        size = meta.size
-        dtype = getattr(meta.properties, "dtype", None)
-        if not isinstance(dtype, torch.dtype) or not _ints(size) or not isinstance(meta.chunks, list):
-            raise bad(f"{fqn!r}: dtype {dtype!r}, size {size!r}")
+        size, chunks = getattr(meta, "size", None), getattr(meta, "chunks", None)
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype) or not _ints(size) or not isinstance(chunks, list):
+            raise bad(f"{fqn!r}: dtype {dtype!r}, size {size!r}"[:500])
         volume = 0
-        for chunk in meta.chunks:
+        for chunk in chunks:
             offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
             if not (_ints(offsets) and _ints(sizes) and len(offsets) == len(sizes) == len(size)
                     and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):

@@ -424,7 +424,7 @@ def load_dcp(path: str, allow_pickle: bool) -> Dict[str, Any]:
     from torch.distributed.checkpoint import default_planner
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    from .dcp_source import SUFFIX, LazyStorageReader, MetadataUnpickler  # lazy: as above
+    from .dcp_source import SUFFIX, LazyStorageReader, MetadataUnpickler, StorageTransformsError  # lazy: as above
 
     raised: List[CheckpointError] = []        # DCP turns errors into strings: keep ours
 
@@ -469,6 +469,20 @@ def load_dcp(path: str, allow_pickle: bool) -> Dict[str, Any]:
                 metadata.storage_meta.load_id = self.load_id
                 return metadata
         reader_cls = SafeReader
+        # DCP's own layout without pickles allowed: lazyckpt's reader, which checks every
+        # record's CRC-32 (FileSystemReader checks none: a damaged record would convert as
+        # other values) and each span against its file. It applies no storage transforms:
+        # a checkpoint written with them is read by FileSystemReader as before.
+        try:
+            return _load_dcp_with(path, LazyStorageReader, Planner, raised)
+        except StorageTransformsError:
+            raised.clear()
+    return _load_dcp_with(path, reader_cls, Planner, raised)
+
+
+def _load_dcp_with(path: str, reader_cls: Any, planner_cls: Any, raised: List[CheckpointError]) -> Dict[str, Any]:
+    import warnings
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     state: Dict[str, Any] = {}
     import logging
     dcp_log = logging.getLogger("torch.distributed.checkpoint")
@@ -477,7 +491,7 @@ def load_dcp(path: str, allow_pickle: bool) -> Dict[str, Any]:
         dcp_log.setLevel(logging.CRITICAL)     # it logs tracebacks of the failures it then raises
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _load_state_dict(state, storage_reader=reader_cls(path), planner=Planner(), no_dist=True)
+            _load_state_dict(state, storage_reader=reader_cls(path), planner=planner_cls(), no_dist=True)
     except CheckpointError:
         raise
     except (KeyboardInterrupt, SystemExit):
