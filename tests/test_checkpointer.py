@@ -274,7 +274,7 @@ def test_leftovers_are_cleaned_only_once_provably_dead(ckpt_dir):
                 os.utime(sub, (old, old))
     try:
         with lazyckpt.Checkpointer(ckpt_dir) as ckpt:
-            ckpt.layout.close()         # opening scans in the background (issue 34): wait for it
+            ckpt.layout.tidy()          # opening scans in the background: tidy() waits for it
             for name, kept in names.items():
                 assert os.path.exists(os.path.join(ckpt_dir, name)) == kept, name
             assert not os.path.exists(os.path.join(ckpt_dir, "latest.tmp-1234"))
@@ -354,7 +354,7 @@ def test_sigkill_mid_write_leaves_the_last_commit_intact(ckpt_dir, tmp_path):
     with lazyckpt.Checkpointer(ckpt_dir, **groups(SMALL, lease_expiry=0.5)) as ckpt:
         assert ckpt.steps() == [1] and ckpt.latest_step() == 1
         assert_same(state_for(1), ckpt.load())
-        ckpt.layout.close()     # the leftover scan opening starts runs in the background: wait for it
+        ckpt.layout.tidy()      # the leftover scan opening starts runs in the background: wait for it
         assert _listing(ckpt_dir) == ["history.json", "latest", "step_0000000001"]
         assert open(os.path.join(ckpt_dir, "latest")).read() == "1\n"
         ckpt.save(state_for(2), step=2).wait()

@@ -29,7 +29,7 @@ def test_commits_above_the_latest_step_never_list_the_directory(tmp_path, monkey
     with lazyckpt.Checkpointer(run, keep=None) as ckpt:
         for s in range(1, 41):
             ckpt.save(_values(s), step=s).wait()
-        ckpt.layout.close()                     # the scan opening started
+        ckpt.layout.tidy()                      # waits for the scan opening started
         listed = []
         real = os.listdir
 
@@ -140,7 +140,7 @@ def test_object_store_commits_and_loads_of_the_latest_do_not_list_the_run(s3_run
     with lazyckpt.Checkpointer(url, keep=None, io=lazyckpt.IO(storage_options=opts)) as ckpt:
         for s in range(1, 6):
             ckpt.save(_values(s), step=s).wait()
-        ckpt.layout.close()
+        ckpt.layout.tidy()                      # waits for the scan opening started
         calls = []
         _listings_of(ckpt.layout.store, calls)
         ckpt.save(_values(6), step=6).wait()

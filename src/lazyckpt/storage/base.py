@@ -353,7 +353,7 @@ class Directory(Protocol):
         """After a commit: clean what needs another look (never data)."""
 
     def close(self) -> None:
-        """Wait for what :meth:`start_tidy` started."""
+        """Cancel what :meth:`start_tidy` started, without waiting for it."""
 
     def recover(self, wait: bool = True) -> List[int]:
         """Finish a commit a crash interrupted after its commit point (roll

@@ -631,16 +631,28 @@ class CheckpointDir:
     # ---------------------------------------------------------------- leftovers
 
     def leftovers(self, expiry_s: Optional[float] = None, names: Optional[List[str]] = None,
-                  writer: bool = True) -> List[Leftover]:
+                  writer: bool = True, stop: Optional[Callable[[], bool]] = None) -> List[Leftover]:
         """What interrupted saves, deletes and superseded steps left here
         (``names``: only among those, without listing the directory; without
-        ``writer``, the writer lease is not looked at)."""
+        ``writer``, the writer lease is not looked at; ``stop``: asked before
+        each name, True ends the look there, with what was found so far)."""
         expiry = self.lease_expiry_s if expiry_s is None else expiry_s
         out = []
         now = time.time()
         committing = self._interrupted()
         prepared = self._prepared_name()
-        for name in sorted(os.listdir(self.path) if names is None else names):
+        if names is None:
+            # Read incrementally, the cancel looked at between names: closing does not
+            # wait for a listing that grows with the steps kept (storage/scan.py).
+            names = []
+            with os.scandir(self.path) as entries:
+                for entry in entries:
+                    if stop is not None and stop():
+                        return out
+                    names.append(entry.name)
+        for name in sorted(names):
+            if stop is not None and stop():
+                break
             path = os.path.join(self.path, name)
             if names is not None and not os.path.lexists(path):
                 continue
@@ -668,13 +680,15 @@ class CheckpointDir:
             out.append(Leftover(name, kind, tree_bytes(path), _step_in(name)))
         return out
 
-    def clean_leftovers(self, names: Optional[List[str]] = None, writer: bool = True) -> List[str]:
+    def clean_leftovers(self, names: Optional[List[str]] = None, writer: bool = True,
+                        stop: Optional[Callable[[], bool]] = None) -> List[str]:
         """Remove what is provably dead: expired saves, interrupted deletes (not
         being read), stale small temporaries. Never a live save, never data.
         The leftovers still live are watched (:meth:`tidy` looks at them again).
-        ``names``: only among those (no listing)."""
+        ``names``: only among those (no listing). ``stop``: asked before each
+        name and each removal (a scan cancelled by close)."""
         removed = []
-        found = self.leftovers(names=names, writer=writer)
+        found = self.leftovers(names=names, writer=writer, stop=stop)
         with self._watch_mutex:
             if names is not None:
                 self._watch.difference_update(names)
@@ -682,6 +696,8 @@ class CheckpointDir:
         for leftover in found:
             if not leftover.removable:
                 continue
+            if stop is not None and stop():
+                break
             path = os.path.join(self.path, leftover.name)
             if leftover.kind == "deleting":
                 self._remove_trash(path)
@@ -770,7 +786,7 @@ class CheckpointDir:
         self._scan.start()
 
     def _scan_all(self) -> List[str]:
-        return self.clean_leftovers(writer=False)
+        return self.clean_leftovers(writer=False, stop=self._scan.cancelled.is_set)
 
     def tidy(self) -> List[str]:
         """After a commit: the leftovers known to need another look (those the
@@ -785,8 +801,9 @@ class CheckpointDir:
         return self.clean_leftovers(names) if names else []
 
     def close(self) -> None:
-        """Wait for the scan started at open."""
-        self._scan.join()
+        """Cancel the scan started at open: it stops at its next name (a
+        listing grows with the steps kept, closing must not: storage/scan.py)."""
+        self._scan.cancel()
 
     # ---------------------------------------------------------------- the read side (base.Directory)
 

@@ -25,7 +25,7 @@ import bisect
 import threading
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from .base import register_store
@@ -136,8 +136,9 @@ class MemoryObjectStore:
                 out.append({"Key": key, "Size": len(data), "LastModified": stamp})
         yield from out
 
-    def listing(self, prefix: str) -> Tuple[List[Dict[str, Any]], datetime]:
-        now = _now()
+    def listing(self, prefix: str, stop: Optional[Callable[[], bool]] = None
+                ) -> Tuple[List[Dict[str, Any]], datetime]:
+        now = _now()            # (one page: ``stop`` has nothing to end early)
         return list(self.list(prefix)), now
 
     def server_time(self, near: str) -> datetime:

@@ -40,6 +40,7 @@ from datetime import datetime
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from .scan import ScanCancelled
 
 MiB = 1 << 20
 #: S3 refuses parts smaller than this, except the last.
@@ -305,20 +306,29 @@ class ObjectStore:
         except Exception as exc:
             raise self.error(exc, prefix, "listing") from exc
 
-    def listing(self, prefix: str) -> Tuple[List[Dict[str, Any]], datetime]:
+    def listing(self, prefix: str, stop: Optional[Callable[[], bool]] = None
+                ) -> Tuple[List[Dict[str, Any]], datetime]:
         """Every object under ``prefix`` and the server's clock when it listed
         them (the ``Date`` header of the first page). Lease ages are this
         reference minus ``LastModified``: both stamped by the server, so a
         host whose own clock is skewed can neither expire a live lease nor keep
-        a dead one (a later page's objects only look younger: the safe side)."""
+        a dead one (a later page's objects only look younger: the safe side).
+        ``stop``: asked before each page; True ends the listing unfinished
+        (``ScanCancelled``: a partial listing is never taken as the whole)."""
         objects: List[Dict[str, Any]] = []
         now: Optional[datetime] = None
+        cancelled = False
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                if stop is not None and stop():
+                    cancelled = True
+                    break
                 now = now or _server_date(page)
                 objects += page.get("Contents", [])
         except Exception as exc:
             raise self.error(exc, prefix, "listing") from exc
+        if cancelled:
+            raise ScanCancelled(f"{self.url(prefix)}: listing cancelled")
         return objects, now or self.server_time(prefix)
 
     def server_time(self, near: str) -> datetime:

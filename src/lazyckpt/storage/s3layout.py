@@ -66,7 +66,8 @@ class ObjectCheckpointDir:
         #: Save prefixes the last leftover scan found live: tidy() looks at them again.
         self._watch: set = set()
         self._watch_mutex = threading.Lock()
-        self._scan = BackgroundScan(self.clean_leftovers, self.url)
+        self._scan = BackgroundScan(lambda: self._remove(self.leftovers(stop=self._scan.cancelled.is_set),
+                                                         stop=self._scan.cancelled.is_set), self.url)
         #: (step, save id) -> the metadata its save recorded, for the policies that rank
         #: by it: read once per save; bounded by the steps present (:meth:`_plan`).
         self._metadata: Dict[Tuple[int, str], Dict[str, Any]] = {}
@@ -456,7 +457,8 @@ class ObjectCheckpointDir:
 
     # ---------------------------------------------------------------- leftovers
 
-    def leftovers(self, expiry_s: Optional[float] = None, within: Optional[str] = None) -> List[Leftover]:
+    def leftovers(self, expiry_s: Optional[float] = None, within: Optional[str] = None,
+                  stop: Optional[Callable[[], bool]] = None) -> List[Leftover]:
         """Save prefixes without a manifest that are provably dead: their newest
         object (the heartbeat included) and their newest open multipart upload
         are older than the lease expiry ("interrupted-save", named
@@ -466,7 +468,10 @@ class ObjectCheckpointDir:
         groups: Dict[str, List[Any]] = {}
         uploads: Dict[str, List[Any]] = {}
         committed = set()
-        objects, now = self.store.listing(within or self._key(""))     # now: the server's clock
+        # now: the server's clock. ``stop`` (the scan at open, cancelled by close): looked
+        # at between pages; a listing left unfinished ends the scan (ScanCancelled).
+        objects, now = self.store.listing(within or self._key(""), stop=stop) if stop is not None \
+            else self.store.listing(within or self._key(""))
         events = self._events(objects) if within is None else []
         recorded = {(e.step, e.save_id) for e in events}
         for obj in objects:
@@ -535,17 +540,20 @@ class ObjectCheckpointDir:
         return removed
 
     def close(self) -> None:
-        """Wait for the scan started at open."""
-        self._scan.join()
+        """Cancel the scan started at open: it stops at its next page (its
+        listing grows with the steps kept, closing must not: storage/scan.py)."""
+        self._scan.cancel()
 
     def clean_leftovers(self, expiry_s: Optional[float] = None) -> List[str]:
         """Delete dead saves' prefixes and abort their open uploads (never a
         save whose heartbeat or upload is younger than the lease expiry)."""
         return self._remove(self.leftovers(expiry_s))
 
-    def _remove(self, leftovers: List[Leftover]) -> List[str]:
+    def _remove(self, leftovers: List[Leftover], stop: Optional[Callable[[], bool]] = None) -> List[str]:
         removed = []
         for leftover in leftovers:
+            if stop is not None and stop():
+                break                   # the scan at open, cancelled by close
             prefix = self._key(leftover.name) + "/"
             for up in self.store.uploads(prefix):
                 self.store.abort_upload(up["Key"], up["UploadId"])
