@@ -368,3 +368,37 @@ def test_convert_of_an_intact_dcp_checkpoint_still_converts(tmp_path):
     convert(str(tmp_path / "d"), str(tmp_path / "out.lzc"))
     out = lazyckpt.load(str(tmp_path / "out.lzc"))
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+@pytest.mark.timeout(30)
+def test_dcp_metadata_putting_at_a_huge_memo_index_is_refused_at_once(tmp_path):
+    """The C unpickler sizes its memo to the largest index put: 5 KB asking for
+    index 841,250,082 took 30 s and gigabytes before failing."""
+    _dcp_checkpoint(tmp_path)
+    path = os.path.join(str(tmp_path), ".metadata")
+    with open(path, "rb") as f:
+        raw = f.read()
+    at = raw.index(b"\x94")                                  # the first MEMOIZE
+    with open(path, "wb") as f:
+        f.write(raw[:at] + b"r" + struct.pack("<I", 841250082) + raw[at + 1:])
+    from lazyckpt.interop.dcp_source import LazyStorageReader
+    with pytest.raises(CorruptCheckpointError, match="memo index"):
+        LazyStorageReader(str(tmp_path)).read_metadata()
+    with pytest.raises(CheckpointError):
+        convert(str(tmp_path), str(tmp_path.parent / "out.lzc"))
+
+
+def test_convert_of_a_torch_zip_with_an_int_persistent_id(tmp_path):
+    src = str(tmp_path / "p.pt")
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02K\x01Q.")      # BINPERSID of an int: AssertionError
+        archive.writestr("archive/version", b"3\n")
+    with pytest.raises(CorruptCheckpointError, match="p.pt"):
+        convert(src, str(tmp_path / "o.lzc"))
+
+
+def test_safetensors_dimension_beyond_int64_of_an_empty_tensor(tmp_path):
+    src = str(tmp_path / "x.safetensors")
+    _safetensors(src, {"e": {"dtype": "F32", "shape": [0, 2**64], "data_offsets": [0, 0]}})
+    with pytest.raises(CorruptCheckpointError, match="x.safetensors"):
+        convert(src, str(tmp_path / "out.lzc"))

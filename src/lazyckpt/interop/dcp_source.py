@@ -106,13 +106,37 @@ _INFO_PATHS = {("lazyckpt.integrations.dcp", "LazyStorageInfo"), ("lazyckpt.inte
                (__name__, "LazyStorageInfo")}
 
 
+def check_memo(data: bytes, path: str) -> None:
+    """Refuse a pickle whose memo indices are beyond its size before unpickling it:
+    the C unpickler sizes its memo table to the largest index put, so a 5 KB file
+    putting at index 10^9 costs gigabytes and tens of seconds. Each put takes at
+    least two bytes, so an index of a valid pickle is below its length."""
+    import pickletools
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and not (type(arg) is int and 0 <= arg < len(data)):
+                raise CorruptCheckpointError(f"{path}: damaged DCP metadata: a pickle memo index {arg!r} "
+                                             f"beyond its {len(data)} bytes", path=path)
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:            # pickletools' ValueError for an unknown or cut opcode
+        raise CorruptCheckpointError(f"{path}: unreadable DCP metadata: {exc}", path=path) from None
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """DCP's ``.metadata`` with the allow-list: plain data classes only. The one
     unpickler of DCP metadata (``lazyckpt convert`` and :class:`LazyStorageReader`)."""
 
     def __init__(self, f: Any, path: str):
         super().__init__(f)
+        self.file = f
         self.path = path
+
+    def load(self) -> Any:
+        data = self.file.read()
+        check_memo(data, self.path)
+        pickle.Unpickler.__init__(self, io.BytesIO(data))
+        return super().load()
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _INFO_PATHS:
@@ -287,6 +311,15 @@ def _ints(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and all(type(v) is int and 0 <= v < 2**62 for v in value)
 
 
+def _brief(value: Any) -> str:
+    """repr() of a value a damaged pickle made, which may itself fail (a dataclass
+    rebuilt without the fields its repr names)."""
+    try:
+        return repr(value)[:200]
+    except Exception:               # noqa: BLE001 - any repr that fails is named by its type
+        return f"<{type(value).__name__}>"
+
+
 def check_metadata(metadata: Metadata, path: str) -> None:
     """DCP metadata as its writers make it, checked before DCP's planner sees it
     (which would fail on a damaged one with AssertionError, ValueError, TypeError
@@ -309,7 +342,7 @@ def check_metadata(metadata: Metadata, path: str) -> None:
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str) \
                 or not (getattr(index, "offset", None) is None or _ints(index.offset)):
-            raise bad(f"storage key {index!r}")
+            raise bad(f"storage key {_brief(index)}")
         relative = getattr(info, "relative_path", None)
         if isinstance(info, LazyStorageInfo):
             fields_ok = isinstance(getattr(info, "key", None), str)
@@ -321,10 +354,10 @@ def check_metadata(metadata: Metadata, path: str) -> None:
             fields_ok = False
         if not fields_ok or not isinstance(relative, str) or not relative or "/" in relative \
                 or "\0" in relative or relative.startswith("."):
-            raise bad(f"storage entry of {index.fqn!r}: {info!r}"[:500])
+            raise bad(f"storage entry of {index.fqn!r}: {_brief(info)}")
     for fqn, meta in items.items():
         if not isinstance(fqn, str):
-            raise bad(f"key {fqn!r} is not a string")
+            raise bad(f"key {_brief(fqn)} is not a string")
         if isinstance(meta, BytesStorageMetadata):
             if MetadataIndex(fqn) not in storage:
                 raise bad(f"{fqn!r} has no storage entry")
@@ -334,13 +367,14 @@ def check_metadata(metadata: Metadata, path: str) -> None:
         size, chunks = getattr(meta, "size", None), getattr(meta, "chunks", None)
         dtype = getattr(getattr(meta, "properties", None), "dtype", None)
         if not isinstance(dtype, torch.dtype) or not _ints(size) or not isinstance(chunks, list):
-            raise bad(f"{fqn!r}: dtype {dtype!r}, size {size!r}"[:500])
+            raise bad(f"{fqn!r}: dtype {_brief(dtype)}, size {_brief(size)}")
         volume = 0
         for chunk in chunks:
             offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
             if not (_ints(offsets) and _ints(sizes) and len(offsets) == len(sizes) == len(size)
                     and all(o + n <= d for o, n, d in zip(offsets, sizes, size))):
-                raise bad(f"{fqn!r}: a chunk at {offsets!r} of {sizes!r} does not lie within {tuple(size)}")
+                raise bad(f"{fqn!r}: a chunk at {_brief(offsets)} of {_brief(sizes)} does not lie within "
+                          f"{_brief(size)}")
             if MetadataIndex(fqn, offsets) not in storage:
                 raise bad(f"{fqn!r}: the chunk at {tuple(offsets)} has no storage entry")
             n = 1

@@ -351,7 +351,7 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, Any], int]:
             continue
         ok = isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] in ST_DTYPES \
             and isinstance(info.get("shape"), list) \
-            and all(type(s) is int and s >= 0 for s in info["shape"]) \
+            and all(type(s) is int and 0 <= s < 2**62 for s in info["shape"]) \
             and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2 \
             and all(type(o) is int for o in info["data_offsets"])
         if not ok:
@@ -396,7 +396,8 @@ class TorchSource(Source):
                         path=self.path) from None
                 raise CorruptCheckpointError(f"{self.path}: cannot unpickle: {first}", path=self.path) from None
             except (RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
-                    OSError, OverflowError, RecursionError, struct.error, UnicodeDecodeError) as exc:
+                    AssertionError, OSError, OverflowError, RecursionError, struct.error,
+                    UnicodeDecodeError) as exc:
                 # The unpickler interprets the file's opcodes: a damaged stream fails in
                 # whatever way the opcode it reaches does.
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
