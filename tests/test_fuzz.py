@@ -1,4 +1,5 @@
-"""Fuzzing the loader (short CI run; benchmarks/fuzz_long.py runs >= 10,000 inputs).
+"""Fuzzing the loader (short CI run; benchmarks/fuzz_long.py runs >= 10,000 inputs),
+and at the end every other format lazyckpt reads (tests/format_fuzz.py).
 
 Property, for every mutated file: ``lazyckpt.load`` (whole file, or selected
 keys) returns or raises a ``lazyckpt.CheckpointError`` subclass. Never another
@@ -161,3 +162,33 @@ def test_seeded_inputs_of_the_long_run(bases, tmp_path, seed):
     """A slice of benchmarks/fuzz_long.py's input sequence (same seeds)."""
     name, outcome, detail = fz.one_input(bases, random.Random(seed), str(tmp_path / "m.lzc"))
     assert outcome not in fz.FAILURES, f"seed {seed} ({name}): {outcome}: {detail}"
+
+
+# --------------------------------------------------------------------------- every other format
+# tests/format_fuzz.py: step directories, torch zips and safetensors through convert, DCP in
+# both layouts through LazyStorageReader and convert. The property: the saved values (where a
+# checksum covers the damage), or an error of lazyckpt's family; never another exception type,
+# a hang, or a write outside the input's directory.
+
+
+def _format_fuzz(seed, count=None, seconds=None):
+    import format_fuzz as ff
+    counts, failures = ff.run(seed, count=count, seconds=seconds)
+    assert sum(counts.values()) > 0
+    assert not failures, "\n".join(d for _, d in failures[:20])
+    return counts
+
+
+def test_format_fuzz_sample():
+    """A few seconds of inputs of a fixed seed, every format among them."""
+    counts = _format_fuzz(seed=0, count=80)
+    import format_fuzz as ff
+    assert {fmt for fmt, _, _ in counts} == set(ff.FORMATS)
+    assert any(outcome == "library" for _, _, outcome in counts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_format_fuzz_long():
+    """Twenty minutes of inputs of a seed of its own (tests/format_fuzz.py --minutes N runs it by hand)."""
+    _format_fuzz(seed=20261206, seconds=1200)
