@@ -1089,6 +1089,61 @@ class Run:
         self._settle()
         self.line.commit(step, values)
 
+    def rule_prune_beside_commit(self, arg: int) -> None:
+        """`lazyckpt prune --keep 1|2` with this writer's pending save (a rollback's,
+        after rule_rollback) forced between prune's plan and its act: a hook at
+        prune's first rename aside waits (up to 0.5 s) for the save to commit. A
+        prune that acts by step number outside the commit lock deletes the new step
+        it never planned on; the save must commit and stay the line's latest."""
+        if self.distributed or self.cfg.replicas:
+            return
+        from lazyckpt.storage.layout import CheckpointDir
+        self._wait()                        # the gate below holds back this save's commit alone
+        self._settle()
+        step = self.next_step
+        state = self.trainee.state()
+        values = flat(state)
+        mine = self.ckpt.layout
+        gate, committed = threading.Event(), threading.Event()
+        commit = mine.commit
+
+        def gated(*a: Any, **k: Any) -> Any:
+            gate.wait(30)                   # the save commits once prune has planned
+            try:
+                return commit(*a, **k)
+            finally:
+                committed.set()
+        mine.commit = gated
+        handle = self.ckpt.save(state, step=step, metadata=step_metadata(step))
+        self.next_step = step + 1
+        real = CheckpointDir._retire
+        fired: List[int] = []
+
+        def retire(layout: Any, s: int, prefix: str, force: bool) -> Any:
+            if layout is not mine and not fired and prefix.startswith(".deleting"):
+                fired.append(s)
+                gate.set()
+                committed.wait(0.5)         # done here unless prune holds the commit lock
+            return real(layout, s, prefix, force)
+        CheckpointDir._retire = retire      # (the writer's own renames pass through)
+        try:
+            lzprune.prune(self.local, 1 + arg % 2)
+        except CheckpointError as exc:
+            self.fail(f"prune beside the commit of step {step} failed: {type(exc).__name__}: {exc}")
+        finally:
+            CheckpointDir._retire = real
+            gate.set()
+            del mine.commit                 # the class's again
+        try:
+            handle.wait(timeout=120)
+        except CheckpointError:
+            self.uncertain = self.uncertain + [(s, v) for _, s, v in self.pending] + [(step, values)]
+            self.pending = []
+            self._resolve_uncertain()
+            return
+        self._settle()
+        self.line.commit(step, values)
+
     def rule_reshape(self, arg: int) -> None:
         """The state's structure or dtypes change (a key added or removed, a tensor
         float32 <-> bfloat16) before the next save."""
@@ -1153,7 +1208,7 @@ class Run:
 
     RULES = ("train", "save", "wait", "burst", "rollback", "crash", "kill", "kill_in_commit", "takeover", "restart",
              "lose_local", "corrupt", "prune", "fail_next", "outage", "heal", "corrupt_meta", "prune_in_flight",
-             "reshape", "lease_expiry")
+             "prune_beside_commit", "reshape", "lease_expiry")
     #: Rules that start a process (seconds each): under LAZYCKPT_MODEL_KILLS in the hypothesis machine.
     SPAWNING = ("kill", "kill_in_commit", "takeover", "lease_expiry")
 
@@ -1417,7 +1472,7 @@ BURST_STEPS_TIERS = 24
 #: Relative weights of the rules in a random program.
 WEIGHTS = {"train": 6, "save": 6, "wait": 2, "burst": 1, "rollback": 2, "crash": 1, "kill": 1, "kill_in_commit": 1,
            "takeover": 1, "restart": 1, "lose_local": 1, "corrupt": 1, "prune": 1,
-           "corrupt_meta": 1, "prune_in_flight": 1, "reshape": 1, "lease_expiry": 1}
+           "corrupt_meta": 1, "prune_in_flight": 1, "prune_beside_commit": 1, "reshape": 1, "lease_expiry": 1}
 #: The fault rules (persist_to, one rank): in random programs with ``faults=True``
 #: (scripts/soak_model.py --faults); elsewhere they are no-ops.
 FAULT_WEIGHTS = {"fail_next": 1, "outage": 1, "heal": 1}

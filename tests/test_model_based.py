@@ -195,6 +195,10 @@ def machine_for(cfg: Config, base: str, persist_url, faults=None):
         def prune_in_flight(self, keep):
             self.run.apply("prune_in_flight", keep)
 
+        @rule(keep=st.integers(0, 1))
+        def prune_beside_commit(self, keep):
+            self.run.apply("prune_beside_commit", keep)
+
         @rule(arg=st.integers(0, 1 << 16))
         def reshape(self, arg):
             self.run.apply("reshape", arg)
@@ -446,6 +450,16 @@ def test_faults_corruption_and_prune_in_flight_keep_the_line_of_history(cfg, mod
     knobs = {"keep": 2, **({"full_every": 3} if cfg.incremental else {})}
     program = PERSIST_FAULT_PROGRAM if cfg.persist else LOCAL_FAULT_PROGRAM
     run_program(cfg, str(tmp_path), url, program, knobs=knobs, faults=faults)
+
+
+def test_prune_beside_a_rollback_commit_keeps_the_line_of_history(tmp_path):
+    """prune plans on steps 1..5, the rollback's save of step 3 commits in between
+    (forced by a hook at prune's first rename), then prune acts: the new step 3
+    stays the latest, whatever prune deleted."""
+    program = [("save", 0), ("save", 0), ("save", 0), ("save", 0), ("save", 0), ("wait", 0), ("rollback", 1),
+               ("train", 1), ("prune_beside_commit", 0), ("save", 0), ("wait", 0), ("rollback", 0),
+               ("prune_beside_commit", 1), ("wait", 0)]
+    run_program(Config(), str(tmp_path), None, program, knobs={"keep": None})
 
 
 def test_a_writer_whose_lease_expired_never_commits_again(tmp_path):

@@ -26,8 +26,6 @@ from lazyckpt.cli.prune import prune
 from lazyckpt.storage.layout import CheckpointDir
 from lazyckpt.storage.record import LocalRecord
 
-pytestmark = pytest.mark.unit
-
 
 def _state(step):
     return {"w": torch.arange(8, dtype=torch.float32) + step}
@@ -105,6 +103,35 @@ def test_prune_report_says_what_it_kept_when_the_line_changed(tmp_path, monkeypa
         assert ck.steps() == report["kept"] == [2, 3]
     done = sorted(a["step"] for a in report["actions"] if a["what"] == "step" and a["done"])
     assert done == [1], report
+
+
+def test_prune_of_an_s3_directory_beside_a_rollback_keeps_the_new_step(s3_server, s3_bucket, monkeypatch):
+    """The same interleaving on an object store, where there is no commit lock:
+    prune deletes each save by its save id, so the rollback's new step 3 (a
+    new save id) is never the one deleted."""
+    from lazyckpt.storage.s3layout import ObjectCheckpointDir
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{s3_bucket}/run"
+    _make(url, range(1, 6))
+    real_drop = ObjectCheckpointDir._drop
+    box = {}
+
+    def drop(self, step, save_id, even_if_read=True):
+        if "done" not in box and not even_if_read:        # prune's first deletion (not a supersede)
+            box["done"] = True
+            with lazyckpt.Checkpointer(url, keep=None) as ck:
+                ck.save(_state(30), 3).wait()
+        return real_drop(self, step, save_id, even_if_read)
+    monkeypatch.setattr(ObjectCheckpointDir, "_drop", drop)
+    report = prune(url, keep=2)
+    monkeypatch.undo()
+    assert box["done"]
+    assert _is(lazyckpt.load(url), 30)
+    with lazyckpt.Checkpointer(url, keep=None) as ck:
+        steps = ck.steps()
+        assert steps[-1] == 3 and _is(ck.load(3), 30)
+    assert set(report["kept"]) <= set(steps), (report["kept"], steps)
 
 
 # --------------------------------------------------------------------------- fsync(DIR) fails after the rename

@@ -624,7 +624,7 @@ class ObjectCheckpointDir:
         the deleted steps (FORMAT.md §11.10). A save is deleted by its save id,
         never by its step number alone: a rollback that commits a new save
         under a planned number meanwhile keeps it. ``line``: filled with the
-        committed steps this left."""
+        committed steps once it is done (listed again)."""
         committed = self.committed()        # one listing for every step (one per step made
         doomed, _ = self.retention_plan(policy, committed)   # a prune of N steps list N times)
         deleted, kept = [], []
@@ -635,7 +635,9 @@ class ObjectCheckpointDir:
                 log.info("lazyckpt: %s: step %d is being read; deleting it later", self.url, step)
                 kept.append(step)
         if line is not None:
-            line[:] = sorted(s for s in committed if s not in deleted)
+            # Listed again: no lock keeps another process from committing meanwhile (a
+            # rollback superseding planned steps), so this is the line as it is now.
+            line[:] = sorted(self.committed())
         if doomed:
             try:
                 self.prune_events()
