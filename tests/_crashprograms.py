@@ -145,7 +145,7 @@ def leftovers_program() -> Program:
     """A directory with what dead processes left (an interrupted save, an
     interrupted delete, an abandoned step, a small temporary, a dead writer
     lease), all an hour old; the operation opens a Checkpointer, which cleans
-    them, and closes it."""
+    them (its scan waited for), and closes it."""
     def prepare(ctx: Ctx) -> None:
         import shutil
         _prepare_line(3)(ctx)
@@ -165,7 +165,9 @@ def leftovers_program() -> Program:
 
     def run(ctx: Ctx, icp: Interceptor) -> None:
         with icp.operation():
-            _ck(ctx).close()
+            ck = _ck(ctx)
+            ck.layout.tidy()            # waits for the scan opening starts (close() cancels it)
+            ck.close()
     world = World("open", 3, _line(3), (1, 2, 3))
     return Program("clean-leftovers-on-open", prepare, run, [world])
 

@@ -149,7 +149,9 @@ def test_abandoned_steps_are_kept_aside_when_retention_is_off(tmp_path):
     abandoned = sorted(lo["name"] for lo in listing["leftovers"] if lo["kind"] == "abandoned")
     assert len(abandoned) == 2 and "step_0000000020" in abandoned[0] and "step_0000000030" in abandoned[1]
     # A fresh Checkpointer does not delete them (they are data, not garbage) ...
-    lazyckpt.Checkpointer(d).close()
+    fresh = lazyckpt.Checkpointer(d)
+    fresh.layout.tidy()                     # its scan at open, waited for (close() cancels it)
+    fresh.close()
     assert len([n for n in os.listdir(d) if n.startswith(".abandoned-")]) == 2
     # ... `lazyckpt prune` does.
     report = lzprune.prune(d, keep=10)
@@ -225,6 +227,15 @@ def _lease_holder(directory: str, ready: str) -> None:
     lease.release()
 
 
+def _open_and_tidy(d, expiry):
+    """Open a Checkpointer and wait for the leftover scan it starts (close() cancels it)."""
+    ck = lazyckpt.Checkpointer(str(d), io=lazyckpt.IO(lease_expiry=expiry))
+    try:
+        ck.layout.tidy()
+    finally:
+        ck.close()
+
+
 def test_leftovers_are_removed_only_once_their_lease_has_expired(tmp_path):
     d = tmp_path / "run"
     d.mkdir()
@@ -242,16 +253,15 @@ def test_leftovers_are_removed_only_once_their_lease_has_expired(tmp_path):
         assert os.path.exists(ready)
         time.sleep(0.3)
         # Live (locked and heartbeating): kept, even with a tiny expiry.
-        lazyckpt.Checkpointer(str(d), io=lazyckpt.IO(lease_expiry=0.2)).close()
+        _open_and_tidy(d, 0.2)
         assert os.path.isdir(d / ".tmp-step_0000000007-x")
         proc.kill()
         proc.wait()
         # Dead but the heartbeat is fresh: kept until the expiry has passed.
-        lazyckpt.Checkpointer(str(d), io=lazyckpt.IO(lease_expiry=30)).close()
+        _open_and_tidy(d, 30)
         assert os.path.isdir(d / ".tmp-step_0000000007-x")
         time.sleep(0.5)
-        removed = lazyckpt.Checkpointer(str(d), io=lazyckpt.IO(lease_expiry=0.2))
-        removed.close()
+        _open_and_tidy(d, 0.2)
         assert not os.path.exists(d / ".tmp-step_0000000007-x")
     finally:
         proc.kill()
