@@ -8,7 +8,7 @@ DCP's own ``.distcp`` layout with ``file_format="dcp"``) and by DCP's
 It lives in the core, not in ``integrations/``, because ``lazyckpt convert``
 reads such directories and the core never imports an integration.
 :class:`LazyStorageInfo` is pickled into ``.metadata`` as
-``lazyckpt.integrations.dcp.LazyStorageInfo`` (its home before issue 23, a
+``lazyckpt.integrations.dcp.LazyStorageInfo`` (its former home, a
 re-export now), so that older lazyckpt versions read new files too; the
 unpickler maps that path, and ``lazyckpt.interop.dcp.LazyStorageInfo`` (this
 module's name before it was ``dcp_source``, which some files name), here.
@@ -80,7 +80,7 @@ class DCPReaderError(WrongReaderError, AttributeError):
     ``_StorageInfo``; an AttributeError too, so ``hasattr`` probes see a missing field."""
 
 
-# Pickled (into .metadata, and between ranks by DCP's planning) under its home until issue 23,
+# Pickled (into .metadata, and between ranks by DCP's planning) under its former home,
 # lazyckpt.integrations.dcp, which re-exports it: the lazyckpt versions before the move can
 # unpickle only that path (their allow-list names it, and they have no lazyckpt.interop), so
 # new files must keep naming it for them to read. pickle imports that module when it writes
@@ -99,8 +99,8 @@ ALLOWED = {
     "torch.serialization": {"_get_layout"},              # looks up a torch.layout by name
     "pathlib": {"PosixPath", "PurePosixPath", "Path"},    # storage_meta.checkpoint_id
 }
-#: LazyStorageInfo's module paths in files on disk: the one every release writes (its home until
-#: issue 23, its __module__ now) and this module's old name, lazyckpt.interop.dcp (files written
+#: LazyStorageInfo's module paths in files on disk: the one every release writes (its former home,
+#: its __module__ now) and this module's old name, lazyckpt.interop.dcp (files written
 #: during the move, before that; a module of that name re-exports it for plain pickle).
 _INFO_PATHS = {("lazyckpt.integrations.dcp", "LazyStorageInfo"), ("lazyckpt.interop.dcp", "LazyStorageInfo"),
                (__name__, "LazyStorageInfo")}
