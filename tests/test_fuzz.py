@@ -180,15 +180,9 @@ def _format_fuzz(seed, count=None, seconds=None):
 
 
 def test_format_fuzz_sample():
-    """A few seconds of inputs of a fixed seed, every format among them."""
+    """A few seconds of inputs of a fixed seed, every format among them (the long run:
+    tests/test_fuzz_long.py, marked slow, outside the unit layer)."""
     counts = _format_fuzz(seed=0, count=80)
     import format_fuzz as ff
     assert {fmt for fmt, _, _ in counts} == set(ff.FORMATS)
     assert any(outcome == "library" for _, _, outcome in counts)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_format_fuzz_long():
-    """Twenty minutes of inputs of a seed of its own (tests/format_fuzz.py --minutes N runs it by hand)."""
-    _format_fuzz(seed=20261206, seconds=1200)
