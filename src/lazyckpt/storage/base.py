@@ -337,7 +337,7 @@ class Directory(Protocol):
 
     def locate_step(self, step: Optional[int], mark: Optional[bytes] = None) -> Optional[Tuple[int, str]]:
         """(step, where it is) for a committed step (None: the latest), or None;
-        from the store's index where it can answer, without listing (issue 34).
+        from the store's index where it can answer, without listing.
         ``mark``: :meth:`index_mark` as just read (not read again)."""
 
     def index_mark(self) -> bytes:
@@ -525,7 +525,7 @@ class Store(abc.ABC):
         ``CheckpointNotFoundError`` if nothing is there, or (unless ``empty_ok``)
         a directory without a committed step. Reads no manifest. A directory's
         latest step comes from its index (a few ``stat`` calls or requests
-        whatever the steps kept, issue 34); ``all_steps``: list them too
+        whatever the steps kept); ``all_steps``: list them too
         (``Located.steps``, a listing)."""
 
     @abc.abstractmethod

@@ -39,7 +39,7 @@ from .s3 import ObjectOutput, ObjectURL, store_for
 
 log = logging.getLogger("lazyckpt")
 
-#: The index (issue 34, FORMAT.md §11.9): ``{"step", "save_id", "seq"}`` of the
+#: The index (FORMAT.md §11.9): ``{"step", "save_id", "seq"}`` of the
 #: last commit event a writer published here. A hint: readers check it against
 #: the events after it (one listing that starts there) and its manifest.
 HEAD = "head.json"
@@ -299,7 +299,7 @@ class ObjectCheckpointDir:
         if self.writer is not None:
             self.writer.check()         # displaced by a takeover since save(): commit nothing
         # Above the latest step (every commit but a rollback's) nothing is superseded:
-        # the index says so in four requests, a listing grows with the run (issue 34).
+        # the index says so in four requests, a listing grows with the run.
         quick = self._supersedes_nothing(step, event if event is not None else manifest_event(manifest_raw),
                                          published=event is None)
         committed, events = ({}, []) if quick else self.listing()
@@ -528,7 +528,7 @@ class ObjectCheckpointDir:
 
     def tidy(self) -> List[str]:
         """After a commit: the save prefixes the scan found live, listed one by
-        one (not the whole prefix: issue 34)."""
+        one (not the whole prefix)."""
         self._scan.join()
         with self._watch_mutex:
             watched = sorted(self._watch)
