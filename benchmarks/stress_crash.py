@@ -304,7 +304,7 @@ def verify_directory(directory: str, log_path: str, size: int, ckpt_kwargs: Dict
         # Checkpointer never takes (and so never replaces) it.
         time.sleep(LEASE_EXPIRY_S * 1.2)
     ckpt = lazyckpt.Checkpointer(directory, keep=KEEP_LAST, **ckpt_kwargs)
-    ckpt.layout.close()     # the leftover scan opening starts runs in the background: wait for it
+    ckpt.layout.tidy()      # the leftover scan opening starts runs in the background: wait for it (close() cancels it)
     after = leftovers(directory)
     report["leftovers_after_open"] = after
     if after:
