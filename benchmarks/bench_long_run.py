@@ -207,10 +207,12 @@ def measure(url: str, steps: int, commits: int, counter=None, storage_options=No
     open_load = time.perf_counter() - t0
     assert got["w"].shape == (1024,)
     if counter is not None:
-        if hasattr(ckpt.layout, "close"):
-            ckpt.layout.close()         # the leftover scan opening starts: counted apart ("scan ...")
-        if ckpt.persistent is not None and hasattr(ckpt.persistent.dir, "close"):
-            ckpt.persistent.dir.close()     # (the persistent tier's, where it runs on a thread)
+        # The leftover scan opening starts, waited for and counted apart ("scan ..."): tidy()
+        # waits for it (close() cancels it since 0.2; older trees' close() waited).
+        for layout in [ckpt.layout] + ([ckpt.persistent.dir] if ckpt.persistent is not None else []):
+            wait = getattr(layout, "tidy", None) or getattr(layout, "close", None)
+            if wait is not None:
+                wait()
         requests["open_load"] = counter.take()
     commit = []
     step = steps
