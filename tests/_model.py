@@ -24,6 +24,12 @@ state's keys and dtypes (reshape) and let a stalled writer's lease expire
 changes only between the windows of incremental's sample digest; keep_last
 and full_every are drawn per run (``run_knobs``).
 
+When to save (one rank, local tier: ``schedule_knobs_allowed``): with the knob
+``interval`` k the run's Checkpointer has ``interval=Every(steps=k)`` and
+rule_save saves only when ``should_save(step)`` says so (the model: step % k
+== 0, never step 0); with ``preemption`` it has ``Preemption(signals=(SIGUSR1,))``
+and rule_preempt sends the process a real SIGUSR1 (its checks: rule_preempt).
+
 A run is driven through ``Run.apply(rule, arg)``: rules are plain names with
 one int argument, so a program is a list of ``(rule, arg)`` that replays the
 same on every rank (``random_program``) and prints as a reproducer.
@@ -130,7 +136,7 @@ def checkpointer_kwargs(cfg: Config, persist_url: Optional[str], *, takeover: bo
     if not knobs and os.environ.get("MODEL_KNOBS"):
         knobs = eval(os.environ["MODEL_KNOBS"])
     knobs = {("keep" if k == "keep_last" else k): v for k, v in knobs.items()
-             if k in ("keep", "keep_last", "full_every")}
+             if k in ("keep", "keep_last", "full_every", "interval", "preemption")}
     identical = {"named": ["shared"], "auto": "auto"}.get(cfg.replicated)
     kw: Dict[str, Any] = dict(keep=knobs.get("keep", 3),
                               distributed=lazyckpt.Distributed(identical_keys=identical, commit_timeout=60,
@@ -146,6 +152,11 @@ def checkpointer_kwargs(cfg: Config, persist_url: Optional[str], *, takeover: bo
             "max_attempts": 2, "connect_timeout": 2, "read_timeout": 10})
     if cfg.replicas:
         kw["replicas"] = lazyckpt.Replicas(cfg.replicas, node_size=1)
+    if knobs.get("interval"):
+        kw["interval"] = lazyckpt.Every(steps=knobs["interval"])
+    if knobs.get("preemption"):
+        # SIGUSR1, not SIGTERM: a stray SIGTERM to the test process must still end it.
+        kw["preemption"] = lazyckpt.Preemption(signals=(signal.SIGUSR1,))
     return kw
 
 
@@ -173,6 +184,15 @@ def loss_of(step: int) -> float:
 
 def step_metadata(step: int) -> Dict[str, Any]:
     return {"loss": loss_of(step)}
+
+
+def schedule_knobs_allowed(cfg: Config, world: int = 1) -> bool:
+    """Whether a run of ``cfg`` may draw the knobs ``interval`` (an int k: the Checkpointer
+    has ``interval=Every(steps=k)`` and rule_save saves only when ``should_save`` says so)
+    and ``preemption`` (True: ``Preemption(signals=(SIGUSR1,))``, and rule_preempt sends it):
+    one rank on the local tier alone (signal handlers need the main thread, which a
+    one-rank run has; the collective should_save of several ranks is tests/test_preemption.py's)."""
+    return world == 1 and cfg.ranks == 1 and not cfg.persist and not cfg.replicas
 
 
 # ----------------------------------------------------------------- the live state
@@ -479,6 +499,13 @@ class Run:
         #: model does not follow ran since; the next check takes the listing from there).
         self.policy = as_policy(checkpointer_kwargs(cfg, persist_url, **self.knobs)["keep"])
         self.expected: Optional[List[int]] = []
+        #: When to save (schedule_knobs_allowed): Every(steps=interval) or None; preemption on.
+        self.interval: Optional[int] = self.knobs.get("interval") or None
+        self.preemption = bool(self.knobs.get("preemption"))
+        if (self.interval or self.preemption) and not schedule_knobs_allowed(cfg, world):
+            raise ValueError(f"{cfg.id} (world {world}): the interval/preemption knobs are for one-rank "
+                             f"local configurations only (schedule_knobs_allowed)")
+        self._sigusr1_before = signal.getsignal(signal.SIGUSR1) if self.preemption else None
         self.ckpt = self._open()
 
     # -- helpers
@@ -522,8 +549,13 @@ class Run:
         return sorted(set.intersection(*(set(x) for x in every)))
 
     def _open(self, **over: Any) -> lazyckpt.Checkpointer:
-        return lazyckpt.Checkpointer(self.local, **checkpointer_kwargs(self.cfg, self.persist_url, **self.knobs,
+        ckpt = lazyckpt.Checkpointer(self.local, **checkpointer_kwargs(self.cfg, self.persist_url, **self.knobs,
                                                                        **over))
+        if self.interval and ckpt.should_save(0):
+            self.fail(f"interval=Every(steps={self.interval}): should_save(0) is True (step 0 is never due)")
+        if ckpt.preempted:
+            self.fail("a new Checkpointer says preempted before any signal reached it")
+        return ckpt
 
     def _store_down(self) -> bool:
         """Faults are armed on the proxy now (requests to the store may fail)."""
@@ -593,7 +625,16 @@ class Run:
         self.trainee.train(kind)
 
     def rule_save(self, arg: int) -> None:
+        """A save of the next step; with ``interval``, a step boundary of the loop
+        ``if ckpt.should_save(step): ckpt.save(...)``: saved exactly when step % k == 0."""
         step = self.next_step
+        if self.interval:
+            due = self.ckpt.should_save(step)
+            if due != (step % self.interval == 0):
+                self.fail(f"interval=Every(steps={self.interval}): should_save({step}) is {due}")
+            if not due:
+                self.next_step = step + 1
+                return
         state = self.trainee.state()
         values = flat(state)
         handle = self.ckpt.save(state, step=step, metadata=step_metadata(step))
@@ -776,6 +817,46 @@ class Run:
         self.fail(f"after a crash with saves {[s for s, _ in self.uncertain]} in flight, load() returned "
                   f"step {step}, which is none of the possible latest states "
                   f"{[(l.latest() or (None,))[0] for l in candidates]}")
+
+    def rule_preempt(self, arg: int) -> None:
+        """A real preemption signal (SIGUSR1 to this process, preemption=): the next
+        should_save is True whatever the interval, that step's save() returns only once
+        it is committed (listed and loadable with no wait()), ``preempted`` is True;
+        the loop ends (close) and a resumed run (a new Checkpointer) loads that step
+        bit-exact and is not preempted. A no-op without the preemption knob."""
+        if not self.preemption:
+            return
+        if self.ckpt.preempted:
+            self.fail("preempted before the signal")
+        os.kill(os.getpid(), signal.SIGUSR1)    # Python runs the handler on this (the main) thread before returning
+        if not self.ckpt.preempted:
+            self.fail("a SIGUSR1 (preemption=Preemption(signals=(SIGUSR1,))) did not set preempted")
+        step = self.next_step
+        if not self.ckpt.should_save(step):
+            self.fail(f"should_save({step}) after the preemption signal is False")
+        state = self.trainee.state()
+        values = flat(state)
+        handle = self.ckpt.save(state, step=step, metadata=step_metadata(step))
+        # Committed before save() returned: no wait() between.
+        if step not in self.ckpt.steps():
+            self.fail(f"the preempted save of step {step} returned but the step is not listed "
+                      f"({self.ckpt.steps()})")
+        got = flat(self.ckpt.load(step=step))
+        if not same(values, got):
+            self.fail(f"the preempted save of step {step}, loaded right after save() returned"
+                      + self._which(step, got))
+        if not self.ckpt.preempted:
+            self.fail("preempted went back to False after the preempted save")
+        self.pending.append((handle, step, values))
+        self.next_step = step + 1
+        # The loop stops; the job is resumed later from the same directory.
+        self._close()
+        self._settle()
+        self.ckpt = self._open()
+        got = self.ckpt.load()
+        if self.ckpt.loaded_from["step"] != step or not same(values, flat(got)):
+            self.fail(f"the resumed run loads step {self.ckpt.loaded_from['step']}, not the preempted step {step}"
+                      + self._which(self.ckpt.loaded_from["step"], flat(got)))
 
     def rule_restart(self, arg: int) -> None:
         self._close()
@@ -1208,7 +1289,7 @@ class Run:
 
     RULES = ("train", "save", "wait", "burst", "rollback", "crash", "kill", "kill_in_commit", "takeover", "restart",
              "lose_local", "corrupt", "prune", "fail_next", "outage", "heal", "corrupt_meta", "prune_in_flight",
-             "prune_beside_commit", "reshape", "lease_expiry")
+             "prune_beside_commit", "reshape", "lease_expiry", "preempt")
     #: Rules that start a process (seconds each): under LAZYCKPT_MODEL_KILLS in the hypothesis machine.
     SPAWNING = ("kill", "kill_in_commit", "takeover", "lease_expiry")
 
@@ -1416,13 +1497,19 @@ class Run:
         return f": values differ from step {step}'s save in {tensor_diff(expected, values)[:6]}"
 
     def close(self) -> None:
-        if self.ckpt is not None:
-            self._close()
-            self.ckpt = None
+        try:
+            if self.ckpt is not None:
+                self._close()
+                self.ckpt = None
+        finally:
+            if self._sigusr1_before is not None:
+                # A crashed (dropped, never closed) Checkpointer leaves its handler installed:
+                # the process's handler as it was before this run.
+                signal.signal(signal.SIGUSR1, self._sigusr1_before)
 
 
 #: The rules after which the model still knows which steps retention left (Run.expected).
-FOLLOWED = ("train", "save", "wait", "burst", "rollback", "restart", "reshape")
+FOLLOWED = ("train", "save", "wait", "burst", "rollback", "restart", "reshape", "preempt")
 
 #: The tensors check_study follows: one per kind of writer (AdamW, BatchNorm stats and
 #: counter, fused AdamW's step, numpy/collective writes, the replicated buffer).

@@ -20,7 +20,10 @@ every rule against the line of history (tests/_model.py).
   full_every (0, 2) per example; lease_expiry
   starts a process (LAZYCKPT_MODEL_KILLS). Fixed short programs run each new
   rule in CI (test_faults_corruption_and_prune_in_flight_..., test_a_writer_
-  whose_lease_expired_...).
+  whose_lease_expired_...). One-rank local machines also draw interval
+  (Every(steps=k): the run saves when should_save says so, the model predicts
+  step % k == 0) and preemption (a real SIGUSR1: rule preempt); fixed program:
+  test_an_interval_and_preemption_save_the_steps_the_model_predicts.
 * Combinations the library refuses are asserted to be refused with a
   ValueError naming the reason (tests/_model.py: expected_refusal).
 """
@@ -39,7 +42,7 @@ import torch
 import lazyckpt
 from _dist import run_ranks
 from _model import (POLICIES, TRAIN_KINDS, Config, Faults, InvariantError, Run, all_configs, checkpointer_kwargs,
-                    expected_refusal, random_program, run_knobs, run_program)
+                    expected_refusal, random_program, run_knobs, run_program, schedule_knobs_allowed)
 from lazyckpt.retention import KeepBest, KeepEvery, KeepLast
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -123,15 +126,19 @@ def machine_for(cfg: Config, base: str, persist_url, faults=None):
             self.url = f"{persist_url}/{uuid.uuid4().hex[:12]}" if persist_url else None
             self.run = None
 
-        # keep (an int, None or a policy: KeepEvery, KeepBest) and full_every: drawn per
-        # run, not Config dimensions (CI time).
-        @initialize(keep=st.sampled_from([3, None, 1] + POLICIES), full_every=st.sampled_from([0, 2]))
-        def start(self, keep, full_every):
+        # keep (an int, None or a policy: KeepEvery, KeepBest), full_every, and on one-rank
+        # local configurations interval (Every(steps=k): rule save asks should_save) and
+        # preemption (rule preempt sends SIGUSR1): drawn per run, not Config dimensions (CI time).
+        @initialize(keep=st.sampled_from([3, None, 1] + POLICIES), full_every=st.sampled_from([0, 2]),
+                    interval=st.sampled_from([None, 2, 3]), preemption=st.booleans())
+        def start(self, keep, full_every, interval, preemption):
             if faults is not None:
                 faults.clear()
             knobs = {"keep": keep}
             if lazyckpt.Options(incremental=cfg.incremental).incremental != "off":
                 knobs["full_every"] = full_every
+            if schedule_knobs_allowed(cfg):
+                knobs.update(interval=interval, preemption=preemption)
             self.run = Run(cfg, self.dir, self.url, knobs=knobs, faults=faults)
 
         @rule(kind=st.sampled_from(range(len(TRAIN_KINDS))))
@@ -174,6 +181,11 @@ def machine_for(cfg: Config, base: str, persist_url, faults=None):
         @rule()
         def restart(self):
             self.run.apply("restart")
+
+        @precondition(lambda self: self.run is not None and self.run.preemption)
+        @rule()
+        def preempt(self):
+            self.run.apply("preempt")
 
         @rule()
         def lose_local(self):
@@ -367,6 +379,31 @@ POLICY_PROGRAM = [("save", 0), ("save", 0), ("wait", 0), ("train", 1), ("save", 
                          ids=["last-every", "best", "best-max"])
 def test_retention_policies_leave_the_steps_the_model_predicts(keep, tmp_path):
     run_program(Config(), str(tmp_path), None, POLICY_PROGRAM, knobs={"keep": keep})
+
+
+#: A loop that saves when should_save says so (interval=Every(steps=k)): saves,
+#: rollbacks (the steps due restart from the step loaded), a restart and a crash, a
+#: preemption signal (its step saved and committed before save() returns, then a resumed
+#: run), and the steps due after it again.
+SCHEDULE_PROGRAM = [("save", 0), ("save", 0), ("save", 0), ("train", 1), ("save", 0), ("wait", 0), ("save", 0),
+                    ("save", 0), ("save", 0), ("save", 0), ("rollback", 1), ("train", 2), ("save", 0), ("save", 0),
+                    ("preempt", 0), ("save", 0), ("save", 0), ("restart", 0), ("save", 0), ("save", 0), ("save", 0),
+                    ("crash", 0), ("save", 0), ("rollback", 0), ("preempt", 0), ("save", 0), ("save", 0),
+                    ("wait", 0)]
+
+
+@pytest.mark.parametrize("cfg,knobs", [(Config(), {"keep": 3, "interval": 3, "preemption": True}),
+                                       (Config(), {"keep": KeepBest(2) | KeepLast(1), "interval": 4}),
+                                       (Config(incremental=True), {"keep": None, "full_every": 2, "interval": 2,
+                                                                   "preemption": True}),
+                                       (Config(), {"keep": 2, "preemption": True})],
+                         ids=["every3-preempt", "every4-best", "incremental-every2-preempt", "preempt"])
+def test_an_interval_and_preemption_save_the_steps_the_model_predicts(cfg, knobs, tmp_path):
+    """interval=Every(steps=k): should_save(step) is True exactly when step % k == 0 (never
+    step 0); preemption= and a real SIGUSR1: the next step is saved and committed before
+    save() returns, preempted is True, and a resumed run loads it bit-exact (Run.rule_preempt)."""
+    log = run_program(cfg, str(tmp_path), None, SCHEDULE_PROGRAM, knobs=knobs)
+    assert log.count("preempt(0)") == 2, log
 
 
 # ----------------------------------------------------------------- refused combinations
