@@ -56,14 +56,18 @@ def start_seaweedfs(root: str, attempts: int = 3):
         s3, master, volume, filer = ports = [free_port() for _ in range(4)]
         data = os.path.join(root, f"weed-{attempt}")
         os.makedirs(data)
+        # Its Unix sockets in a short directory: a socket path has at most 107 bytes,
+        # and TMPDIR (root's parent) may be long (a CI's per-test directory).
+        sockets = tempfile.mkdtemp(prefix="lazyckpt-weed-", dir="/tmp")
         log = open(os.path.join(data, "weed.log"), "wb")
         proc = subprocess.Popen(
             [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}",
              f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
              "-volume.max=100", "-master.volumeSizeLimitMB=64", "-master.resumeState=false",
              "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-             f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"],
+             f"-filer.localSocket={sockets}/filer.sock", f"-s3.localSocket={sockets}/s3.sock"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc.sockets = sockets
         os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{s3}", AWS_ACCESS_KEY_ID="example",
                           AWS_SECRET_ACCESS_KEY="example", AWS_DEFAULT_REGION="us-east-1")
         client = boto3.client("s3", config=boto3.session.Config(s3={"addressing_style": "path"}))
@@ -88,6 +92,7 @@ def stop_seaweedfs(proc, ports) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    shutil.rmtree(proc.sockets, ignore_errors=True)
     for kind, port in zip(("s3", "master", "volume", "filer"), ports):   # weed's gRPC sockets
         try:
             os.unlink(f"/tmp/seaweedfs-{kind}-grpc-{port + 10000}.sock")
