@@ -1160,6 +1160,11 @@ class Run:
             lzprune.prune(self.local, 1 + arg % 2)
         except CheckpointError as exc:
             self.fail(f"prune during the save of step {step} failed: {type(exc).__name__}: {exc}")
+        self._commit_or_uncertain(handle, step, values)
+
+    def _commit_or_uncertain(self, handle: Any, step: int, values: Any) -> None:
+        """The line after a save a neighbour (prune) ran beside: committed, or, where
+        the save reported a failure, every pending save uncertain until a load tells."""
         try:
             handle.wait(timeout=120)
         except CheckpointError:
@@ -1215,15 +1220,7 @@ class Run:
             CheckpointDir._retire = real
             gate.set()
             del mine.commit                 # the class's again
-        try:
-            handle.wait(timeout=120)
-        except CheckpointError:
-            self.uncertain = self.uncertain + [(s, v) for _, s, v in self.pending] + [(step, values)]
-            self.pending = []
-            self._resolve_uncertain()
-            return
-        self._settle()
-        self.line.commit(step, values)
+        self._commit_or_uncertain(handle, step, values)
 
     def rule_reshape(self, arg: int) -> None:
         """The state's structure or dtypes change (a key added or removed, a tensor
