@@ -1,6 +1,14 @@
 """Restore (and save) against the disk, on a noisy disk: every method in every
 repetition, interleaved, page cache dropped before every read (issue 38).
 
+The states (``--states``, each run in turn with its own table): ``N`` is N
+tensors of about equal size (dtypes cycled); ``llama`` is a Llama-like
+training state of the same total size: embeddings, per layer the attention
+q/k/v/o and MLP gate/up/down matrices and two RMSNorm weights, a final norm
+and the LM head, in bf16; AdamW's ``exp_avg`` and ``exp_avg_sq`` in fp32 and
+a 4-byte fp32 ``step`` per parameter (thousands of tensors from 4 bytes to
+tens of MB, as a real model's checkpoint holds).
+
 Reads, each into fresh memory, of the same bytes:
 
 - the raw methods: O_DIRECT preads of 32 MiB from lazyckpt's reader thread
@@ -34,7 +42,7 @@ run. The ceiling is the best raw method of the run (per direction); "of
 mmap" is against mmap-touch. The disk's speed drifts by 1.5x from minute to
 minute: read the ratios, not the GB/s.
 
-    python benchmarks/bench_restore.py --gib 0.75 --tensors 64 --reps 7 --dir /work/bench-restore
+    python benchmarks/bench_restore.py --gib 0.75 --states 64,2000,llama --reps 5 --dir /work/bench-restore
 """
 
 from __future__ import annotations
@@ -68,6 +76,64 @@ def _dcp_load(path: str, like: Dict[str, torch.Tensor]) -> Dict[str, torch.Tenso
 def like_state(state: Dict[str, torch.Tensor]) -> Dict[str, list]:
     """What a reading process needs to know of the state: names, shapes, dtypes."""
     return {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in state.items()}
+
+
+LLAMA_LAYERS = 16
+LLAMA_VOCAB = 32000
+
+
+def llama_state(size: int, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """A Llama-like model and AdamW state of about ``size`` bytes: bf16
+    weights (10 bytes a parameter with the two fp32 moments), 16 layers, a
+    hidden size (a multiple of 64) for a 32,000-word vocabulary, then the
+    vocabulary that fills ``size``, the MLP
+    at 8/3 of the hidden size; keys as ``model.state_dict()`` and a flattened
+    ``optimizer.state_dict()["state"]`` (by parameter index) name them."""
+    g = torch.Generator().manual_seed(seed)
+    params, layers, vocab = size // 10, LLAMA_LAYERS, LLAMA_VOCAB
+    # 12 L d^2 (attention 4 d^2, MLP 3 * 8/3 d^2) + 2 V d (embeddings, head) = params
+    a, b = 12 * layers, 2 * vocab
+    hidden = max(64, round((-b + (b * b + 4 * a * params) ** 0.5) / (2 * a) / 64) * 64)
+    mlp = (8 * hidden // 3 + 63) // 64 * 64
+    # The vocabulary takes up what the rounded hidden size left (at least 256 words).
+    vocab = max(256, (params - layers * (4 * hidden * hidden + 3 * hidden * mlp + 2 * hidden) - hidden)
+                // (2 * hidden))
+    shapes: List[tuple] = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        shapes += [(pre + f"self_attn.{m}_proj.weight", (hidden, hidden)) for m in "qkvo"]
+        shapes += [(pre + "mlp.gate_proj.weight", (mlp, hidden)), (pre + "mlp.up_proj.weight", (mlp, hidden)),
+                   (pre + "mlp.down_proj.weight", (hidden, mlp)),
+                   (pre + "input_layernorm.weight", (hidden,)), (pre + "post_attention_layernorm.weight", (hidden,))]
+    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    state: Dict[str, torch.Tensor] = {}
+    for name, shape in shapes:
+        state[name] = (torch.ones(shape) if len(shape) == 1 else
+                       torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    for i, (name, shape) in enumerate(shapes):
+        state[f"optimizer.state.{i}.step"] = torch.tensor(1000.0)
+        state[f"optimizer.state.{i}.exp_avg"] = torch.randn(shape, generator=g) * 1e-3
+        state[f"optimizer.state.{i}.exp_avg_sq"] = torch.rand(shape, generator=g) * 1e-6
+    return state
+
+
+def make_state(spec: str, size: int, dtypes: str) -> Dict[str, torch.Tensor]:
+    """The state a ``--states`` item names: ``llama`` or a tensor count."""
+    if spec == "llama":
+        return llama_state(size)
+    if not spec.isdigit() or int(spec) < 1:
+        raise ValueError(f"--states: {spec!r} is neither a tensor count nor 'llama'")
+    return raw.make_state(size, int(spec), raw.parse_dtypes(dtypes))
+
+
+def describe(spec: str, state: Dict[str, torch.Tensor], dtypes: str) -> str:
+    if spec != "llama":
+        return f"{len(state)} tensors ({dtypes})"
+    hidden = state["model.norm.weight"].numel()
+    vocab = state["lm_head.weight"].shape[0]
+    sizes = sorted(t.numel() * t.element_size() for t in state.values())
+    return (f"a Llama-like state, {len(state)} tensors ({LLAMA_LAYERS} layers, hidden {hidden}, vocabulary "
+            f"{vocab}; bf16 weights, fp32 AdamW moments and steps; {sizes[0]} B to {sizes[-1] / 1e6:.1f} MB)")
 
 
 def read_methods(path: Callable[[str], str], like: Dict[str, list], opts: Any,
@@ -144,11 +210,13 @@ def _pair_verified_with_unverified(order: list, rep: int) -> list:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=0.75, help="state size in GiB (issue 38: 0.81 GB)")
-    p.add_argument("--tensors", type=int, default=64)
+    p.add_argument("--tensors", type=int, default=64, help="the state's tensor count (without --states)")
+    p.add_argument("--states", default=None,
+                   help="comma-separated states, each run in turn: a tensor count or 'llama' (e.g. 64,2000,llama)")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-restore"))
-    p.add_argument("--json", default=None, help="also write the medians and ratios here")
+    p.add_argument("--json", default=None, help="also write the medians and ratios here (by state)")
     p.add_argument("--only", default=None, help="comma-separated method names (the raw ones always run)")
     p.add_argument("--fresh-process", action="store_true",
                    help="a restart: every read in a new interpreter (the first load of a process); no writes")
@@ -157,12 +225,29 @@ def main() -> None:
     if args.child:
         return child(args)
     os.makedirs(args.dir, exist_ok=True)
-    state = raw.make_state(int(args.gib * (1 << 30)), args.tensors, raw.parse_dtypes(args.dtypes))
+    if not raw.drop_caches_global():
+        sys.exit("bench_restore needs to drop the page cache (root): without it every read is a memory copy")
+    specs = [x.strip() for x in (args.states or str(args.tensors)).split(",") if x.strip()]
+    for spec in specs:
+        make_state(spec, 1 << 12, args.dtypes)      # a bad name fails before any state is run
+    print(machine_line())
+    results = {}
+    for spec in specs:
+        results[spec] = run_state(spec, args)
+    if len(specs) > 1:
+        print("JSON " + json.dumps({k: {x: v[x] for x in v if x not in ("times_s", "orders")}
+                                    for k, v in results.items()}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results if len(specs) > 1 else results[specs[0]], f, indent=1)
+
+
+def run_state(spec: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """Every method over one state, ``args.reps`` interleaved repetitions; prints its table."""
+    state = make_state(spec, int(args.gib * (1 << 30)), args.dtypes)
     nbytes = raw.state_bytes(state)
     opts = lazyckpt.Options()
     path = lambda name: os.path.join(args.dir, name)  # noqa: E731
-    if not raw.drop_caches_global():
-        sys.exit("bench_restore needs to drop the page cache (root): without it every read is a memory copy")
 
     # Files the read methods read: written once, untimed.
     raw.raw_write(path("raw.bin"), nbytes, opts.writer_threads)
@@ -233,8 +318,7 @@ def main() -> None:
     tasks = [("read", k, f) for k, f in reads.items()] + \
         ([] if args.fresh_process else [("write", k, f) for k, f in writes.items()])
 
-    print(machine_line())
-    print(f"state: {nbytes / 1e9:.3f} GB in {len(state)} tensors ({args.dtypes}), {args.reps} interleaved "
+    print(f"\nstate {spec}: {nbytes / 1e9:.3f} GB in {describe(spec, state, args.dtypes)}, {args.reps} interleaved "
           f"repetitions, page cache dropped before every read"
           f"{', every read in a new process' if args.fresh_process else ''}; lazyckpt {opts.reader_threads} reader / "
           f"{opts.writer_threads} writer threads, o_direct={opts.o_direct!r}; dir {args.dir} "
@@ -267,7 +351,7 @@ def main() -> None:
             # A replaced file's blocks are freed on lazyckpt's release thread after
             # its save returns: untimed, and ended before the next method starts.
             release.wait_for_releases()
-        print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+        print(f"state {spec}: repetition {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
@@ -276,17 +360,19 @@ def main() -> None:
     peers = [k for k in ("torch.load", "safetensors", "dcp.load") if ("read", k) in gbps]
     fastest_peer = max(peers, key=lambda k: gbps[("read", k)]) if peers else None
     rows = []
+    of_best: Dict[str, float] = {}
     for direction, name, _fn in tasks:          # the table in a fixed order, whatever ran first
         values = times[(direction, name)]
         ceiling = gbps[(direction, best_read if direction == "read" else best_write)]
+        of_best[f"{direction}:{name}"] = gbps[(direction, name)] / ceiling
         row = [direction, name, median_spread(values), f"{gbps[(direction, name)]:.2f}",
                f"{gbps[(direction, name)] / ceiling:.2f}"]
         row.append(f"{gbps[(direction, name)] / gbps[('read', 'raw mmap-touch')]:.2f}" if direction == "read" else "-")
         rows.append(row)
     print_table(["", "method", "s (median ±half-range)", "GB/s", "of best raw", "of mmap-touch"], rows)
-    summary = {"bytes": nbytes, "reps": args.reps, "fresh_process": args.fresh_process,
+    summary = {"state": spec, "tensors": len(state), "bytes": nbytes, "reps": args.reps, "fresh_process": args.fresh_process,
                "best_raw_read": best_read, "best_raw_write": best_write,
-               "fastest_peer": fastest_peer,
+               "fastest_peer": fastest_peer, "of_best_raw": of_best,
                "medians_s": {f"{d}:{n}": med[(d, n)] for d, n, _fn in tasks},
                "times_s": {f"{d}:{n}": times[(d, n)] for d, n, _fn in tasks},
                "orders": orders}
@@ -328,13 +414,11 @@ def main() -> None:
     for line in lines:
         print(line)
     print("JSON " + json.dumps(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
     writer.close()
     for name in ("raw.bin", "save.bin", "read.lzc", "save.lzc", "again.lzc", "read.pt", "read.safetensors", "read.dcp",
                  "ckpt-read", "save.ckpt", "like.json"):
         raw.remove(path(name))
+    return summary
 
 
 if __name__ == "__main__":
