@@ -46,7 +46,18 @@ read() (the kernel's default readahead, 32 MiB calls) and mmap (every page
 touched once, as a zero-copy loader must at least). Which one wins depends on
 the storage and its state, so each run measures all of them.
 
-Figures per row (median over ``--reps``, with half the min-max range):
+Every repetition runs the methods in a new order (seeded, ``--seed``): what
+ran just before a method changes its load's time, and here every method's
+load is bimodal from one repetition to the next, so a fixed order of 3
+repetitions ranked the same code first in one run and last in the next.
+Figures per row are the median over ``--reps`` (default 7, ``DEFAULT_REPS``
+says why) with the min-max range of the repetitions beside it, as whiskers in
+the chart. Under the table, per column (durable save, load), whether the
+repetitions support the order (``rank_verdict``): a method ranks above
+another only when its slowest repetition beats the other's fastest; medians
+within 10 % with overlapping ranges are a tie; overlapping ranges with
+medians further apart mean the spread is too wide to rank, and the table
+says so. The figures:
 
 * **save call s**: time inside the save call (what training waits for);
 * **durable s**: until the checkpoint is on stable storage. Methods that do
@@ -90,6 +101,7 @@ import math
 import mmap
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -936,10 +948,104 @@ def _summary(values: List[float]) -> Dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
-def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dtype]] = None, reps: int = 3,
-        drop_caches: bool = False, directory: Optional[str] = None, methods: Optional[List[str]] = None,
-        keep: bool = False, log: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
-    """Run the benchmark; return the results as JSON-able data."""
+# --------------------------------------------------------------------------- order and spread
+
+#: Repetitions by default. With n repetitions and nothing assumed about the
+#: distribution of one method's times, its true median lies outside the min-max
+#: range of the n values with probability 2 / 2**n: 25 % at 3, 6 % at 5, 1.6 % at
+#: 7. Loads here are bimodal from one repetition to the next (a fast and a slow
+#: mode, 3x apart), so the median of 3 can land in either mode; 7 makes the range
+#: shown beside each median a 98 % interval for it, for about twice the time of 3.
+DEFAULT_REPS = 7
+#: Two medians closer than this (relative to the faster) are a tie, not an order.
+TIE = 0.10
+
+
+def rep_order(keys: List[str], rep: int, seed: int = 0) -> List[str]:
+    """The order of the methods in repetition ``rep``: a new shuffle each time,
+    the same for the same seed. What ran just before a method (memory it freed,
+    the disk's state) moves a load's time as much as the method itself, so a
+    fixed order would credit a method with its neighbour's effect."""
+    order = list(keys)
+    random.Random(seed * 1_000_003 + rep).shuffle(order)
+    return order
+
+
+def range_misses_median(reps: int) -> float:
+    """Probability that a method's true median lies outside the min-max range of
+    ``reps`` repetitions (any distribution, independent repetitions)."""
+    return min(1.0, 2 * 0.5 ** reps)
+
+
+def median_interval(values: List[float], level: float = 0.95) -> Tuple[float, float, float]:
+    """A distribution-free interval for the median: (lo, hi, coverage), the k-th
+    fastest and k-th slowest of the values, k the largest whose coverage is at
+    least ``level`` (k = 1, min-max, when none is). Up to 8 repetitions that is
+    min-max (98 % at 7); with more it drops the extremes, so that more
+    repetitions narrow it where min-max would only widen."""
+    v = sorted(values)
+    k, coverage = interval_rank(len(v), level)
+    return v[k - 1], v[len(v) - k], coverage
+
+
+def interval_rank(n: int, level: float = 0.95) -> Tuple[int, float]:
+    """``median_interval``'s k for ``n`` values, and the interval's coverage."""
+    def coverage(k: int) -> float:
+        return max(0.0, 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n)
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return k, coverage(k)
+
+
+def rank_verdict(samples: Dict[str, List[float]], tie: float = TIE) -> Dict[str, Any]:
+    """Whether the repetitions support ordering methods by their median time
+    (``samples``: {method: seconds per repetition}; lower is faster).
+
+    The rule: a method ranks above another only when their intervals for the
+    median (``median_interval``: min-max up to 8 repetitions) do not overlap.
+    Two methods whose intervals overlap and whose medians are within ``tie`` of
+    each other are a *tie* (as fast as each other: a result, not noise). Two
+    whose intervals overlap while their medians are further apart are
+    *unresolved*: the table's order between them is chance. Any unresolved pair
+    makes the spread too wide to rank (``rankable`` False)."""
+    stats = {k: (statistics.median(v), *median_interval(v)[:2]) for k, v in samples.items() if v}
+    names = sorted(stats, key=lambda k: stats[k][0])
+    unresolved: List[Dict[str, Any]] = []
+    ties: List[List[str]] = []
+    for i, a in enumerate(names):
+        med_a, lo_a, hi_a = stats[a]
+        for b in names[i + 1:]:
+            med_b, lo_b, hi_b = stats[b]
+            if hi_a < lo_b or hi_b < lo_a:
+                continue                               # intervals apart: ordered
+            gap = (med_b - med_a) / med_a if med_a > 0 else math.inf
+            if gap > tie:
+                unresolved.append({"faster": a, "slower": b, "gap": gap})
+            else:
+                ties.append([a, b])
+    unresolved.sort(key=lambda u: -u["gap"])
+    return {"rankable": not unresolved, "order": names, "unresolved": unresolved, "ties": ties,
+            "intervals": {k: [lo, hi] for k, (_m, lo, hi) in stats.items()}}
+
+
+def separated(a: Optional[Dict[str, Any]], b: Optional[Dict[str, Any]]) -> bool:
+    """Whether two summaries' intervals for the median do not overlap."""
+    if not (a and b):
+        return False
+    lo_a, hi_a, _ = median_interval(a["values"])
+    lo_b, hi_b, _ = median_interval(b["values"])
+    return hi_a < lo_b or hi_b < lo_a
+
+
+def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dtype]] = None,
+        reps: int = DEFAULT_REPS, drop_caches: bool = False, directory: Optional[str] = None,
+        methods: Optional[List[str]] = None, keep: bool = False, log: Callable[[str], None] = lambda s: None,
+        seed: int = 0) -> Dict[str, Any]:
+    """Run the benchmark; return the results as JSON-able data. The methods run
+    in a new order in every repetition (``rep_order(keys, rep, seed)``; the
+    orders are in ``config["orders"]``), except the isolated ones (global side
+    effects: DeepSpeed's process group), which run after the others."""
     dtypes = dtypes or [torch.float32]
     chosen = all_methods()
     if methods:
@@ -959,6 +1065,7 @@ def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dt
     rows: Dict[str, Dict[str, Any]] = {}
     times: Dict[str, Dict[str, List[float]]] = {}
     active: List[Method] = []
+    orders: List[List[str]] = []
     for m in chosen:
         reason = m.unavailable()
         if reason is not None:
@@ -1023,12 +1130,14 @@ def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dt
             log(f"{m.label}: teardown failed: {type(exc).__name__}: {exc}")
 
     try:
-        shared = [m for m in active if not m.isolated and setup(m)]
+        shared = {m.key: m for m in active if not m.isolated and setup(m)}
         for rep in range(reps):
-            for m in shared:                       # interleaved: drift spreads over every method
-                if rows[m.key]["status"] == "ok":
-                    one_rep(m, rep)
-        for m in shared:
+            order = rep_order(list(shared), rep, seed)    # interleaved and shuffled: drift and
+            orders.append(order)                          # neighbours spread over every method
+            for key in order:
+                if rows[key]["status"] == "ok":
+                    one_rep(shared[key], rep)
+        for m in shared.values():
             teardown(m)
         for m in active:
             if m.isolated and setup(m):
@@ -1072,17 +1181,22 @@ def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dt
                 row[f"of_raw_{kind}"] = gbps / raw[field_]        # the raw O_DIRECT row alone
             if ceiling[kind]["gbps"]:
                 row[f"of_best_{kind}"] = gbps / ceiling[kind]["gbps"]
+    ok = [rows[m.key] for m in chosen if rows[m.key]["status"] == "ok"]
+    ranking = {key: rank_verdict({r["key"]: r[key]["values"] for r in ok if r.get(key)})
+               for key in ("durable_s", "load_s")}
     return {
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "lazyckpt": lazyckpt.__version__},
         "config": {"size_bytes": nbytes, "tensors": len(state), "dtypes": [str(d).removeprefix("torch.")
                                                                              for d in dtypes],
-                   "reps": reps, "directory": os.path.dirname(workdir) if own_dir else directory,
+                   "reps": reps, "seed": seed, "orders": orders,
+                   "isolated": [m.key for m in active if m.isolated], "directory": os.path.dirname(workdir) if own_dir else directory,
                    "filesystem": filesystem_of(workdir if keep else os.path.dirname(workdir)),
                    "drop_caches": drop, "writer_threads": b.options.writer_threads,
                    "reader_threads": b.options.reader_threads},
         "ceiling": ceiling,
+        "ranking": ranking,
         "rows": [rows[m.key] for m in chosen],
     }
 
@@ -1107,8 +1221,48 @@ def _cell(summary: Optional[Dict[str, Any]]) -> str:
     digits = 4 if med < 0.1 else 3
     text = f"{med:.{digits}f}"
     if len(summary["values"]) > 1:
-        text += f" ±{(hi - lo) / 2:.{digits}f}"
+        text += f" ({lo:.{digits}f}-{hi:.{digits}f})"
     return text
+
+
+def ranking_lines(result: Dict[str, Any]) -> List[str]:
+    """Whether the repetitions support the table's order, per column, in words."""
+    cfg = result["config"]
+    labels = {r["key"]: r["method"] for r in result["rows"]}
+    rows = {r["key"]: r for r in result["rows"]}
+    lines = []
+    reps = cfg["reps"]
+    if reps < DEFAULT_REPS:
+        lines.append(f"note: with {reps} repetition{'s' if reps != 1 else ''} a method's median lies outside its "
+                     f"min-max range with probability {range_misses_median(reps):.0%}; --reps {DEFAULT_REPS} "
+                     f"(the default) makes that {range_misses_median(DEFAULT_REPS):.1%}")
+    ranking = result.get("ranking") or {}
+    for key, what in (("durable_s", "durable save"), ("load_s", "load")):
+        verdict = ranking.get(key)
+        if not verdict or len(verdict["order"]) < 2:
+            continue
+        if verdict["rankable"]:
+            n = len(verdict["ties"])
+            lines.append(f"{what}: ranked: every two methods' intervals are apart"
+                         + (f", but for {n} tie{'s' if n != 1 else ''} (medians within {TIE:.0%})" if n else ""))
+            continue
+        worst = verdict["unresolved"][:2]
+        def shown(name: str) -> str:
+            med, (lo, hi) = rows[name][key]["median"], verdict["intervals"][name]
+            digits = 4 if med < 0.1 else 3
+            return f"{labels[name]} {med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+        pairs = "; ".join(f"{shown(u['faster'])} vs {shown(u['slower'])}" for u in worst)
+        n = len(verdict["unresolved"])
+        lines.append(f"{what}: SPREAD TOO WIDE TO RANK: {n} pair{'s' if n != 1 else ''} ordered by medians more "
+                     f"than {TIE:.0%} apart overlap, e.g. {pairs}; their order is chance (rerun alone on the "
+                     f"machine, with more --reps)")
+    if ranking:
+        k, coverage = interval_rank(reps)
+        nth = {2: "2nd", 3: "3rd"}.get(k, f"{k}th")
+        interval = "min-max ranges" if k == 1 else f"intervals from the {nth} fastest to the {nth} slowest repetition"
+        lines.append(f"(a method ranks above another only when their {interval} do not overlap: an interval that "
+                     f"holds the true median with probability {coverage:.0%})")
+    return lines
 
 
 def format_table(result: Dict[str, Any]) -> str:
@@ -1116,7 +1270,8 @@ def format_table(result: Dict[str, Any]) -> str:
     lines = [f"machine: {mach['host']}, {mach['cpus']} cores, Linux {mach['kernel']}, Python {mach['python']}, "
              f"torch {mach['torch']}, lazyckpt {mach['lazyckpt']}",
              f"state: {cfg['size_bytes'] / GB:.3f} GB in {cfg['tensors']} tensors ({', '.join(cfg['dtypes'])}); "
-             f"reps {cfg['reps']} (median ±half-range); directory {cfg['directory']} ({cfg['filesystem']})",
+             f"{cfg['reps']} repetitions, the methods in a new order in each (seed {cfg.get('seed', 0)}); "
+             f"median (min-max); directory {cfg['directory']} ({cfg['filesystem']})",
              {"global": "page cache dropped before every load (/proc/sys/vm/drop_caches)",
               "fadvise": "page cache: checkpoint files evicted before every load (posix_fadvise DONTNEED)",
               "no": "page cache NOT dropped: buffered loaders may read from memory (--drop-caches)"}[cfg["drop_caches"]],
@@ -1147,7 +1302,11 @@ def format_table(result: Dict[str, Any]) -> str:
         if row["status"] == "ok" and row.get("capture_s"):
             lines.append(f"{row['method']}: capture (bytes copied out of the live state) "
                          f"{_cell(row['capture_s'])} s")
+    if cfg.get("isolated"):
+        lines.append(f"run after the others, not shuffled with them (global side effects): "
+                     f"{', '.join(r['method'] for r in result['rows'] if r['key'] in cfg['isolated'])}")
     lines.extend(summary_lines(result))
+    lines.extend(ranking_lines(result))
     for row in result["rows"]:
         if row["status"] == "skipped":
             lines.append(f"skipped: {row['method']}: {row['reason']}"
@@ -1173,12 +1332,17 @@ def summary_lines(result: Dict[str, Any]) -> List[str]:
             lines.append(fraction_line(row["method"], row.get("save_gbps"), row.get("load_gbps"), write, read))
     peers = [r for r in ok if r["key"] not in RAW_NAMES and not r["key"].startswith("lazyckpt")]
     ours = [r for r in ok if r["key"].startswith("lazyckpt")]
-    for what, field_ in (("save (durable)", "save_gbps"), ("load", "load_gbps")):
+    for what, field_, times in (("save (durable)", "save_gbps", "durable_s"), ("load", "load_gbps", "load_s")):
         candidates = [r for r in peers if r.get(field_)]
         if not candidates or not ours:
             continue
         best = max(candidates, key=lambda r: r[field_])
-        vs = ", ".join(f"{r['method']} {r[field_] / best[field_]:.2f}x" for r in ours if r.get(field_))
+
+        def against(r: Dict[str, Any]) -> str:
+            apart = separated(r.get(times), best.get(times))
+            return (f"{r['method']} {r[field_] / best[field_]:.2f}x"
+                    + ("" if apart else " (ranges overlap: not resolved)"))
+        vs = ", ".join(against(r) for r in ours if r.get(field_))
         lines.append(f"fastest peer, {what}: {best['method']} {best[field_]:.2f} GB/s; {vs}")
     return lines
 
@@ -1204,6 +1368,12 @@ def plot(result: Dict[str, Any], png: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.0), sharey=True)
     y = range(len(rows))
     med = lambda r, key: r[key]["median"] if r.get(key) else 0.0  # noqa: E731  (raw mmap: no save)
+
+    def whiskers(key: str) -> List[List[float]]:
+        """Min-max around the median, as matplotlib's asymmetric xerr (zero where none)."""
+        lo = [r[key]["median"] - r[key]["min"] if r.get(key) else 0.0 for r in rows][::-1]
+        hi = [r[key]["max"] - r[key]["median"] if r.get(key) else 0.0 for r in rows][::-1]
+        return [lo, hi]
     dur = [med(r, "durable_s") for r in rows][::-1]
     blk = [med(r, "blocking_s") for r in rows][::-1]
     load = [r["load_s"]["median"] for r in rows][::-1]
@@ -1211,11 +1381,19 @@ def plot(result: Dict[str, Any], png: str) -> None:
     ax1.barh(y, blk, color="#08519c", height=0.45, label="save call (blocking)")
     ax1.set_yticks(list(y), names)
     ax1.set_xlabel("seconds")
-    ax1.set_title("save")
-    ax1.legend(loc="lower right", fontsize=8)
     ax2.barh(y, load, color="#74c476")
+    for ax, x, key in ((ax1, dur, "durable_s"), (ax2, load, "load_s")):
+        ax.errorbar(x, list(y), xerr=whiskers(key), fmt="none", ecolor="#333333", capsize=3, lw=0.9, zorder=3,
+                    label="min-max" if ax is ax1 else None)
+    ax1.legend(loc="best", fontsize=8)
     ax2.set_xlabel("seconds")
-    ax2.set_title("load")
+    ranking = result.get("ranking") or {}
+    for ax, key, what in ((ax1, "durable_s", "save"), (ax2, "load_s", "load")):
+        verdict = ranking.get(key)
+        if verdict and not verdict["rankable"]:
+            ax.set_title(f"{what}: spread too wide to rank", color="#b30000")
+        else:
+            ax.set_title(what)
     for ax, key in ((ax1, "durable_s"), (ax2, "load_s")):
         raws = [r[key]["median"] for r in rows if r["key"] in RAW_NAMES and r.get(key)]
         if raws:
@@ -1224,7 +1402,8 @@ def plot(result: Dict[str, Any], png: str) -> None:
     size = cfg["size_bytes"]
     size_text = f"{size / GB:.2f} GB" if size >= GB else f"{size / 1e6:.1f} MB"
     fig.suptitle(f"{size_text}, {cfg['tensors']} tensors ({', '.join(cfg['dtypes'])}), "
-                 f"median of {cfg['reps']}; dashed: best raw method (ceiling)", fontsize=10)
+                 f"bars: median of {cfg['reps']}, whiskers: min-max; dashed: best raw method (ceiling)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
