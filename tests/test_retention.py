@@ -305,3 +305,87 @@ def test_keep_best_on_the_persistent_tier_and_an_object_store_directory(tmp_path
         assert ck.steps() == [2]
         assert torch.equal(ck.load(2)["w"], _state(20)["w"])
         assert len(ck.layout._metadata) <= 1
+
+
+# ----------------------------------------------------------------- freeing off the commit's path
+
+
+def _trash(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith(".deleting-"))
+
+
+def _hold_release_thread():
+    """Occupy the release thread (the real one) until the returned event is set:
+    what retention moved aside then stays on disk, observably, until it is."""
+    import threading
+    from lazyckpt.storage import fileio
+    go, started = threading.Event(), threading.Event()
+
+    def busy(_path):
+        started.set()
+        go.wait(30)
+    fileio.free_later(busy, "hold")
+    assert started.wait(10)
+    return go
+
+
+def test_wait_returns_before_the_superseded_step_is_freed(tmp_path):
+    with lazyckpt.Checkpointer(tmp_path, keep=1) as ck:
+        ck.save(_state(1), 1).wait()
+        go = _hold_release_thread()
+        try:
+            ck.save(_state(2), 2).wait()
+            # Out of the listing at once; its bytes still on disk, aside.
+            assert ck.steps() == [2]
+            trash = _trash(tmp_path)
+            assert len(trash) == 1 and "step_0000000001" in trash[0]
+            assert os.path.isfile(os.path.join(tmp_path, trash[0], "rank_00000.lzc"))
+            assert torch.equal(lazyckpt.load(tmp_path)["w"], _state(2)["w"])
+        finally:
+            go.set()
+        ck.wait(freed=True)
+        assert _trash(tmp_path) == [] and ck.steps() == [2]
+
+
+def test_close_waits_for_the_frees(tmp_path):
+    ck = lazyckpt.Checkpointer(tmp_path, keep=1)
+    ck.save(_state(1), 1).wait()
+    go = _hold_release_thread()
+    ck.save(_state(2), 2).wait()
+    assert len(_trash(tmp_path)) == 1
+    import threading
+    threading.Timer(0.3, go.set).start()
+    ck.close()
+    assert _trash(tmp_path) == []
+
+
+_KILLED_BEFORE_THE_FREE = r"""
+import os, sys, torch, lazyckpt
+from lazyckpt.storage import fileio
+import threading
+d = sys.argv[1]
+ck = lazyckpt.Checkpointer(d, keep=1)
+ck.save({"w": torch.ones(1000)}, 1).wait()
+go = threading.Event()
+fileio.free_later(lambda _p: go.wait(60), "hold")
+ck.save({"w": torch.full((1000,), 2.0)}, 2).wait()
+print("trash:", [n for n in os.listdir(d) if n.startswith(".deleting-")], flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_kill_before_the_free_leaves_trash_the_next_open_removes(tmp_path):
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_THE_FREE, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == -9, run.stderr
+    assert "step_0000000001" in run.stdout
+    assert len(_trash(tmp_path)) == 1
+    # Never a step, whoever lists: the trash is neither loaded nor counted.
+    assert torch.equal(lazyckpt.load(tmp_path)["w"], torch.full((1000,), 2.0))
+    with lazyckpt.Checkpointer(tmp_path, keep=1) as ck:
+        assert ck.steps() == [2]
+        ck.layout.tidy()                # the scan at open
+        assert _trash(tmp_path) == []
+        assert ck.steps() == [2]

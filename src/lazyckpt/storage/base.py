@@ -355,6 +355,11 @@ class Directory(Protocol):
     def close(self) -> None:
         """Cancel what :meth:`start_tidy` started, without waiting for it."""
 
+    def wait_for_frees(self, timeout: Optional[float] = None) -> bool:
+        """Block until the steps :meth:`apply_retention` deleted are freed
+        (where their removal runs after it returns); False if ``timeout`` ran
+        out first."""
+
     def recover(self, wait: bool = True) -> List[int]:
         """Finish a commit a crash interrupted after its commit point (roll
         forward); returns the steps it superseded. Where a commit is one atomic
