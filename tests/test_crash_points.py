@@ -262,6 +262,161 @@ def test_the_power_loss_model_restores_a_replaced_hard_link_as_a_link(tmp_path):
     assert os.stat(last).st_ino == os.stat(topk).st_ino and open(last, "rb").read() == b"top-k", dropped
 
 
+def _power_cut(tmp_path, root, k, ops, tail="cut"):
+    """Run ``ops(root)`` armed in a power-mode child crashed at call ``k`` (None: at
+    the point after its last), apply the power loss; returns what it dropped."""
+    import json
+    side = str(tmp_path / f"side-{tail}")
+
+    def child():
+        icp = cp.Interceptor(root, cp.INFINITY if k is None else k, side, "power")
+        icp.install()
+        with icp.operation():
+            ops(root)
+            if k is None:
+                icp.crash_at = icp.count + 1
+    status, value = cp.run_forked(child)
+    assert status == "killed", value
+    record = json.loads(open(side).read())
+    return cp.apply_power_loss(record["journal"], root, tail)
+
+
+def _dir_fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def test_the_power_loss_model_undoes_unlinks_and_rmdirs_not_fsynced(tmp_path):
+    """An unlink or an rmdir whose directory was not fsynced after it comes
+    back after a power loss (the file as its own inode and bytes, a tree that
+    shutil.rmtree removed whole); one whose directory was fsynced stays done;
+    a rename over an empty directory is undone with that directory back."""
+    import shutil
+    root = str(tmp_path / "root")
+    os.makedirs(os.path.join(root, "tree", "sub"))
+    os.makedirs(os.path.join(root, "gone", "inner"))
+    os.makedirs(os.path.join(root, "empty"))
+    os.makedirs(os.path.join(root, "moving"))
+    for name, data in [("keep", b"kept bytes"), ("tree/a", b"a" * 5000), ("tree/sub/b", b"b"),
+                       ("gone/c", b"c"), ("gone/inner/d", b"d"), ("moving/e", b"e")]:
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(data)
+    os.symlink("keep", os.path.join(root, "link"))
+    inode = os.stat(os.path.join(root, "keep")).st_ino
+
+    def ops(root):
+        os.unlink(os.path.join(root, "keep"))
+        os.unlink(os.path.join(root, "link"))
+        shutil.rmtree(os.path.join(root, "tree"))             # no fsync after: all of it comes back
+        shutil.rmtree(os.path.join(root, "gone"))
+        os.rename(os.path.join(root, "moving"), os.path.join(root, "empty"))    # over an empty directory
+        _dir_fsync(os.path.join(root, "empty"))                # its content, not its entry
+        os.unlink(os.path.join(root, "empty", "e"))
+        _dir_fsync(os.path.join(root, "empty"))                # e's unlink is durable
+    # Power lost after the last call: every change above but e's unlink was in root, never fsynced.
+    dropped = _power_cut(tmp_path, root, None, ops)
+    assert open(os.path.join(root, "keep"), "rb").read() == b"kept bytes", dropped
+    assert os.stat(os.path.join(root, "keep")).st_ino == inode, dropped      # the same file, not a copy
+    assert os.stat(os.path.join(root, "keep")).st_nlink == 1, dropped
+    assert os.readlink(os.path.join(root, "link")) == "keep", dropped
+    assert open(os.path.join(root, "tree", "a"), "rb").read() == b"a" * 5000, dropped
+    assert open(os.path.join(root, "tree", "sub", "b"), "rb").read() == b"b", dropped
+    assert sorted(os.listdir(os.path.join(root, "gone"))) == ["c", "inner"], dropped
+    assert os.listdir(os.path.join(root, "gone", "inner")) == ["d"], dropped
+    assert os.listdir(os.path.join(root, "empty")) == [], dropped             # the replaced directory, back
+    assert os.listdir(os.path.join(root, "moving")) == [], dropped            # e's unlink was durable
+    assert "undo rmdir root/tree/sub" in dropped and "undo unlink root/tree/sub/b" in dropped, dropped
+
+
+def test_the_power_loss_model_keeps_an_unlink_whose_directory_was_fsynced(tmp_path):
+    """A deletion made durable (the directory fsynced after it) is not undone,
+    nor is an rmdir whose parent was fsynced after it (its inner unlinks then
+    have nowhere to come back to); the crash at the fsync undoes it."""
+    import shutil
+    for k, back in ((None, False), (3, True)):
+        root = str(tmp_path / f"root{k}")
+        os.makedirs(os.path.join(root, "d"))
+        with open(os.path.join(root, "d", "f"), "wb") as f:
+            f.write(b"f")
+
+        def ops(root):
+            shutil.rmtree(os.path.join(root, "d"))             # 1: unlink d/f, 2: rmdir d
+            _dir_fsync(root)                                   # 3
+        dropped = _power_cut(tmp_path, root, k, ops)
+        assert os.path.exists(os.path.join(root, "d", "f")) == back, (k, dropped)
+
+
+def test_the_power_loss_tail_variants(tmp_path):
+    """An un-fsynced tail: "cut" to the last fsynced size, "zero" (the size kept,
+    zeros past the fsynced bytes: XFS), "partial" (a prefix of it kept: ext4's
+    writeback); a never-fsynced new file the same from 0 bytes."""
+    fsynced, tail = b"s" * 4096, b"t" * 6000
+    expected = {"cut": (fsynced, b""),
+                "zero": (fsynced + bytes(len(tail)), bytes(3000)),
+                "partial": (fsynced + tail[:2560], b"u" * 1024)}       # half, in whole sectors: 2560 of 6000, 1024 of 3000
+    for variant, (want_a, want_b) in expected.items():
+        root = str(tmp_path / variant)
+        os.makedirs(root)
+        with open(os.path.join(root, "b"), "wb"):
+            pass
+
+        def ops(root):
+            fd = os.open(os.path.join(root, "a"), os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, fsynced)
+            os.fsync(fd)
+            os.write(fd, tail)
+            os.close(fd)
+            _dir_fsync(root)
+            fd = os.open(os.path.join(root, "b"), os.O_WRONLY)     # an old file, never fsynced: ...
+            os.write(fd, b"u" * 3000)
+            os.close(fd)
+        dropped = _power_cut(tmp_path, root, None, ops, variant)
+        assert open(os.path.join(root, "a"), "rb").read() == want_a, (variant, dropped)
+        assert open(os.path.join(root, "b"), "rb").read() == want_b, (variant, dropped)   # ... its old 0 B, then the tail
+
+
+def test_calls_below_python_are_points(tmp_path):
+    """sync_file_range (called through ctypes by storage/iomode.py) and the
+    os calls that move bytes between descriptors (os.sendfile: shutil.copyfile
+    on Linux) are numbered like the other calls."""
+    import shutil
+    from lazyckpt.storage import iomode
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    with open(str(tmp_path / "src"), "wb") as f:
+        f.write(b"x" * 10000)
+
+    def child():
+        icp = cp.Interceptor(root, cp.INFINITY, str(tmp_path / "side"), "kill")
+        icp.install()
+        with icp.operation():
+            shutil.copyfile(str(tmp_path / "src"), os.path.join(root, "copy"))
+            fd = os.open(os.path.join(root, "wb"), os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, b"y" * 8192)
+            iomode.write_back(fd, 0, 8192)
+            os.close(fd)
+        return icp.descriptions
+    status, descriptions = cp.run_forked(child)
+    assert status == "ok", descriptions
+    text = "\n".join(descriptions)
+    if iomode._sync_file_range is not None:
+        assert "sync_file_range root/wb 8192 B at 0" in text, text
+    if hasattr(os, "sendfile") and os.uname().sysname == "Linux":
+        assert "os.sendfile root/copy" in text, text
+
+
+def test_the_auto_programs_write_back_below_python(tmp_path):
+    """Not vacuous: the o_direct="auto" programs' saves write a chunk buffered
+    and write it back with sync_file_range, and the rest O_DIRECT."""
+    from lazyckpt.storage import iomode
+    if iomode._sync_file_range is None or not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no sync_file_range or O_DIRECT here: the auto mode has nothing to choose")
+    n, descriptions = cp.dry_run(PROGRAMS["save-keepNone-auto"], str(tmp_path))
+    text = "\n".join(descriptions)
+    assert "sync_file_range" in text and "O_DIRECT" in text, text
+
+
 def test_the_checks_catch_a_commit_that_skips_the_data_fsync(tmp_path):
     """Not vacuous: the same save program with the data file's fsync removed
     (a mutant of the library) shows violations under power loss, none under kill."""
@@ -320,3 +475,37 @@ def test_a_hung_job_is_killed_with_its_stacks():
     results = cr.run_job(fn, timeout=5)
     assert results[0][0] == "timeout" and results[1][0] == "timeout", results
     assert "sleep" in results[1][1] or "fn" in results[1][1], results[1]
+
+
+# ----------------------------------------------------------------------------- error mode: the call fails, the process goes on
+
+import _crasherrors as ce  # noqa: E402
+
+#: CI's sample of each program's points in error mode (every N-th, plus the last few):
+#: the full sweep is under the slow marker.
+ERROR_EVERY = {"dir": 6, "file": 2, "dcp": 4, "objects": 8, "hf": 0}
+
+
+def _error_cases():
+    for name, program in PROGRAMS.items():
+        yield pytest.param(name, 1, marks=[pytest.mark.slow], id=f"{name}-error")
+        every = ERROR_EVERY[program.kind] * (3 if program.persist and program.kind != "objects" else 1)
+        if every:
+            yield pytest.param(name, every, id=f"{name}-error-every{every}")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,every", list(_error_cases()))
+def test_every_error_point(name, every, tmp_path, request):
+    """The durable call at each point fails (EIO; ENOSPC for writes and creates)
+    and the process goes on (tests/_crasherrors.py): the error raised is the
+    library's and names the cause; what is committed agrees with what was
+    reported; the same process's next save and a fresh process's restart work."""
+    program = PROGRAMS[name]
+    s3 = _s3(request) if program.persist else None
+    outcome = ce.enumerate_program(program, str(tmp_path), s3, every=every, always_last=2 if every > 1 else 0)
+    _SUMMARY.append((name if every == 1 else f"{name}/{every}", "error", outcome.points, outcome.checked,
+                     len(outcome.violations), outcome.seconds))
+    print(cp.summarize(outcome))
+    assert outcome.points > 0
+    assert not outcome.violations, cp.summarize(outcome)

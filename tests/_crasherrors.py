@@ -1,0 +1,571 @@
+"""The error mode of the crash-point harness (tests/_crashpoints.py): at point
+``k`` the durable call *fails* and the process goes on.
+
+* :class:`FaultInterceptor` -- the interceptor of ``_crashpoints`` with mode
+  ``"error"``: the ``k``-th counted call raises ``OSError`` instead of being
+  made (ENOSPC for writes and for calls that create: an open with a create
+  flag, ``mkdir``, ``link``, ``symlink``; EIO for everything else, ``fsync``
+  and ``fdatasync`` included); every other call is made. An object-store
+  request answers HTTP 500 ``InternalError`` without reaching the server
+  (the case's client makes one attempt, so the library sees it).
+  The strerror of an injected error starts with :data:`MARK`.
+* ``fsync`` EIO is modelled as Linux does it: the pages written since the
+  file's last good ``fsync`` are marked clean and may be gone, and the next
+  ``fsync`` succeeds. The interceptor keeps, per inode, the byte ranges
+  written since its last good ``fsync`` (``os.write``/``pwrite``/``writev``/
+  ``pwritev``; a file opened with ``open()`` whose writes are not seen counts
+  as written whole); when the operation ends, every range the failed
+  ``fsync`` covered and that no later write rewrote is overwritten with
+  :data:`POISON` bytes on disk. A library that takes such data as durable
+  commits garbage, which the checks then load (or fail to).
+* :func:`run_case` runs, in one forked child: the program's operation with
+  the fault at ``k`` (what it raised is *the report*), the poisoning, then
+  three checks: **the report** (an error is of the library's family or an
+  ``OSError``, and names the injected fault in its chain or its message: not
+  swallowed, not replaced); **what is committed** right then, read without a
+  lease (a save reported failed is not loaded as that save; one reported done
+  loads its exact values); **the next save** in the same process (the
+  Checkpointer the program made, unless it was closed: a retry of the same
+  step after a failure, the next step after a success; a file program saves
+  the file again) succeeds and loads. Then a fresh process runs the
+  kill mode's checks (``_crashpoints.check_case``) against the one world that
+  next save left, including a restart's save.
+  Kinds "objects" and "hf" (Lightning, the HF Trainer) get the report check
+  and the fresh process's checks against the program's own worlds; they
+  have no next save in the same process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno as errno_mod
+import json
+import os
+import shutil
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import _crashpoints as cp
+from _crashpoints import INFINITY, Ctx, Interceptor, Program, World, differs, make_state
+
+#: Starts the strerror of every injected error: how the report check finds it in a chain or a message.
+MARK = "injected fault"
+#: What a range lost to a failed fsync reads as after the operation.
+POISON = b"\xa5"
+#: The values of the next save after the operation (same process).
+NEXT = make_state(777)
+
+
+def fault_errno(op: str) -> int:
+    """The errno an injected failure of the call described by ``op`` carries."""
+    if op.startswith(("os.write ", "os.pwrite ", "os.writev ", "os.pwritev ", "os.mkdir ", "os.link ",
+                      "os.symlink ")):
+        return errno_mod.ENOSPC
+    if op.startswith("os.open ") and "O_CREAT" in op:
+        return errno_mod.ENOSPC
+    if op.startswith("open ") and any(c in op.rsplit(" ", 1)[-1] for c in "wax"):
+        return errno_mod.ENOSPC
+    return errno_mod.EIO
+
+
+class _Injected(OSError):
+    """An injected failure (an OSError: the library sees nothing else)."""
+
+
+class FaultInterceptor(Interceptor):
+    """The ``k``-th counted call fails (see the module's docstring)."""
+
+    def __init__(self, root: str, fail_at: int, side_file: str):
+        super().__init__(root, fail_at, side_file, mode="error")
+        self.fault: Optional[Dict[str, Any]] = None
+        self.injected: Optional[BaseException] = None
+        self.dirty: Dict[int, List[Tuple[int, int]]] = {}      # ino -> ranges written since its last good fsync
+        self.lost: Dict[int, List[Tuple[int, int]]] = {}       # ino -> ranges a failed fsync may have dropped
+        self.whole: set = set()                                # inodes written through open(): ranges unknown
+        self.checkpointers: List[Any] = []                     # made in this process, newest last
+
+    # ---------------------------------------------------------------- the fault
+
+    def _crash(self, desc: str) -> None:
+        op = desc.split("] ", 1)[1]
+        code = fault_errno(op)
+        self.fault = {"point": self.crash_at, "op": desc, "tag": self.tag, "errno": errno_mod.errorcode[code]}
+        if op.startswith("s3 "):
+            raise _S3Fault(desc)
+        exc = _Injected(code, f"{MARK}: {os.strerror(code)} ({op})")
+        self.injected = exc
+        raise exc
+
+    # ---------------------------------------------------------------- fsync EIO: the pages it may have lost
+
+    def _ino(self, fd: int) -> Optional[int]:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        return st.st_ino if not (st.st_mode & 0o170000 == 0o040000) else None
+
+    def _wrap_fd_op(self, name: str, fn: Callable, kind: str) -> Callable:
+        inner = super()._wrap_fd_op(name, fn, kind)
+        if kind not in ("write", "sync"):
+            return inner
+        me = self
+
+        def wrapper(fd: int, *args: Any, **kwargs: Any) -> Any:
+            if me._busy() or not me.armed or not me._under(me._fdpath(fd)):
+                return inner(fd, *args, **kwargs)
+            ino = me._ino(fd)
+            start = None
+            if kind == "write" and ino is not None:
+                if name in ("pwrite", "pwritev") and len(args) > 1:
+                    start = args[1]
+                else:
+                    try:
+                        start = os.lseek(fd, 0, os.SEEK_CUR)
+                    except OSError:
+                        start = None
+            try:
+                result = inner(fd, *args, **kwargs)
+            except _Injected as exc:
+                if kind == "sync" and exc is me.injected and ino is not None:
+                    with me._lock:
+                        ranges = me.dirty.pop(ino, [])
+                        if ino in me.whole:
+                            ranges = [(0, 1 << 62)]
+                        me.lost.setdefault(ino, []).extend(ranges)
+                raise
+            if ino is None:
+                return result
+            with me._lock:
+                if kind == "write" and start is not None and isinstance(result, int) and result > 0:
+                    me.dirty.setdefault(ino, []).append((start, start + result))
+                    if ino in me.lost:
+                        me.lost[ino] = _subtract(me.lost[ino], (start, start + result))
+                elif kind == "sync":
+                    me.dirty.pop(ino, None)
+            return result
+        return wrapper
+
+    def _open_common(self, p: str, creates: bool, truncates: bool, desc: str, do_open: Callable) -> Any:
+        result = super()._open_common(p, creates, truncates, desc, do_open)
+        if desc.startswith("open "):
+            try:
+                self.whole.add(os.stat(p).st_ino)
+            except OSError:
+                pass
+        return result
+
+    def apply_lost(self) -> List[str]:
+        """Overwrite on disk what a failed fsync may have dropped and nothing rewrote."""
+        done: List[str] = []
+        if not any(self.lost.values()):
+            return done
+        self._local.busy = True
+        try:
+            for dirpath, _dirs, files in os.walk(self.root):
+                for name in files:
+                    p = os.path.join(dirpath, name)
+                    try:
+                        st = os.lstat(p)
+                    except OSError:
+                        continue
+                    ranges = self.lost.get(st.st_ino)
+                    if not ranges or not os.path.isfile(p) or os.path.islink(p):
+                        continue
+                    fd = os.open(p, os.O_WRONLY)
+                    try:
+                        for a, b in ranges:
+                            b = min(b, st.st_size)
+                            if b > a:
+                                os.pwrite(fd, POISON * (b - a), a)
+                                done.append(f"{self._rel(p)}: bytes {a}-{b} lost with the failed fsync")
+                    finally:
+                        os.close(fd)
+        finally:
+            self._local.busy = False
+        return done
+
+    # ---------------------------------------------------------------- the object store: an HTTP 500
+
+    def _install_s3_hook(self) -> None:
+        try:
+            from lazyckpt.storage import s3
+        except Exception:
+            return
+        me = self
+        s3._stores.clear()
+
+        def before_send(request: Any = None, **_kw: Any) -> Any:
+            method = getattr(request, "method", "")
+            if me.armed and not me._busy() and method in ("PUT", "POST", "DELETE"):
+                url = getattr(request, "url", "")
+                try:
+                    me.point(f"s3 {method} {url.split('://', 1)[-1].split('/', 1)[-1]}")
+                except _S3Fault:
+                    return _error_response(url)
+            return None
+        original = s3.ObjectStore.__init__
+
+        def init(self_store: Any, *args: Any, **kwargs: Any) -> None:
+            original(self_store, *args, **kwargs)
+            self_store.client.meta.events.register("before-send.s3", before_send)
+        s3.ObjectStore.__init__ = init
+
+    # ---------------------------------------------------------------- the Checkpointers the program makes
+
+    def install(self) -> None:
+        super().install()
+        import lazyckpt
+        me = self
+        init, close = lazyckpt.Checkpointer.__init__, lazyckpt.Checkpointer.close
+
+        def tracked_init(self_ck: Any, *args: Any, **kwargs: Any) -> None:
+            init(self_ck, *args, **kwargs)
+            me.checkpointers.append(self_ck)
+
+        def tracked_close(self_ck: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                close(self_ck, *args, **kwargs)
+            finally:
+                self_ck._crasherrors_closed = True
+        lazyckpt.Checkpointer.__init__ = tracked_init
+        lazyckpt.Checkpointer.close = tracked_close
+
+
+class _S3Fault(Exception):
+    pass
+
+
+def _error_response(url: str) -> Any:
+    from botocore.awsrequest import AWSResponse
+    body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
+            f"<Message>{MARK}: the server failed</Message></Error>").encode()
+
+    class Raw:
+        def stream(self, **_kw: Any) -> Any:
+            yield body
+    return AWSResponse(url, 500, {"Content-Type": "application/xml", "Content-Length": str(len(body))}, Raw())
+
+
+def _subtract(ranges: List[Tuple[int, int]], cut: Tuple[int, int]) -> List[Tuple[int, int]]:
+    out = []
+    for a, b in ranges:
+        if cut[1] <= a or cut[0] >= b:
+            out.append((a, b))
+            continue
+        if a < cut[0]:
+            out.append((a, cut[0]))
+        if cut[1] < b:
+            out.append((cut[1], b))
+    return out
+
+
+# ----------------------------------------------------------------------------- the report
+
+def _chain(exc: BaseException) -> List[BaseException]:
+    seen: List[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen) or len(seen) > 50:
+            continue
+        seen.append(e)
+        todo += [e.__cause__, e.__context__]
+        todo += [v for v in (getattr(e, "failures", None) or {}).values() if isinstance(v, BaseException)]
+        todo += [v for v in (getattr(e, "exceptions", None) or ()) if isinstance(v, BaseException)]
+    return seen
+
+
+def report_problems(raised: Optional[BaseException], fault: Optional[Dict[str, Any]], kind: str) -> List[str]:
+    """What the operation raised, against the fault: of the family, naming its cause."""
+    from lazyckpt.errors import CheckpointError
+    if raised is None:
+        return []
+    what = f"{type(raised).__name__}: {str(raised)[:300]}"
+    if fault is None:
+        return [f"the operation raised with no fault injected: {what}"]
+    problems = []
+    chain = _chain(raised)
+    if kind in ("dcp", "hf"):
+        # A framework wraps what the storage layer raised (DCP: CheckpointException).
+        family = any(isinstance(e, (CheckpointError, OSError)) for e in chain)
+    else:
+        family = isinstance(raised, (CheckpointError, OSError))
+    if not family:
+        problems.append(f"raised outside the library's family (and not an OSError): {what}")
+    named = any(MARK in str(e) or (isinstance(e, OSError) and MARK in str(e.strerror or "")) for e in chain)
+    if not named:
+        problems.append(f"the error neither chains nor names the injected fault ({fault['op']}): {what}")
+    return problems
+
+
+def describe(exc: Optional[BaseException]) -> Optional[str]:
+    if exc is None:
+        return None
+    return " <- ".join(f"{type(e).__name__}: {str(e)[:200]}" for e in _chain(exc)[:4])
+
+
+# ----------------------------------------------------------------------------- what is committed, the next save
+
+def _is_the_save(program: Program, world: World) -> bool:
+    """Whether ``world`` is the operation's save done (programs list it last)."""
+    return len(program.worlds) > 1 and world is program.worlds[-1]
+
+
+def committed_dir(ctx: Ctx, program: Program, raised: bool) -> Tuple[Optional[World], List[str]]:
+    """Right after the operation, without a lease: the latest step and its values."""
+    import lazyckpt
+    from lazyckpt.errors import CheckpointNotFoundError
+    from lazyckpt.storage.layout import CheckpointDir
+    directory = os.path.join(ctx.case, "run")
+    step, got = None, None
+    if os.path.isdir(directory):
+        try:
+            step = CheckpointDir(directory).latest()
+            if step is not None:
+                got = lazyckpt.load(directory)
+        except CheckpointNotFoundError:
+            step = None
+        except Exception as exc:
+            return None, [f"right after the operation: load(): {type(exc).__name__}: {exc}"]
+    world, why = cp._world_of(program.worlds, step, got)
+    if world is None:
+        return None, [f"right after the operation: {why}"]
+    if raised and _is_the_save(program, world):
+        return world, [f"the operation raised, yet its save is committed and loads (step {step}, "
+                       f"world '{world.name}')"]
+    if not raised and len(program.worlds) > 1 and not _is_the_save(program, world):
+        return world, [f"the operation returned, yet its save is not what loads (step {step}, world "
+                       f"'{world.name}')"]
+    return world, []
+
+
+def next_step(program: Program, raised: bool, world: Optional[World]) -> int:
+    """A retry of the operation's step after a failure; the step after it after a success."""
+    target = program.worlds[-1].latest or 0
+    if len(program.worlds) == 1:
+        return target + 1
+    return target if raised else target + 1
+
+
+def next_world(program: Program, world: Optional[World], step: int) -> World:
+    base = world if world is not None else program.worlds[0]
+    allowed = {s: v for s, v in base.allowed.items() if s < step}
+    required: Tuple[int, ...] = (step,)
+    if program.kwargs.get("keep") is None and world is not None:
+        required = tuple(s for s in world.required if s < step) + (step,)
+    return World("next save", step, {**allowed, step: NEXT}, required)
+
+
+def next_save_dir(ctx: Ctx, program: Program, icp: FaultInterceptor, step: int) -> List[str]:
+    directory = os.path.join(ctx.case, "run")
+    own = [c for c in icp.checkpointers if os.path.realpath(str(c.directory)) == os.path.realpath(directory)]
+    ck = own[-1] if own and not getattr(own[-1], "_crasherrors_closed", False) else None
+    fresh = ck is None
+    problems: List[str] = []
+    try:
+        if fresh:
+            ck = cp._checkpointer(ctx, program)
+        h = ck.save(NEXT, step=step, metadata=program.restart_metadata)
+        h.wait(**({"persisted": True} if program.persist else {}))
+        got = ck.load()
+        if ck.loaded_from["step"] != step or differs(NEXT, got):
+            problems.append(f"next save in the same process: save(step={step}).wait() then load() returned "
+                            f"step {ck.loaded_from['step']} / other values")
+    except Exception as exc:
+        problems.append(f"next save in the same process ({'a fresh' if fresh else 'the same'} Checkpointer, "
+                        f"step {step}): {type(exc).__name__}: {str(exc)[:500]}")
+    finally:
+        if ck is not None:
+            try:
+                ck.close()
+            except Exception as exc:
+                problems.append(f"next save in the same process: close(): {type(exc).__name__}: {exc}")
+    return problems
+
+
+def committed_file(ctx: Ctx, program: Program, raised: bool) -> List[str]:
+    import lazyckpt
+    path = os.path.join(ctx.case, "model.lzc")
+    try:
+        got = lazyckpt.load(path)
+    except Exception as exc:
+        return [f"right after the operation: load(model.lzc): {type(exc).__name__}: {exc}"]
+    old, new = program.worlds[0], program.worlds[-1]
+    if not differs(new.allowed[new.latest], got):
+        return ["the operation raised, yet the file holds its save"] if raised else []
+    if not differs(old.allowed[old.latest], got):
+        return [] if raised else ["the operation returned, yet the file holds the old values"]
+    return ["right after the operation: the file holds neither the old nor the new values"]
+
+
+def committed_dcp(ctx: Ctx, program: Program, raised: bool) -> List[str]:
+    import torch.distributed.checkpoint as dcp
+    from lazyckpt.integrations.dcp import LazyStorageReader
+    place = program.kwargs["place"]
+    options = {"storage_options": ctx.storage_options} if ctx.storage_options else {}
+    into = make_state(0)
+    try:
+        dcp.load(into, storage_reader=LazyStorageReader(place(ctx, "step2"), **options), no_dist=True)
+    except BaseException as exc:
+        return [f"the operation returned, yet step2 does not load: {type(exc).__name__}: {str(exc)[:300]}"] \
+            if not raised else []
+    if differs(program.worlds[-1].allowed[2], into):
+        return ["right after the operation: step2 loads other values than its save"]
+    return ["the operation raised, yet step2 is a checkpoint and loads"] if raised else []
+
+
+# ----------------------------------------------------------------------------- one case
+
+def _error_child(program: Program, ctx: Ctx, k: int, side: str) -> Dict[str, Any]:
+    cp.quiet()
+    if program.persist:
+        cp._copy_prefix(ctx)
+    icp = FaultInterceptor(ctx.case, k, side)
+    icp.install()
+    raised: Optional[BaseException] = None
+    try:
+        program.run(ctx, icp)
+    except BaseException as exc:      # what the API reported (DCP's CheckpointException is a BaseException)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raised = exc
+    finally:
+        icp.armed = False
+    out: Dict[str, Any] = {"count": icp.count, "descriptions": icp.descriptions, "tag": icp.tag,
+                           "fault": icp.fault, "raised": describe(raised), "problems": [], "world": None}
+    out["lost"] = icp.apply_lost()
+    problems = out["problems"]
+    problems += report_problems(raised, icp.fault, program.kind)
+    if program.kind == "dir":
+        world, found = committed_dir(ctx, program, raised is not None)
+        problems += found
+        step = next_step(program, raised is not None, world)
+        failed = next_save_dir(ctx, program, icp, step)
+        problems += failed
+        # A next save that failed leaves what the operation left: the fresh process checks that.
+        out["world"] = next_world(program, world, step) if not failed else None
+    elif program.kind == "file":
+        problems += committed_file(ctx, program, raised is not None)
+        import lazyckpt
+        try:
+            path = os.path.join(ctx.case, "model.lzc")
+            lazyckpt.save(NEXT, path, **cp.KNOBS)
+            if differs(NEXT, lazyckpt.load(path)):
+                problems.append("next save in the same process: save() then load() differs")
+            else:
+                out["world"] = World("next save", 1, {1: NEXT})
+        except Exception as exc:
+            problems.append(f"next save in the same process: {type(exc).__name__}: {exc}")
+    elif program.kind == "dcp":
+        problems += committed_dcp(ctx, program, raised is not None)
+        try:
+            program.kwargs["save"](ctx, NEXT, "step2")
+            out["world"] = World("next save", 2, {2: NEXT})
+        except BaseException as exc:
+            problems.append(f"next save in the same process: dcp.save(step2) again: {type(exc).__name__}: "
+                            f"{str(exc)[:500]}")
+    return out
+
+
+def _fresh_program(program: Program, world: Optional[World]) -> Program:
+    if world is None:
+        return program
+    return dataclasses.replace(program, worlds=[world], worlds_at=None)
+
+
+def run_case(program: Program, work: str, k: int, s3: Optional[Dict[str, Any]] = None,
+             seen: Optional[Dict[str, List[str]]] = None) -> Dict[str, Any]:
+    """The fault at point ``k``, the same process's checks, then a fresh process's.
+    Returns {"k", "op", "status", "problems", "dropped", "duplicate", "raised"}."""
+    case = os.path.join(work, f"case-error-{k}")
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
+    ctx = cp._ctx(program, case, s3, f"error-{k}")
+    side = case + ".side"
+    status, value = cp.run_forked(lambda: _error_child(program, ctx, k, side), timeout=300)
+    out: Dict[str, Any] = {"k": k, "op": None, "status": status, "problems": [], "dropped": [], "duplicate": False,
+                           "raised": None}
+    if status != "ok":
+        out["problems"].append(f"the faulted process: {status}: {str(value)[-2000:]}")
+        cp._cleanup(case, side)
+        return out
+    fault = value["fault"]
+    out["op"] = fault["op"] + f" -> {fault['errno']}" if fault else \
+        f"(no point {k}: the program made {value['count']} calls this time)"
+    out["raised"] = value["raised"]
+    out["dropped"] = value["lost"]
+    out["problems"] = list(value["problems"])
+    program = _fresh_program(program, value["world"])
+    fp = None
+    if seen is not None and not program.persist and program.kind in ("dir", "file"):
+        fp = cp.fingerprint(ctx.case) + repr(sorted(program.worlds[0].allowed))
+        if fp in seen:
+            out["duplicate"] = True
+            out["problems"] += seen[fp]
+            cp._cleanup(case, side)
+            return out
+    status, checked = cp.run_forked(lambda: (cp.quiet(), cp.check_case(ctx, program))[1], timeout=300)
+    fresh = [f"the check: {status}: {str(checked)[-2000:]}"] if status != "ok" else \
+        [f"fresh process: {p}" for p in checked]
+    if fp is not None:
+        seen[fp] = fresh
+    out["problems"] += fresh
+    cp._cleanup(case, side)
+    return out
+
+
+def _error_s3(s3: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """One attempt per request: the injected 500 reaches the library, not botocore's retry."""
+    if s3 is None:
+        return None
+    return {**s3, "storage_options": {**s3["storage_options"], "max_attempts": 1}}
+
+
+def enumerate_program(program: Program, work: str, s3: Optional[Dict[str, Any]] = None,
+                      points: Optional[List[int]] = None, log: Optional[Callable[[str], None]] = None,
+                      every: int = 1, always_last: int = 0) -> cp.Outcome:
+    """Dry run, then the fault at every point (or at ``points``; ``every``: every
+    ``every``-th from 1, plus the last ``always_last``) and the checks."""
+    t0 = time.monotonic()
+    cp.preload(program)
+    s3 = _error_s3(s3)
+    n, descriptions = cp.dry_run(program, work, s3)
+    if points is None:
+        points = sorted(set(range(1, n + 1, every)) | set(range(max(1, n - always_last + 1), n + 1)))
+    seen: Dict[str, List[str]] = {}
+    violations, checked = [], 0
+    for k in points:
+        result = run_case(program, work, k, s3, seen)
+        checked += not result["duplicate"]
+        if result["problems"]:
+            violations.append(result)
+            if log:
+                log(f"{program.name} error k={k}/{n} {result['op']} raised {result['raised']}: "
+                    f"{result['problems']}")
+    return cp.Outcome(program.name, "error", n, descriptions, violations, checked, time.monotonic() - t0, [])
+
+
+def main() -> None:
+    """``python tests/_crasherrors.py [PROGRAM...] [--every N]``: every point of
+    the local programs (or those named), the counts and violations printed."""
+    import argparse
+    import sys
+    import tempfile
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _crashprograms import local_programs
+    parser = argparse.ArgumentParser()
+    parser.add_argument("names", nargs="*")
+    parser.add_argument("--every", type=int, default=1)
+    args = parser.parse_args()
+    programs = [p for p in local_programs() if not args.names or p.name in args.names]
+    for program in programs:
+        with tempfile.TemporaryDirectory(prefix="lazyckpt-errors-") as work:
+            outcome = enumerate_program(program, work, every=args.every, log=lambda s: print(s, flush=True))
+            print(cp.summarize(outcome), flush=True)
+            print(json.dumps({"program": program.name, "points": outcome.points, "checked": outcome.checked,
+                              "violations": len(outcome.violations)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
