@@ -539,7 +539,13 @@ class WriterLease:
                     # Expired, but its holder may only be stalled: a file of our own renamed
                     # over it, so that its holder's check (the same file?) fails from now on.
                     return self._take_over(heartbeat_s, "its heartbeat expired, on a file system without locks")
-            self._write(lease.fd, self.holder)
+            try:
+                self._write(lease.fd, self.holder)
+            except BaseException:
+                # Not taken: the lock and this process's record of it go, or every
+                # later acquire here would be refused as another Checkpointer's.
+                lease.release()
+                raise
             return lease
         raise CheckpointError(f"{self.directory}: could not take the writer lease ({self.path} keeps being "
                               f"replaced: writers taking it over from each other)", path=self.directory)

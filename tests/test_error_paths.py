@@ -1,0 +1,50 @@
+"""Error paths, one durable call failing while the process goes on: each test
+makes the first call whose description matches a pattern fail (EIO; ENOSPC
+for writes and creates) in one program of tests/_crashprograms.py, with the
+crash-point harness's error mode (tests/_crasherrors.py), and asserts what
+that mode checks: the error raised is the library's (or an OSError) and names
+the cause; what is committed agrees with what was reported; the same process's
+next save and a fresh process's restart work. Each is a failure the error
+mode found, kept as a focused test of its own."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import _crasherrors as ce
+import _crashpoints as cp
+from _crashprograms import file_program, save_program
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def fail_first(program, pattern, tmp_path):
+    """The fault at the first of ``program``'s points matching ``pattern``; the
+    case's result (``_crasherrors.run_case``)."""
+    cp.preload(program)
+    n, descriptions = cp.dry_run(program, str(tmp_path))
+    k = next((i for i, d in enumerate(descriptions, 1) if re.search(pattern, d)), None)
+    assert k is not None, f"no point matches {pattern!r}: {descriptions}"
+    result = ce.run_case(program, str(tmp_path), k)
+    assert result["op"] and re.search(pattern, result["op"]), result["op"]
+    return result
+
+
+def test_a_failed_write_of_the_writer_lease_lets_the_next_save_take_it(tmp_path):
+    """The first save takes ``.writer``; its write fails (ENOSPC). Before the
+    fix the lease stayed registered as held by this process (the flock too):
+    every later save of the same Checkpointer, or of a new one, was refused as
+    "another Checkpointer on this directory is still open"."""
+    result = fail_first(save_program(None), r"os\.pwrite \S+/\.writer", tmp_path)
+    assert result["raised"], result
+    assert not result["problems"], result["problems"]
+
+
+def test_a_failed_cut_of_the_writer_lease_lets_the_next_save_take_it(tmp_path):
+    result = fail_first(save_program(None), r"os\.ftruncate \S+/\.writer", tmp_path)
+    assert not result["problems"], result["problems"]
