@@ -1,0 +1,688 @@
+"""The neighbour mode of the crash-point harness (tests/_crashpoints.py): at
+durable point ``k`` of a program the child does not die, it *pauses*; a second
+process (a neighbour) runs one operation to completion on the same directory;
+then the child goes on and finishes. Then the checks, in a fresh fork.
+
+Neighbours (:data:`NEIGHBOURS`), each a fork of the fork server:
+
+* ``prune``: ``lazyckpt prune DIR --keep 2`` (``cli.prune.prune``);
+* ``verify``: ``verify(DIR)`` (the latest step, every checksum);
+* ``inspect``: ``list_directory(DIR)`` and ``describe(DIR)`` (``lazyckpt ls``/``inspect``);
+* ``clean``: a Checkpointer opened on DIR, its ``clean_leftovers()``, closed;
+* ``takeover``: ``Checkpointer(DIR, takeover=True)``: ``load()``, then a save of
+  step :data:`TAKEOVER_STEP` waited for, closed (the first writer is displaced:
+  its later commit must be refused, and reported failed);
+* ``load``: ``lazyckpt.load(DIR)``.
+
+And the other way round (:data:`COMMITS`, for the programs that are tools
+themselves: ``prune-keep2`` and ``clean-leftovers-on-open``): the neighbour
+is a writer's commit: ``commit`` (the next step) or ``rollback`` (a run resumed
+from three steps back saves the step after it, superseding the newer ones).
+
+Pausing: :class:`PauseInterceptor` overrides ``Interceptor._crash`` (what
+happens at call ``k``): it writes the call's description to the parent over a
+pipe and blocks reading a second pipe (holding the interceptor's lock: the
+child's other threads stop at their next durable call too). A neighbour that
+meets a lock the paused child holds would wait forever: in the neighbour the
+lock primitive (``locks._flock``) tells the parent when a non-blocking lock
+attempt is refused; if the neighbour has not finished ``GRACE_S`` later, the
+parent lets the child go on and the two run at once (the outcome says
+``blocked``: both orders are then allowed by the checks).
+
+The checks (:func:`check_neighbour_case`), on what each process reported and
+what the directory holds afterwards (the oracle: the program's worlds, and
+the neighbour's own save, whose values are known):
+
+* every process's outcome is success or an error of lazyckpt's family; only
+  a writer displaced by a takeover may fail (and nobody else fails);
+* every listed step loads as exactly one of the saves made under that number
+  (never a mix, never a half step); ``verify`` of the latest passes;
+* the latest is the save that committed last among those reported done
+  (prune and cleanup never delete the newest); with no save reported done,
+  the latest of one of the program's worlds;
+* no committed step is lost unless a process said it removed it: prune's
+  report (``done``), the program's own retention (a step its last world does
+  not require), a rollback's supersede;
+* a ``load`` (or the takeover's) returned the old or the new latest, whole;
+  ``verify`` beside a commit reported no problem; ``inspect`` listed only
+  steps with a known save; prune's ``kept`` steps are on the line it left,
+  the newest among them;
+* a restart (a fresh Checkpointer, no manual step) saves and loads a new step,
+  and the index agrees with the listing (``index_problems``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import select
+import shutil
+import signal
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import _crashpoints as cp
+from _crashpoints import INFINITY, KNOBS, Ctx, Interceptor, Program, differs, make_state
+
+#: The operations run beside a program.
+NEIGHBOURS = ("prune", "verify", "inspect", "clean", "takeover", "load")
+#: The writers run beside the tools' own programs.
+COMMITS = ("commit", "rollback")
+#: The programs that are tools (their own operations get a commit beside them).
+TOOL_PROGRAMS = ("prune-keep2", "clean-leftovers-on-open")
+#: The step the takeover saves (past every program's steps) and its values' seed.
+TAKEOVER_STEP = 100
+PRUNE_KEEP = 2
+#: After a neighbour met a lock of the paused child: how long it may take to give up on its own.
+GRACE_S = 0.5
+#: A neighbour still running after this long with the child paused: the child goes on anyway.
+PAUSE_LIMIT_S = 30.0
+
+
+def neighbour_programs() -> List[Program]:
+    """The programs of tests/_crashprograms.py a neighbour applies to: one
+    Checkpointer directory, local (the single file and DCP have no directory
+    for these tools; the object-store programs are left to their own tests)."""
+    from _crashprograms import local_programs
+    return [p for p in local_programs() if p.kind == "dir" and not p.persist]
+
+
+def pairs() -> List[Tuple[str, str]]:
+    out = []
+    for p in neighbour_programs():
+        for n in NEIGHBOURS:
+            out.append((p.name, n))
+        if p.name in TOOL_PROGRAMS:
+            for n in COMMITS:
+                out.append((p.name, n))
+    return out
+
+
+# ----------------------------------------------------------------------------- the paused child
+
+class PauseInterceptor(Interceptor):
+    """At call ``k``: tell the parent (the call's description on ``pause_w``), wait
+    for its word on ``go_r``, then make the call: nothing is killed."""
+
+    def __init__(self, root: str, pause_at: int, side_file: str, pause_w: int, go_r: int):
+        super().__init__(root, pause_at, side_file, "kill")
+        self.pause_w, self.go_r = pause_w, go_r
+        self.paused_at: Optional[str] = None
+
+    def _crash(self, desc: str) -> None:
+        self._local.busy = True
+        try:
+            self.paused_at = desc
+            self._orig["write"](self.pause_w, (json.dumps({"op": desc, "tag": self.tag}) + "\n").encode())
+            while True:
+                try:
+                    if os.read(self.go_r, 1) is not None:
+                        break
+                except InterruptedError:
+                    continue
+        finally:
+            self._local.busy = False
+
+
+def _outcome(fn: Callable[[], Any]) -> Dict[str, Any]:
+    """Run ``fn``; its result, or the error it raised (type, message, whether of lazyckpt's family)."""
+    from lazyckpt.errors import CheckpointError
+    try:
+        return {"ok": True, "result": fn()}
+    except BaseException as exc:            # reported, judged by the checks
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1500],
+                "family": isinstance(exc, (CheckpointError, ValueError, TypeError)),
+                "trace": traceback.format_exc()[-3000:]}
+
+
+def _child(program: Program, ctx: Ctx, k: int, pause_w: int, go_r: int) -> Dict[str, Any]:
+    cp.quiet()
+    icp = PauseInterceptor(ctx.case, k, ctx.case + ".side", pause_w, go_r)
+    icp.install()
+    run = program.run
+    if program.name.startswith("prune-keep"):
+        keep = int(program.name[len("prune-keep"):])
+
+        def run(ctx: Ctx, icp: Interceptor) -> Dict[str, Any]:      # the program, its report kept
+            from lazyckpt.cli.prune import prune
+            with icp.operation():
+                return _prune_summary(prune(os.path.join(ctx.case, "run"), keep))
+    out = _outcome(lambda: run(ctx, icp))
+    out.update(count=icp.count, paused_at=icp.paused_at, descriptions=icp.descriptions, tag=icp.tag)
+    return out
+
+
+# ----------------------------------------------------------------------------- the neighbours
+
+def _watch_locks(blocked_w: int) -> None:
+    """In a neighbour: tell the parent (once) when a lock attempt is refused (the
+    paused child may hold it: waiting for it there would never end)."""
+    from lazyckpt.storage import locks
+    real = locks._flock
+    told = []
+
+    def flock(fd: int, operation: int) -> None:
+        try:
+            real(fd, operation)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) and not told:
+                told.append(True)
+                os.write(blocked_w, b"b")
+            raise
+    locks._flock = flock
+
+
+def _seed_of(values: Any) -> Any:
+    return values.get("step") if isinstance(values, dict) else None
+
+
+def _match(values: Any, candidates: Dict[str, Any]) -> Optional[str]:
+    for name, v in candidates.items():
+        if not differs(v, values):
+            return name
+    return None
+
+
+def latest_candidates(program: Program) -> Dict[str, Any]:
+    """The old or the new latest: what a reader beside the program may get (by world)."""
+    return {w.name: w.allowed[w.latest] for w in program.worlds if w.latest is not None}
+
+
+def commit_plan(program: Program, neighbour: str) -> Tuple[int, Any, Optional[int]]:
+    """A commit neighbour's (step, values, step it resumes from)."""
+    top = max(program.worlds[0].allowed)
+    if neighbour == "commit":
+        return top + 1, make_state(60 + top + 1), None
+    return top - 2, make_state(70 + top - 2), top - 3
+
+
+def _ck(ctx: Ctx, **kw: Any) -> Any:
+    from _crashprograms import _ck as ck
+    return ck(ctx, **kw)
+
+
+def _prune_summary(report: Dict[str, Any]) -> Dict[str, Any]:
+    return {"kept": report["kept"],
+            "deleted": sorted(a["step"] for a in report["actions"] if a["what"] == "step" and a["done"]),
+            "removed": sorted(a["name"] for a in report["actions"] if a["what"] != "step" and a["done"])}
+
+
+def run_neighbour(name: str, program: Program, ctx: Ctx) -> Dict[str, Any]:
+    """One neighbour's operation on ``ctx.case/run``; returns what it reported."""
+    d = os.path.join(ctx.case, "run")
+    if name == "prune":
+        from lazyckpt.cli.prune import prune
+        return _prune_summary(prune(d, PRUNE_KEEP))
+    if name == "verify":
+        from lazyckpt.loading.verify import verify
+        from lazyckpt.storage.stores import LOCAL
+        report = verify(d, store=LOCAL)
+        return {"ok": report.ok, "problems": [p.message for p in report.problems][:5]}
+    if name == "inspect":
+        from lazyckpt.cli.inspect import describe, list_directory
+        listing = list_directory(d)
+        info = describe(d)
+        return {"steps": [r["step"] for r in listing["steps"]], "latest": listing["latest"],
+                "described": info.get("step")}
+    if name == "clean":
+        with _ck(ctx, keep=None) as ck:
+            removed = ck.clean_leftovers()
+        return {"removed": removed}
+    if name == "load":
+        import lazyckpt
+        got = lazyckpt.load(d)
+        return {"world": _match(got, latest_candidates(program)), "seed": _seed_of(got)}
+    if name == "takeover":
+        from lazyckpt.errors import CheckpointNotFoundError
+        with _ck(ctx, keep=None, takeover=True) as ck:
+            try:
+                got = ck.load()
+                world, seed = _match(got, latest_candidates(program)), _seed_of(got)
+            except CheckpointNotFoundError:
+                world, seed = None, None
+            ck.save(make_state(TAKEOVER_STEP), step=TAKEOVER_STEP).wait()
+        return {"world": world, "seed": seed, "saved": TAKEOVER_STEP}
+    if name in COMMITS:
+        step, values, resume = commit_plan(program, name)
+        with _ck(ctx, keep=None) as ck:
+            if resume is not None and resume in ck.steps():
+                ck.load(step=resume)            # resumed from an older step (a tool may have deleted it)
+            ck.save(values, step=step).wait()
+        return {"saved": step}
+    raise ValueError(f"unknown neighbour {name!r}")
+
+
+def _neighbour_child(name: str, program: Program, ctx: Ctx, blocked_w: int) -> Dict[str, Any]:
+    cp.quiet()
+    from lazyckpt.storage import s3
+    s3._stores.clear()
+    _watch_locks(blocked_w)
+    return _outcome(lambda: run_neighbour(name, program, ctx))
+
+
+# ----------------------------------------------------------------------------- forks
+
+class _Fork:
+    """A forked child whose pickled result comes back on a pipe (``cp.report_and_exit``)."""
+
+    def __init__(self, fn: Callable[[], Any], close_in_child: Tuple[int, ...] = ()):
+        self.r, w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.r)
+            for fd in close_in_child:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            try:
+                payload, code = ("ok", fn()), 0
+            except BaseException:
+                payload, code = ("error", traceback.format_exc()), 1
+            cp.report_and_exit(w, payload, code)
+        os.close(w)
+        self.chunks: List[bytes] = []
+        self.done = False
+        self.result: Tuple[str, Any] = ("running", None)
+
+    def pump(self) -> bool:
+        """Read what is there; True once the child's pipe is closed."""
+        if self.done:
+            return True
+        chunk = os.read(self.r, 1 << 16)
+        if chunk:
+            self.chunks.append(chunk)
+            return False
+        self._reap()
+        return True
+
+    def _reap(self) -> None:
+        import pickle
+        os.close(self.r)
+        self.done = True
+        _, status = os.waitpid(self.pid, 0)
+        if os.WIFSIGNALED(status):
+            self.result = ("killed", os.WTERMSIG(status))
+        elif not self.chunks:
+            self.result = ("error", f"exited {os.waitstatus_to_exitcode(status)} without a result")
+        else:
+            self.result = pickle.loads(b"".join(self.chunks))
+
+    def kill(self) -> None:
+        if not self.done:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            os.close(self.r)
+            os.waitpid(self.pid, 0)
+            self.done = True
+            self.result = ("timeout", None)
+
+
+def _wait(fds: List[int], timeout: float) -> List[int]:
+    ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
+    return ready
+
+
+def run_neighbour_case(program: Program, neighbour: str, work: str, k: int,
+                       timeout: float = 300.0) -> Dict[str, Any]:
+    """Pause the program at point ``k``, run ``neighbour`` to completion (or until
+    it meets the child's lock), let the program finish, then check.
+    Returns {"k", "op", "blocked", "child", "neighbour", "problems"}."""
+    case = os.path.join(work, f"case-{neighbour}-{k}")
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
+    ctx = Ctx(case)
+    pause_r, pause_w = os.pipe()
+    go_r, go_w = os.pipe()
+    out: Dict[str, Any] = {"k": k, "op": None, "blocked": False, "child": None, "neighbour": None, "problems": []}
+    child = _Fork(lambda: _child(program, ctx, k, pause_w, go_r), close_in_child=(pause_r, go_w))
+    os.close(pause_w)
+    os.close(go_r)
+    deadline = time.monotonic() + timeout
+    nb: Optional[_Fork] = None
+    released = False
+    try:
+        # Until the child pauses (or ends: no point k this time).
+        buf = b""
+        while not child.done and out["op"] is None:
+            for fd in _wait([child.r, pause_r], deadline - time.monotonic()):
+                if fd == child.r:
+                    child.pump()
+                elif fd == pause_r:
+                    data = os.read(pause_r, 1 << 16)
+                    buf += data
+                    if b"\n" in buf:
+                        out["op"] = json.loads(buf.split(b"\n", 1)[0])["op"]
+            if time.monotonic() > deadline:
+                raise TimeoutError("the child neither paused nor ended")
+        if out["op"] is not None:
+            blocked_r, blocked_w = os.pipe()
+            nb = _Fork(lambda: _neighbour_child(neighbour, program, ctx, blocked_w),
+                       close_in_child=(pause_r, go_w, child.r, blocked_r))
+            os.close(blocked_w)
+            limit = time.monotonic() + PAUSE_LIMIT_S
+            while not nb.done:
+                fds = [nb.r] + ([blocked_r] if blocked_r >= 0 else [])
+                ready = _wait(fds, limit - time.monotonic())
+                if not ready:
+                    break                               # still running: the child goes on anyway
+                if nb.r in ready:
+                    nb.pump()
+                    continue
+                if blocked_r in ready:
+                    os.read(blocked_r, 16)
+                    os.close(blocked_r)
+                    blocked_r = -1
+                    grace = time.monotonic() + GRACE_S
+                    while not nb.done and _wait([nb.r], grace - time.monotonic()):
+                        nb.pump()
+                    if not nb.done:
+                        out["blocked"] = True
+                        break
+            if blocked_r >= 0:
+                os.close(blocked_r)
+            if not nb.done and not out["blocked"]:
+                out["blocked"] = "slow"
+            os.write(go_w, b"g")
+            released = True
+        # Both to the end.
+        while not child.done or (nb is not None and not nb.done):
+            fds = [f.r for f in (child, nb) if f is not None and not f.done]
+            ready = _wait(fds, deadline - time.monotonic())
+            if not ready:
+                raise TimeoutError("the child or the neighbour did not end")
+            for f in (child, nb):
+                if f is not None and not f.done and f.r in ready:
+                    f.pump()
+    except TimeoutError as exc:
+        out["problems"].append(f"harness: {exc} (paused before {out['op']})")
+        for f in (child, nb):
+            if f is not None:
+                f.kill()
+    finally:
+        if not released:
+            try:
+                os.write(go_w, b"g")
+            except OSError:
+                pass
+        os.close(go_w)
+        os.close(pause_r)
+    out["child"] = child.result
+    out["neighbour"] = nb.result if nb is not None else None
+    if out["problems"]:
+        return out
+    if child.result[0] != "ok":
+        out["problems"].append(f"the program's child: {child.result[0]}: {str(child.result[1])[-2000:]}")
+        return out
+    if out["op"] is None:
+        out["op"] = f"(no point {k}: the program made {child.result[1]['count']} calls this time)"
+        _cleanup(case)
+        return out
+    if nb.result[0] != "ok":
+        out["problems"].append(f"the neighbour's child: {nb.result[0]}: {str(nb.result[1])[-2000:]}")
+        return out
+    c, n = child.result[1], nb.result[1]
+    status, value = cp.run_forked(lambda: (cp.quiet(), check_neighbour_case(ctx, program, neighbour, c, n,
+                                                                            out["blocked"]))[1], timeout=300)
+    out["problems"] = value if status == "ok" else [f"the check: {status}: {str(value)[-2000:]}"]
+    _cleanup(case)
+    return out
+
+
+def _cleanup(case: str) -> None:
+    shutil.rmtree(case, ignore_errors=True)
+    for extra in (case + ".side", case + ".side.backups"):
+        shutil.rmtree(extra, ignore_errors=True)
+        try:
+            os.unlink(extra)
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def check_neighbour_case(ctx: Ctx, program: Program, neighbour: str, child: Dict[str, Any],
+                         nb: Dict[str, Any], blocked: Any) -> List[str]:
+    """What each process reported against what the directory holds, then a restart."""
+    import lazyckpt
+    from lazyckpt.errors import CheckpointNotFoundError
+    problems: List[str] = []
+    d = os.path.join(ctx.case, "run")
+    saver = len(program.worlds) > 1            # the program commits a save (its last world's latest)
+    c_step = program.worlds[-1].latest if saver else None
+    c_values = program.worlds[-1].allowed[c_step] if saver else None
+    n_step, n_values = None, None
+    if neighbour == "takeover":
+        n_step, n_values = TAKEOVER_STEP, make_state(TAKEOVER_STEP)
+    elif neighbour in COMMITS:
+        n_step, n_values, _ = commit_plan(program, neighbour)
+    c_ok, n_ok = child["ok"], nb["ok"]
+    # -- the reports themselves
+    for who, o in (("the program", child), (f"the neighbour ({neighbour})", nb)):
+        if not o["ok"] and not o["family"]:
+            problems.append(f"{who} raised outside lazyckpt's family: {o['error']}\n{o['trace']}")
+    if not c_ok and neighbour != "takeover":
+        problems.append(f"the program failed beside {neighbour}: {child['error']}")
+    if not n_ok:
+        first_save = not program.worlds[0].allowed
+        if not (first_save and isinstance(nb.get("error"), str) and "CheckpointNotFound" in nb["error"]):
+            problems.append(f"the neighbour ({neighbour}) failed: {nb['error']}")
+    # -- the saves made under each step number (the oracle of "no mix, no half step")
+    known: Dict[int, List[Any]] = {}
+    for w in program.worlds:
+        for s, v in w.allowed.items():
+            known.setdefault(s, []).append(v)
+    if n_step is not None:
+        known.setdefault(n_step, []).append(n_values)
+    try:
+        ck = cp._checkpointer(ctx, program)
+    except Exception as exc:
+        return problems + [f"Checkpointer(dir) after both: {type(exc).__name__}: {exc}"]
+    problems += cp.index_problems(d, "after both, at the restart's open")
+    try:
+        listed = ck.steps()
+        values: Dict[int, Any] = {}
+        for s in listed:
+            try:
+                values[s] = ck.load(step=s)
+            except Exception as exc:
+                problems.append(f"load(step={s}) of a listed step: {type(exc).__name__}: {exc}")
+                continue
+            if not any(not differs(v, values[s]) for v in known.get(s, [])):
+                problems.append(f"step {s} is listed but holds no save made under that number (a mix, a half "
+                                f"step or an abandoned save; steps() = {listed})")
+        try:
+            ck.load()
+            latest = ck.loaded_from["step"]
+        except CheckpointNotFoundError:
+            latest = None
+        if listed and latest != listed[-1]:
+            problems.append(f"load() returned step {latest}, the listing's newest is {listed[-1]}")
+        # -- the newest: the save that committed last among those reported done
+        c_done = saver and c_ok
+        n_done = n_step is not None and n_ok
+        # The program's commit point may come before the pause or after it: with both
+        # reported done, either may be the newest (and the other on the line or superseded).
+        newest = [s for s, done in ((c_step, c_done), (n_step, n_done)) if done] or None
+        if newest:
+            if latest not in newest:
+                problems.append(f"the newest save reported done is step {newest}, load() returns step {latest} "
+                                f"(listed {listed})")
+            else:
+                want = c_values if latest == c_step and c_done else n_values
+                if latest in values and differs(want, values[latest]):
+                    problems.append(f"step {latest}, reported done, loads other values")
+        elif newest is None:
+            worlds = {w.latest for w in program.worlds}
+            if latest not in worlds:
+                problems.append(f"no save was reported done, yet the latest is step {latest} (the worlds' "
+                                f"latest steps: {sorted(worlds, key=str)})")
+        if saver and not c_ok and latest == c_step and c_step in values and not differs(c_values, values[c_step]):
+            if not (n_done and blocked):
+                problems.append(f"the program's save of step {c_step} was reported failed ({child['error']}), "
+                                f"yet it is the latest and loads as that save")
+        # -- no committed step lost unless someone said it removed it
+        required = set(program.worlds[0].required)
+        if n_done:
+            required.add(n_step)
+        if c_done:
+            required.add(c_step)
+        excused = set()
+        if saver:
+            excused |= set(program.worlds[0].required) - set(program.worlds[-1].required)   # its own retention
+        for name, o in (("program", child), ("neighbour", nb)):
+            res = o.get("result")
+            if o["ok"] and isinstance(res, dict) and "deleted" in res:
+                excused |= set(res["deleted"])
+        for s, done in ((c_step, c_done), (n_step, n_done)):
+            if done:                             # a rollback supersedes the steps above it
+                excused |= {t for t in required if t > s}
+        lost = sorted(required - excused - set(listed))
+        if lost:
+            problems.append(f"committed step(s) {lost} are gone and no process said it removed them "
+                            f"(steps() = {listed}; program: {_short(child)}; {neighbour}: {_short(nb)})")
+        # -- what the neighbour (and prune as the program) reported
+        res = nb.get("result") if n_ok else None
+        if neighbour in ("load", "takeover") and res is not None:
+            allowed = set(latest_candidates(program))
+            if res["world"] is None and not (res["seed"] is None and any(w.latest is None for w in program.worlds)):
+                problems.append(f"{neighbour}: load() beside the program returned step seed {res['seed']}, "
+                                f"neither the old nor the new latest ({sorted(allowed)})")
+        if neighbour == "verify" and res is not None and not res["ok"]:
+            problems.append(f"verify beside the program reported problems: {res['problems']}")
+        if neighbour == "inspect" and res is not None:
+            unknown = [s for s in res["steps"] if s not in known]
+            if unknown:
+                problems.append(f"inspect listed step(s) {unknown}, which no save made")
+        if program.name.startswith("prune") and c_ok:
+            kept = child["result"]["kept"] if isinstance(child.get("result"), dict) else None
+            if kept is not None:
+                gone = [s for s in kept if s not in listed]
+                if gone:
+                    problems.append(f"prune reported keeping {kept}; {gone} are not on the line ({listed})")
+        # -- a restart keeps going
+        if verify_problems := _verify(d, listed):
+            problems.append(verify_problems)
+        new_step = (latest or 0) + 1
+        restart = make_state(999)
+        try:
+            ck.save(restart, step=new_step, metadata=program.restart_metadata).wait()
+            got = ck.load()
+            if ck.loaded_from["step"] != new_step or differs(restart, got):
+                problems.append(f"restart: save(step={new_step}).wait() then load() returned step "
+                                f"{ck.loaded_from['step']} / other values")
+        except Exception as exc:
+            problems.append(f"restart: save(step={new_step}): {type(exc).__name__}: {exc}")
+        problems += cp.index_problems(d, "after the restart's save")
+    finally:
+        try:
+            ck.close()
+        except Exception as exc:
+            problems.append(f"close(): {type(exc).__name__}: {exc}")
+    return problems
+
+
+def _verify(d: str, listed: List[int]) -> Optional[str]:
+    if not listed:
+        return None
+    from lazyckpt.loading.verify import verify
+    from lazyckpt.storage.stores import LOCAL
+    report = verify(d, store=LOCAL)
+    return None if report.ok else f"verify after both: {[p.message for p in report.problems][:3]}"
+
+
+def _short(o: Dict[str, Any]) -> str:
+    if not o["ok"]:
+        return f"failed: {o['error'][:300]}"
+    res = o.get("result")
+    return f"done: {res}" if isinstance(res, dict) else "done"
+
+
+# ----------------------------------------------------------------------------- one pair
+
+@dataclasses.dataclass
+class Outcome:
+    program: str
+    neighbour: str
+    points: int
+    checked: int
+    blocked: int
+    violations: List[Dict[str, Any]]
+    seconds: float
+
+
+def enumerate_pair(program: Program, neighbour: str, work: str, points: Optional[List[int]] = None,
+                   log: Optional[Callable[[str], None]] = None) -> Outcome:
+    """A dry run (its point count), then the neighbour at each point (or ``points``)."""
+    t0 = time.monotonic()
+    cp.preload(program)
+    n, _ = cp.dry_run(program, work)
+    if points is None:
+        points = list(range(1, n + 1))
+    violations, checked, blocked = [], 0, 0
+    for k in points:
+        if k > n:
+            continue
+        result = run_neighbour_case(program, neighbour, work, k)
+        checked += 1
+        blocked += bool(result["blocked"])
+        if result["problems"]:
+            violations.append(result)
+            if log:
+                log(f"{program.name} + {neighbour} k={k}/{n} {result['op']}: {result['problems']}")
+    return Outcome(program.name, neighbour, n, checked, blocked, violations, time.monotonic() - t0)
+
+
+def sample(n: int, how_many: int, salt: str) -> List[int]:
+    """``how_many`` points of 1..n, spread, with an offset that differs by pair."""
+    import zlib
+    if n <= how_many:
+        return list(range(1, n + 1))
+    off = zlib.crc32(salt.encode()) % n
+    return sorted({(off + i * n // how_many) % n + 1 for i in range(how_many)})
+
+
+def summarize(o: Outcome) -> str:
+    lines = [f"{o.program} + {o.neighbour}: {o.points} points, {o.checked} run, {o.blocked} met a lock of "
+             f"the paused program, {len(o.violations)} with violations, {o.seconds:.1f} s"]
+    for v in o.violations:
+        lines.append(f"  k={v['k']} paused before {v['op']}: " + " | ".join(v["problems"])[:2000])
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """python tests/_crashneighbours.py [--out FILE] [PROGRAM[+NEIGHBOUR] ...]: every point of every pair."""
+    import argparse
+    import sys
+    import tempfile
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("only", nargs="*")
+    args = parser.parse_args()
+    programs = {p.name: p for p in neighbour_programs()}
+    rows = []
+    for name, neighbour in pairs():
+        if args.only and name not in args.only and f"{name}+{neighbour}" not in args.only:
+            continue
+        with tempfile.TemporaryDirectory(prefix="nb-") as work:
+            o = enumerate_pair(programs[name], neighbour, work, log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(summarize(o), flush=True)
+        rows.append({"program": o.program, "neighbour": o.neighbour, "points": o.points, "checked": o.checked,
+                     "blocked": o.blocked, "violations": len(o.violations), "seconds": round(o.seconds, 1),
+                     "details": [{"k": v["k"], "op": v["op"], "problems": v["problems"]} for v in o.violations]})
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys_path = os.path.dirname(os.path.abspath(__file__))
+    import sys
+    if sys_path not in sys.path:
+        sys.path.insert(0, sys_path)
+    main()

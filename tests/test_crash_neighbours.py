@@ -1,0 +1,139 @@
+"""The neighbour mode of the crash-point harness (tests/_crashneighbours.py):
+each program of tests/_crashprograms.py is paused before one of its durable
+calls while a second process runs prune, verify, inspect, the leftovers
+cleanup, a takeover or a load to completion (and, beside prune's and the
+cleanup's own operations, a writer's commit or rollback); then the program
+goes on, and what both reported is checked against the directory and a
+restart.
+
+CI runs two points of each (program, neighbour) pair (offsets differ by pair);
+every point is under ``slow``. By hand, every point of every pair:
+
+    .venv/bin/python tests/_crashneighbours.py --out neighbours.json
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import _crashneighbours as cn
+import _crashpoints as cp
+
+torch.set_num_threads(1)
+
+PROGRAMS = {p.name: p for p in cn.neighbour_programs()}
+#: Points a pair in CI.
+CI_POINTS = 2
+
+_SUMMARY: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_counts(request):
+    yield
+    if not _SUMMARY:
+        return
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print("\n\nneighbours per program (program, neighbour, points, run, met a lock, violations, seconds):")
+        for row in _SUMMARY:
+            print("  %-26s %-9s %4d %4d %4d %3d %6.1f" % row)
+
+
+def _neighbours(program):
+    return cn.NEIGHBOURS + (cn.COMMITS if program in cn.TOOL_PROGRAMS else ())
+
+
+def _run(program, neighbours, work, how_many):
+    """The dry run once for the program, then ``how_many`` points (None: all) of each neighbour."""
+    n, _ = cp.dry_run(PROGRAMS[program], work)
+    assert n > 0
+    failures = []
+    for neighbour in neighbours:
+        points = None if how_many is None else cn.sample(n, how_many, f"{program}+{neighbour}")
+        outcome = cn.enumerate_pair(PROGRAMS[program], neighbour, work, points=points)
+        _SUMMARY.append((program, neighbour, outcome.points, outcome.checked, outcome.blocked,
+                         len(outcome.violations), outcome.seconds))
+        if outcome.violations:
+            failures.append(cn.summarize(outcome))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_neighbours_at_sampled_points(program, tmp_path):
+    _run(program, _neighbours(program), str(tmp_path), CI_POINTS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("program,neighbour", cn.pairs())
+def test_neighbour_at_every_point(program, neighbour, tmp_path):
+    _run(program, (neighbour,), str(tmp_path), None)
+
+
+# ----------------------------------------------------------------------------- the harness itself
+
+def test_the_program_pauses_and_the_neighbour_runs_in_between(tmp_path):
+    """Not vacuous: paused before its commit point (the record's write), a load
+    beside the program returns the old latest; paused before the new step's
+    rename (after the commit point), the new one; the program then finishes,
+    and the checks pass."""
+    program = PROGRAMS["save-keepNone"]
+    n, descriptions = cp.dry_run(program, str(tmp_path))
+    record = next(i for i, d in enumerate(descriptions, 1) if "history.json" in d)
+    rename = next(i for i, d in enumerate(descriptions, 1) if "os.rename" in d
+                  and d.endswith("-> dry/run/step_0000000003"))
+    assert record < rename
+    for k, world in ((record, "before"), (rename, "after")):
+        result = cn.run_neighbour_case(program, "load", str(tmp_path), k)
+        assert result["problems"] == [], result
+        assert result["neighbour"][1]["result"]["world"] == world, result
+        assert result["child"][1]["ok"], result
+
+
+def test_a_neighbour_meeting_the_paused_programs_lock_lets_it_go_on(tmp_path):
+    """A takeover needs the commit lock the paused program holds inside its
+    commit: the parent is told, lets the program finish, and the takeover ends."""
+    program = PROGRAMS["save-keepNone"]
+    n, descriptions = cp.dry_run(program, str(tmp_path))
+    k = next(i for i, d in enumerate(descriptions, 1) if "history.json" in d)
+    result = cn.run_neighbour_case(program, "takeover", str(tmp_path), k)
+    assert result["blocked"] is True, result
+    assert result["problems"] == [], result
+    assert result["neighbour"][1]["ok"], result
+
+
+def _prune_without_the_lock():
+    """prune with the commit lock taken away (the library before retire_old
+    planned and acted under it): its deletions go by a plan's step numbers."""
+    good = PROGRAMS["prune-keep2"]
+
+    def run(ctx, icp):
+        import contextlib
+        from lazyckpt.cli.prune import prune
+        from lazyckpt.storage.layout import CheckpointDir
+
+        @contextlib.contextmanager
+        def no_lock(self, timeout_s=None):
+            yield True
+        CheckpointDir.commit_lock = no_lock
+        with icp.operation():
+            return cn._prune_summary(prune(os.path.join(ctx.case, "run"), 2))
+    return cp.Program("prune-without-lock", good.prepare, run, good.worlds, kwargs=good.kwargs)
+
+
+def test_the_checks_catch_a_prune_that_deletes_by_a_stale_plan(tmp_path):
+    """Not vacuous: the mutant prune beside a rollback deletes the rollback's new
+    step 3 at some point (the newest, reported done), and the checks say so."""
+    mutant = _prune_without_the_lock()
+    n, descriptions = cp.dry_run(mutant, str(tmp_path))
+    points = [i for i, d in enumerate(descriptions, 1) if "os.rename" in d and "step_0000000003 ->" in d]
+    assert len(points) == 1, descriptions
+    outcome = cn.enumerate_pair(mutant, "rollback", str(tmp_path), points=points)
+    assert outcome.violations, cn.summarize(outcome)
+    assert any("newest save reported done is step [3]" in p for v in outcome.violations for p in v["problems"]), \
+        cn.summarize(outcome)
