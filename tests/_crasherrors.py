@@ -384,7 +384,13 @@ def next_save_dir(ctx: Ctx, program: Program, icp: FaultInterceptor, step: int) 
     return problems
 
 
-def committed_file(ctx: Ctx, program: Program, raised: bool) -> List[str]:
+def reported_committed(raised: Optional[BaseException]) -> bool:
+    """Whether the error says its save is in place though not durable
+    (``committed``: a lone file whose directory's fsync failed after its rename)."""
+    return raised is not None and any(getattr(e, "committed", False) for e in _chain(raised))
+
+
+def committed_file(ctx: Ctx, program: Program, raised: Optional[BaseException]) -> List[str]:
     import lazyckpt
     path = os.path.join(ctx.case, "model.lzc")
     try:
@@ -393,8 +399,11 @@ def committed_file(ctx: Ctx, program: Program, raised: bool) -> List[str]:
         return [f"right after the operation: load(model.lzc): {type(exc).__name__}: {exc}"]
     old, new = program.worlds[0], program.worlds[-1]
     if not differs(new.allowed[new.latest], got):
-        return ["the operation raised, yet the file holds its save"] if raised else []
+        return ["the operation raised, yet the file holds its save"] if raised and not reported_committed(raised) \
+            else []
     if not differs(old.allowed[old.latest], got):
+        if reported_committed(raised):
+            return ["the error says the new file is in place, yet the file holds the old values"]
         return [] if raised else ["the operation returned, yet the file holds the old values"]
     return ["right after the operation: the file holds neither the old nor the new values"]
 
@@ -446,7 +455,7 @@ def _error_child(program: Program, ctx: Ctx, k: int, side: str) -> Dict[str, Any
         # A next save that failed leaves what the operation left: the fresh process checks that.
         out["world"] = next_world(program, world, step) if not failed else None
     elif program.kind == "file":
-        problems += committed_file(ctx, program, raised is not None)
+        problems += committed_file(ctx, program, raised)
         import lazyckpt
         try:
             path = os.path.join(ctx.case, "model.lzc")

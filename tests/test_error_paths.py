@@ -48,3 +48,14 @@ def test_a_failed_write_of_the_writer_lease_lets_the_next_save_take_it(tmp_path)
 def test_a_failed_cut_of_the_writer_lease_lets_the_next_save_take_it(tmp_path):
     result = fail_first(save_program(None), r"os\.ftruncate \S+/\.writer", tmp_path)
     assert not result["problems"], result["problems"]
+
+
+def test_a_failed_directory_fsync_after_a_lone_file_is_published_says_it_is_in_place(tmp_path):
+    """``lazyckpt.save`` over a file: the rename has put the new file in place
+    when the directory's fsync fails (EIO). The file it replaced has no name
+    left, so there is nothing to undo to; the error says the save is in place
+    but not durable (``committed``), and the next save makes it durable. Before,
+    the error said "save failed" while the new file was what loaded."""
+    result = fail_first(file_program(), r"os\.fsync (dry|case-error-\d+)( |$)", tmp_path)
+    assert "the new file is in place" in (result["raised"] or ""), result
+    assert not result["problems"], result["problems"]

@@ -963,7 +963,21 @@ class PendingSiblingFile:
         # A save over the last one (the same path every epoch) frees the old
         # file's blocks off the save's path.
         replace_releasing_later(self.path, self.final)
-        fsync_dir(os.path.dirname(self.final))
+        try:
+            fsync_dir(os.path.dirname(self.final))
+        except OSError as exc:
+            # Past the rename there is nothing to undo to: the file it replaced has no
+            # name left (only an orphan held for its blocks' release). The new file is
+            # whole and in place, but a power loss may still bring the old one back:
+            # reported as exactly that (``committed``), never as a save that did not
+            # happen, nor as a durable one. Saving again makes it durable.
+            from lazyckpt.errors import CheckpointWriteError
+            error = CheckpointWriteError(
+                f"{self.final}: the new file is in place and loads, but the fsync of its directory failed "
+                f"({exc}): until the directory is synced, a power loss may bring back the file it replaced; "
+                f"save again", path=self.final)
+            error.committed = True      # type: ignore[attr-defined]
+            raise error from exc
 
     def discard(self) -> None:
         remove_quietly(self.path)
