@@ -12,7 +12,12 @@ Pieces (tests/test_crash_points.py and scripts/soak_crash_points.py use them):
   ``os.ftruncate``, ``os.truncate``, ``os.rename``, ``os.replace``,
   ``os.unlink``, ``os.remove``, ``os.rmdir``, ``os.mkdir`` -- so also
   ``os.makedirs`` and ``shutil.rmtree``'s inner unlinks and rmdirs, which call
-  them through the ``os`` module --, ``os.link``, ``os.symlink``) on paths
+  them through the ``os`` module --, ``os.link``, ``os.symlink``; below
+  Python, ``os.sendfile`` -- ``shutil.copyfile``'s way on Linux --,
+  ``os.copy_file_range``, ``os.posix_fallocate``, and the ``sync_file_range``
+  that ``storage/iomode.py`` calls through ctypes after a buffered write in
+  the default ``o_direct="auto"`` mode; lazyckpt makes no other call through
+  ctypes and writes no file through a mapping) on paths
   under the case's directory, and every mutating object-store request (PUT,
   POST, DELETE: a botocore ``before-send`` hook on the clients lazyckpt builds,
   ``storage.s3.ObjectStore``; reads change nothing, so a crash before one is
@@ -20,26 +25,40 @@ Pieces (tests/test_crash_points.py and scripts/soak_crash_points.py use them):
   operation is *armed* count, from any thread. At call ``k`` the child writes a
   one-line description of the call to a side file and SIGKILLs itself before
   performing it.
-* Two modes. ``kill``: the process dies, the kernel keeps everything it did
-  (page cache included). ``power``: a power loss is simulated on top: the
+* Two kinds of mode. ``kill``: the process dies, the kernel keeps everything it
+  did (page cache included). The power modes (``POWER_TAILS``: ``power``,
+  ``power-zero``, ``power-partial``): a power loss is simulated on top: the
   interceptor also keeps a journal -- per file (by inode), the size at its last
-  fsync and a copy of its content before the operation first wrote it (or the
-  file a rename replaced); per directory (by inode), the entries created
-  (open O_CREAT, mkdir, link, symlink) and renamed into it since its last fsync.
+  fsync and a copy of its content before the operation first wrote it; per
+  directory (by inode), the entries created (open O_CREAT, mkdir, link,
+  symlink), renamed into it, unlinked and rmdir'd since its last fsync, with
+  what brings a dropped entry back (a hard link to an unlinked or replaced
+  file, kept beside the backups: its inode and bytes; a symlink's target; a
+  removed directory's inode, held open so that its number is not reused).
   After the crash the parent undoes, newest first, every entry change whose
-  directory was not fsynced after it (a created entry is removed, a rename is
-  moved back and the file it replaced restored: as a link again where that
-  was a hard link whose inode another name still holds), then cuts every file written
-  during the operation back to its last fsynced size (a never-fsynced new file
-  to 0 bytes, a never-fsynced old one to its content before the operation).
-  In this mode the mutating calls are serialized (from a call's number to its
+  directory was not fsynced after it (a created entry is removed; a rename is
+  moved back and the entry it replaced -- a file, a hard link whose inode
+  another name holds, a symlink, an empty directory -- brought back; an
+  unlinked file or symlink comes back; an rmdir'd directory comes back empty,
+  then the unlinks that emptied it, so a ``shutil.rmtree`` not followed by
+  its parent's fsync leaves the whole tree), then gives every file written
+  during the operation its content up to its last fsync (a never-fsynced new
+  file: none; a never-fsynced old one: its content before the operation),
+  and its un-fsynced tail beyond that, by mode: ``power`` cuts it (the file
+  at its fsynced size); ``power-zero`` keeps the size and zeros the tail
+  (XFS: the size logged, the data never written); ``power-partial`` keeps
+  half the tail, in whole 512-byte sectors (ext4's delalloc/ordered
+  writeback had written part of it). ``sync_file_range`` makes nothing
+  durable (no metadata, no cache flush).
+  In these modes the mutating calls are serialized (from a call's number to its
   journal entry), so the journal at a crash holds every call made before it.
 
   What the power model does NOT model: reordering inside a file or between
   files beyond "the last fsync" (a real disk may keep some unsynced writes and
-  drop others, or keep a later write and lose an earlier one); unlinks and
-  rmdirs (never undone: a deletion the power loss would revert is treated as
-  durable); metadata other than sizes and names (mode, mtime, the lease
+  drop others, or keep a later write and lose an earlier one; an overwrite
+  below the fsynced size after the fsync is taken as durable); tails other
+  than cut, zeros and half (one prefix per crash, not every one); metadata
+  other than sizes and names (mode, mtime, the lease
   heartbeats); torn sectors; file systems that persist more than POSIX asks
   (ext4's journal commits every earlier metadata change with any fsync, so the
   model is stricter than ext4 and may report what ext4 would not show); the
@@ -81,6 +100,16 @@ INFINITY = 1 << 62
 #: The power-loss point after an operation's last call (``Interceptor._Armed``).
 END_POINT = "#end"
 MODES = ("kill", "power")
+#: The power modes, by what a file's un-fsynced tail becomes after the power loss
+#: (:func:`apply_power_loss`): "cut" to the last fsynced size; "zero": the size kept,
+#: the tail reads zeros (XFS's choice: the size was logged, the data never written);
+#: "partial": a prefix of the tail kept (ext4's delalloc/ordered writeback had
+#: written some of it). "power" is the cut variant (the mode CI runs at every point).
+POWER_TAILS = {"power": "cut", "power-zero": "zero", "power-partial": "partial"}
+
+
+def is_power(mode: str) -> bool:
+    return mode in POWER_TAILS
 
 # ----------------------------------------------------------------------------- the interceptor
 
@@ -120,6 +149,7 @@ class Interceptor:
         self.entries: List[Dict[str, Any]] = []
         self.dir_sync: Dict[int, int] = {}
         self.backup_dir = side_file + ".backups"
+        self._pinned: List[int] = []        # descriptors holding removed directories' inodes
         self._orig: Dict[str, Any] = {}
 
     # ---------------------------------------------------------------- paths
@@ -173,7 +203,7 @@ class Interceptor:
     def _crash(self, desc: str) -> None:
         self._local.busy = True
         record = {"point": self.crash_at, "op": desc, "tag": self.tag}
-        if self.mode == "power":
+        if is_power(self.mode):
             record["journal"] = self.journal()
         data = (json.dumps(record) + "\n").encode()
         fd = self._orig["open"](self.side_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -190,13 +220,13 @@ class Interceptor:
     # ---------------------------------------------------------------- the journal (power mode)
 
     def _track(self) -> bool:
-        return self.mode == "power" and self.armed
+        return is_power(self.mode) and self.armed
 
     def _serialized(self, wrapper: Callable) -> Callable:
         """Power mode: one mutating call at a time, from its number through its
         journal entry, so that the journal written at a crash holds every call
         made before it (another thread cannot be between its call and its entry)."""
-        if self.mode != "power":
+        if not is_power(self.mode):
             return wrapper
         lock = self._lock
 
@@ -240,6 +270,37 @@ class Interceptor:
         elif st.st_ino in self.files:
             self.files[st.st_ino]["synced"] = st.st_size
 
+    def _pin(self, path: str) -> Optional[Dict[str, Any]]:
+        """Before an unlink, an rmdir or a rename over ``path`` drops its entry:
+        what brings the entry back if the power loss undoes the drop. A file: a
+        hard link to it beside the backups (the same inode comes back, so the
+        file journal still applies to it); a symlink: its target; a directory:
+        its inode held open and its mode (it comes back empty: the unlinks and
+        rmdirs that emptied it are undone on their own). Holding the inode
+        also keeps its number from being reused by a file the operation
+        creates later, which the journal, keyed by inode, would mistake for it."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        if stat.S_ISREG(st.st_mode):
+            os.makedirs(self.backup_dir, exist_ok=True)
+            keep = os.path.join(self.backup_dir, f"dropped-{self.seq}-{st.st_ino}")
+            try:
+                os.link(path, keep)
+            except OSError:
+                shutil.copyfile(path, keep)         # links refused: its bytes, under a new inode
+            return {"what": "file", "ino": st.st_ino, "keep": keep}
+        if stat.S_ISLNK(st.st_mode):
+            return {"what": "symlink", "ino": st.st_ino, "target": os.readlink(path)}
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                self._pinned.append(os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
+            except OSError:
+                pass
+            return {"what": "dir", "ino": st.st_ino, "mode": stat.S_IMODE(st.st_mode)}
+        return None                                 # a FIFO, a socket: not brought back
+
     def journal(self) -> Dict[str, Any]:
         paths = {}
         for dirpath, dirnames, filenames in os.walk(self.root):
@@ -266,18 +327,13 @@ class Interceptor:
                 if not (me._under(dst) or (kind == "rename" and me._under(src))):
                     return fn(*args, **kwargs)
                 me.point(f"os.{name} {me._rel(src)} -> {me._rel(dst)}")
-                replaced = None
-                replaced_link = None        # the replaced entry's inode, when another name keeps it
+                replaced = None             # what the rename drops at dst (a file, a symlink, an empty directory)
                 me._local.busy = True
                 try:
                     if me._track() and kind == "rename":
                         try:
-                            st = os.lstat(dst)
-                            if stat.S_ISREG(st.st_mode):
-                                me._backup(st.st_ino, dst)
-                                replaced = me.files.get(st.st_ino, {}).get("backup")
-                                if st.st_nlink > 1:
-                                    replaced_link = st.st_ino
+                            if os.lstat(dst).st_ino != os.lstat(src).st_ino:    # the same inode: rename does nothing
+                                replaced = me._pin(dst)
                         except OSError:
                             pass
                 finally:
@@ -292,8 +348,7 @@ class Interceptor:
                             me.entries.append({"seq": me.seq, "kind": "rename", "parent": os.stat(os.path.dirname(dst)).st_ino,
                                                "name": os.path.basename(dst), "ino": ino,
                                                "src_parent": os.stat(os.path.dirname(src)).st_ino,
-                                               "src_name": os.path.basename(src), "replaced_backup": replaced,
-                                               "replaced_link": replaced_link})
+                                               "src_name": os.path.basename(src), "replaced": replaced})
                         else:
                             me._entry("create", os.path.dirname(dst), os.path.basename(dst), ino)
                     except OSError:
@@ -314,6 +369,13 @@ class Interceptor:
                     pass
                 finally:
                     me._local.busy = False
+            dropped = None                  # unlink, rmdir: what brings the entry back
+            if kind in ("unlink", "rmdir") and me._track():
+                me._local.busy = True
+                try:
+                    dropped = me._pin(p)
+                finally:
+                    me._local.busy = False
             result = fn(*args, **kwargs)
             if kind == "mkdir" and me._track():
                 me._local.busy = True
@@ -321,6 +383,12 @@ class Interceptor:
                     me._entry("mkdir", os.path.dirname(p), os.path.basename(p), os.lstat(p).st_ino)
                 except OSError:
                     pass
+                finally:
+                    me._local.busy = False
+            if dropped is not None:
+                me._local.busy = True
+                try:
+                    me._entry(kind, os.path.dirname(p), os.path.basename(p), dropped["ino"], kept=dropped)
                 finally:
                     me._local.busy = False
             return result
@@ -435,7 +503,56 @@ class Interceptor:
         wrapped = self._serialized(self._wrap_builtin_open(builtins.open))
         builtins.open = wrapped
         io.open = wrapped
+        self._install_below_python()
         self._install_s3_hook()
+
+    def _wrap_fd_call(self, name: str, fn: Callable, fd_at: int, describe: Callable[[tuple], str],
+                      changes: bool = True) -> Callable:
+        """A call that writes a file through the descriptor ``args[fd_at]`` without
+        passing its bytes through Python (os.sendfile's output, shutil.copyfile's way
+        on Linux; os.copy_file_range's destination; os.posix_fallocate), or, with
+        ``changes`` False, one that only asks the kernel to write pages back
+        (sync_file_range): a point like the others, nothing made durable by it."""
+        me = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if me._busy() or not me.armed or len(args) <= fd_at:
+                return fn(*args, **kwargs)
+            p = me._fdpath(args[fd_at])
+            if not me._under(p):
+                return fn(*args, **kwargs)
+            me.point(f"{name} {me._rel(p)} {describe(args)}")
+            if changes and me._track():
+                me._local.busy = True
+                try:
+                    st = os.fstat(args[fd_at])
+                    if stat.S_ISREG(st.st_mode):
+                        me._backup(st.st_ino, p)
+                except OSError:
+                    pass
+                finally:
+                    me._local.busy = False
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def _install_below_python(self) -> None:
+        """The calls that move file bytes below Python: the os functions that copy
+        between descriptors or allocate, and the libc functions lazyckpt calls
+        through ctypes (the module attribute it calls them by is replaced)."""
+        calls = {"sendfile": (0, lambda a: f"{a[3]} B from fd at {a[2]}"),
+                 "copy_file_range": (1, lambda a: f"{a[2]} B"),
+                 "posix_fallocate": (0, lambda a: f"{a[2]} B at {a[1]}")}
+        for name, (fd_at, describe) in calls.items():
+            if hasattr(os, name):
+                setattr(os, name, self._serialized(self._wrap_fd_call(f"os.{name}", getattr(os, name), fd_at,
+                                                                      describe)))
+        try:
+            from lazyckpt.storage import iomode
+        except Exception:
+            return
+        if iomode._sync_file_range is not None:
+            iomode._sync_file_range = self._serialized(self._wrap_fd_call(
+                "sync_file_range", iomode._sync_file_range, 0, lambda a: f"{a[2]} B at {a[1]}", changes=False))
 
     def _install_s3_hook(self) -> None:
         try:
@@ -469,7 +586,7 @@ class Interceptor:
         def __exit__(self, *exc: Any) -> None:
             owner = self.owner
             owner.armed = False
-            if owner.mode == "power" and exc[0] is None and owner.crash_at == owner.count + 1:
+            if is_power(owner.mode) and exc[0] is None and owner.crash_at == owner.count + 1:
                 # The point after the last: the operation returned, then the power went.
                 # What it promised durable on return must survive (run_case: the last world).
                 owner._crash(f"{END_POINT} (the operation returned)")
@@ -479,21 +596,67 @@ class Interceptor:
         return Interceptor._Armed(self)
 
 
-def apply_power_loss(journal: Dict[str, Any], root: str) -> List[str]:
-    """Drop from ``root`` what the journal says was not durable; returns what was done."""
+def _partial_prefix(n: int) -> int:
+    """How much of an un-fsynced tail of ``n`` bytes the "partial" variant keeps:
+    half, in whole 512-byte sectors once it is a sector or more (writeback had
+    reached some of it; a tear in the middle of a page and of a footer)."""
+    half = n // 2
+    return half - half % 512 if half >= 512 else half
+
+
+def _bring_back(kept: Dict[str, Any], path: str) -> int:
+    """Recreate a dropped entry from what :meth:`Interceptor._pin` kept; its inode now."""
+    if kept["what"] == "file":
+        try:
+            os.link(kept["keep"], path)
+            os.unlink(kept["keep"])             # its link count as before the drop
+        except OSError:
+            shutil.copyfile(kept["keep"], path)
+    elif kept["what"] == "symlink":
+        os.symlink(kept["target"], path)
+    else:
+        os.mkdir(path, kept.get("mode", 0o755))
+    return os.lstat(path).st_ino
+
+
+def apply_power_loss(journal: Dict[str, Any], root: str, tail: str = "cut") -> List[str]:
+    """Drop from ``root`` what the journal says was not durable; returns what was done.
+
+    Entry changes (creates, mkdirs, links, renames, unlinks, rmdirs) whose
+    directory was not fsynced after them are undone, newest first; then each
+    file written during the operation keeps its content up to its last fsync
+    (a never-fsynced new file: none; a never-fsynced old one: its content
+    before the operation) and its un-fsynced tail becomes, by ``tail``:
+    "cut" (gone), "zero" (the size kept, zeros) or "partial" (a prefix kept,
+    :func:`_partial_prefix`)."""
+    if tail not in ("cut", "zero", "partial"):
+        raise ValueError(f"tail must be 'cut', 'zero' or 'partial', got {tail!r}")
     done: List[str] = []
     dir_sync = {int(k): v for k, v in journal["dir_sync"].items()}
+    # A dropped entry brought back under a new inode (a directory, a copied file): new -> journal's.
+    alias: Dict[int, int] = {}
+
+    def ino(st: os.stat_result) -> int:
+        return alias.get(st.st_ino, st.st_ino)
 
     def paths() -> Dict[int, str]:
-        out = {os.lstat(root).st_ino: root}
+        out = {ino(os.lstat(root)): root}
         for dirpath, dirnames, filenames in os.walk(root):
             for name in dirnames + filenames:
                 p = os.path.join(dirpath, name)
                 try:
-                    out[os.lstat(p).st_ino] = p
+                    out[ino(os.lstat(p))] = p
                 except OSError:
                     pass
         return out
+
+    def rel(p: str) -> str:
+        return os.path.relpath(p, os.path.dirname(root))
+
+    def bring_back(kept: Dict[str, Any], p: str) -> None:
+        now = _bring_back(kept, p)
+        if now != kept["ino"]:
+            alias[now] = kept["ino"]
 
     for e in reversed(journal["entries"]):
         if dir_sync.get(e["parent"], -1) > e["seq"]:
@@ -501,21 +664,27 @@ def apply_power_loss(journal: Dict[str, Any], root: str) -> List[str]:
         where = paths()
         parent = where.get(e["parent"])
         if parent is None:
-            continue                         # the directory itself went (an undone mkdir)
+            continue                         # the directory itself went (an undone mkdir, a durable rmdir)
         p = os.path.join(parent, e["name"])
+        if e["kind"] in ("unlink", "rmdir"):
+            if os.path.lexists(p):
+                done.append(f"cannot undo {e['kind']} {rel(p)}: the name is taken")
+                continue
+            bring_back(e["kept"], p)
+            done.append(f"undo {e['kind']} {rel(p)}")
+            continue
         try:
             st = os.lstat(p)
         except OSError:
             continue
-        if st.st_ino != e["ino"]:
+        if ino(st) != e["ino"]:
             continue
-        rel = os.path.relpath(p, os.path.dirname(root))
         if e["kind"] in ("create", "mkdir"):
             if stat.S_ISDIR(st.st_mode):
                 shutil.rmtree(p)
             else:
                 os.unlink(p)
-            done.append(f"undo {e['kind']} {rel}")
+            done.append(f"undo {e['kind']} {rel(p)}")
         elif e["kind"] == "rename":
             src_parent = where.get(e["src_parent"])
             if src_parent is None:
@@ -524,35 +693,49 @@ def apply_power_loss(journal: Dict[str, Any], root: str) -> List[str]:
             if os.path.lexists(src):
                 continue
             os.rename(p, src)
-            done.append(f"undo rename {os.path.relpath(src, os.path.dirname(root))} -> {rel}")
-            other = paths().get(e["replaced_link"]) if e.get("replaced_link") is not None else None
-            if other is not None:
-                # The replaced entry was a hard link whose inode another name still holds
-                # (Lightning's last.ckpt): the entry comes back pointing at that inode.
-                os.link(other, p)
-                done.append(f"restore {rel} (a link to {os.path.relpath(other, os.path.dirname(root))}, "
-                            f"which the rename replaced)")
-            elif e.get("replaced_backup"):
-                shutil.copyfile(e["replaced_backup"], p)
-                done.append(f"restore {rel} (the file the rename replaced)")
+            done.append(f"undo rename {rel(src)} -> {rel(p)}")
+            kept = e.get("replaced")
+            if kept is not None:
+                # The entry the rename replaced comes back: a file as its own inode (a
+                # hard link whose inode another name holds is that link again), a
+                # symlink, an empty directory.
+                bring_back(kept, p)
+                done.append(f"restore {rel(p)} (the {kept['what']} the rename replaced)")
     where = paths()
-    for ino, info in journal["files"].items():
-        p = where.get(int(ino))
+    for ino_, info in journal["files"].items():
+        p = where.get(int(ino_))
         if p is None or not os.path.isfile(p) or os.path.islink(p):
             continue
-        rel = os.path.relpath(p, os.path.dirname(root))
         size = os.path.getsize(p)
-        if info["synced"] is None:
-            if info["new"]:
-                if size:
-                    os.truncate(p, 0)
-                    done.append(f"{rel}: never fsynced, 0 bytes")
-            elif info["backup"]:
+        if info["synced"] is None and not info["new"]:
+            if not info["backup"]:
+                continue
+            durable = os.path.getsize(info["backup"])
+            if tail == "cut" or size <= durable:
                 shutil.copyfile(info["backup"], p)
-                done.append(f"{rel}: never fsynced, content before the operation")
-        elif size > info["synced"]:
-            os.truncate(p, info["synced"])
-            done.append(f"{rel}: cut to its fsynced {info['synced']} B")
+                done.append(f"{rel(p)}: never fsynced, content before the operation")
+                continue
+            with open(info["backup"], "rb") as src, open(p, "r+b") as dst:
+                dst.write(src.read())
+            what = f"{rel(p)}: never fsynced, content before the operation"
+        else:
+            durable = info["synced"] or 0
+            what = f"{rel(p)}: " + (f"fsynced at {durable} B" if info["synced"] is not None else "never fsynced")
+        if size <= durable:
+            continue
+        if tail == "cut":
+            os.truncate(p, durable)
+            done.append(f"{rel(p)}: cut to its fsynced {durable} B" if info["synced"] is not None
+                        else f"{what}, 0 bytes")
+        elif tail == "zero":
+            with open(p, "r+b") as f:
+                f.seek(durable)
+                f.write(bytes(size - durable))
+            done.append(f"{what}, its {size - durable} B past that read zeros")
+        else:
+            keep = _partial_prefix(size - durable)
+            os.truncate(p, durable + keep)
+            done.append(f"{what}, {keep} of its {size - durable} B past that kept")
     return done
 
 
@@ -1229,8 +1412,8 @@ def run_case(program: Program, work: str, k: int, mode: str, s3: Optional[Dict[s
         record = json.loads(open(side).read())
         out["op"] = record["op"]
         tag = out["tag"] = record.get("tag")
-        if mode == "power":
-            out["dropped"] = apply_power_loss(record["journal"], ctx.case)
+        if is_power(mode):
+            out["dropped"] = apply_power_loss(record["journal"], ctx.case, POWER_TAILS[mode])
         if out["op"].startswith(END_POINT):
             # Returned, then the power went: only the world after the operation (the
             # programs list it last) is allowed; what it reported done must be there.
@@ -1299,18 +1482,18 @@ def preload(program: Program) -> None:
 
 def enumerate_program(program: Program, mode: str, work: str, s3: Optional[Dict[str, Any]] = None,
                       points: Optional[List[int]] = None, log: Optional[Callable[[str], None]] = None,
-                      every: int = 1, always_last: int = 0) -> Outcome:
+                      every: int = 1, always_last: int = 0, first: int = 1) -> Outcome:
     """Dry run, then a crash at every point (or at ``points``; ``every``: every
-    ``every``-th from 1, plus the last ``always_last``) and the checks."""
+    ``every``-th from ``first``, plus the last ``always_last``) and the checks."""
     t0 = time.monotonic()
     preload(program)
     n, descriptions = dry_run(program, work, s3)
     seen: Dict[str, List[str]] = {}
     violations, errors, checked = [], [], 0
     # Power loss also right after the operation returned (point n + 1, END_POINT).
-    last = n + (mode == "power")
+    last = n + is_power(mode)
     if points is None:
-        points = sorted(set(range(1, last + 1, every)) | set(range(max(1, last - always_last + 1), last + 1))) \
+        points = sorted(set(range(first, last + 1, every)) | set(range(max(1, last - always_last + 1), last + 1))) \
             if every > 1 else list(range(1, last + 1))
     for k in points:
         result = run_case(program, work, k, mode, s3, seen)

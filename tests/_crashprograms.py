@@ -59,20 +59,44 @@ def _line(n: int, states: Optional[Dict[int, Any]] = None) -> Dict[int, Any]:
     return {i: (states or S)[i] for i in range(1, n + 1)}
 
 
-def save_program(keep_last: Optional[int], persist: bool = False) -> Program:
+#: The default I/O mode, ``o_direct="auto"`` (storage/iomode.py: each write in the
+#: mode its file system's tracker picks, a buffered one written back with
+#: sync_file_range), with chunks of 2 MiB: the operation's save (``WIDE``, a
+#: 2.5 MiB tensor more) writes its first chunk (over 1 MiB, the smallest transfer
+#: measured) as a measure of buffered writes (a second descriptor, pwrite,
+#: sync_file_range over it), the rest (under 1 MiB) O_DIRECT; the same every run
+#: (a measure is judged against the transfers of 1 MiB or more beside or after
+#: it, and there are none, so the mode in use never changes).
+AUTO = dict(o_direct="auto", chunk_bytes=2 << 20, host_cache_bytes=4 << 20)
+
+
+def _wide(seed: int) -> Dict[str, Any]:
+    import torch
+    state = make_state(seed)
+    state["wide"] = torch.randn(640 * 1024, generator=torch.Generator().manual_seed(seed))
+    return state
+
+
+WIDE = _wide(33)
+
+
+def save_program(keep_last: Optional[int], persist: bool = False, auto: bool = False) -> Program:
+    new, io = (WIDE, AUTO) if auto else (NEW, {})
     before = World("before", 2, _line(2), (1, 2))
-    after = World("after", 3, {**_line(2), 3: NEW}, (1, 2, 3) if keep_last is None else (2, 3))
-    name = f"save-keep{keep_last}" + ("-persist" if persist else "")
-    return Program(name, _prepare_line(2, persist, keep=keep_last), _save_run(3, NEW, persist, keep=keep_last),
-                   [before, after], kwargs={"keep": keep_last}, persist=persist)
+    after = World("after", 3, {**_line(2), 3: new}, (1, 2, 3) if keep_last is None else (2, 3))
+    name = f"save-keep{keep_last}" + ("-persist" if persist else "") + ("-auto" if auto else "")
+    return Program(name, _prepare_line(2, persist, keep=keep_last, **io),
+                   _save_run(3, new, persist, keep=keep_last, **io),
+                   [before, after], kwargs={"keep": keep_last, **io}, persist=persist)
 
 
-def rollback_program(keep_last: Optional[int], persist: bool = False) -> Program:
+def rollback_program(keep_last: Optional[int], persist: bool = False, auto: bool = False) -> Program:
+    new, io = (WIDE, AUTO) if auto else (NEW, {})
     before = World("before", 5, _line(5), (1, 2, 3, 4, 5))
-    after = World("after", 3, {**_line(2), 3: NEW}, (1, 2, 3) if keep_last is None else (2, 3))
-    name = f"rollback-keep{keep_last}" + ("-persist" if persist else "")
-    return Program(name, _prepare_line(5, persist), _save_run(3, NEW, persist, load_step=2, keep=keep_last),
-                   [before, after], kwargs={"keep": keep_last}, persist=persist)
+    after = World("after", 3, {**_line(2), 3: new}, (1, 2, 3) if keep_last is None else (2, 3))
+    name = f"rollback-keep{keep_last}" + ("-persist" if persist else "") + ("-auto" if auto else "")
+    return Program(name, _prepare_line(5, persist, **io), _save_run(3, new, persist, load_step=2, keep=keep_last, **io),
+                   [before, after], kwargs={"keep": keep_last, **io}, persist=persist)
 
 
 def incremental_program(keep_last: Optional[int]) -> Program:
@@ -172,18 +196,20 @@ def leftovers_program() -> Program:
     return Program("clean-leftovers-on-open", prepare, run, [world])
 
 
-def file_program() -> Program:
-    """``lazyckpt.save(state, path)`` over an existing file."""
+def file_program(auto: bool = False) -> Program:
+    """``lazyckpt.save(state, path)`` over an existing file (``auto``: with ``AUTO``'s I/O)."""
+    new, knobs = (WIDE, dict(KNOBS, **AUTO)) if auto else (NEW, KNOBS)
+
     def prepare(ctx: Ctx) -> None:
         import lazyckpt
-        lazyckpt.save(S[1], os.path.join(ctx.case, "model.lzc"), **KNOBS)
+        lazyckpt.save(S[1], os.path.join(ctx.case, "model.lzc"), **knobs)
 
     def run(ctx: Ctx, icp: Interceptor) -> None:
         import lazyckpt
         with icp.operation():
-            lazyckpt.save(NEW, os.path.join(ctx.case, "model.lzc"), **KNOBS)
-    return Program("single-file-save", prepare, run, [World("old", 1, {1: S[1]}), World("new", 2, {2: NEW})],
-                   kind="file")
+            lazyckpt.save(new, os.path.join(ctx.case, "model.lzc"), **knobs)
+    return Program("single-file-save" + ("-auto" if auto else ""), prepare, run,
+                   [World("old", 1, {1: S[1]}), World("new", 2, {2: new})], kind="file")
 
 
 def first_save_program() -> Program:
@@ -411,7 +437,8 @@ def local_programs() -> List[Program]:
             incremental_program(None), incremental_program(1), policy_program("last-every"), policy_program("best"),
             policy_program("best-rollback"), prune_program(2), leftovers_program(),
             file_program(), takeover_program(), first_save_program(), preempted_save_program(),
-            dcp_program("lazyckpt"), dcp_program("dcp")]
+            dcp_program("lazyckpt"), dcp_program("dcp"),
+            save_program(None, auto=True), rollback_program(2, auto=True), file_program(auto=True)]
 
 
 def persist_programs() -> List[Program]:

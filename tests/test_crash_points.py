@@ -61,6 +61,12 @@ def _cases():
                 yield pytest.param(name, mode, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}")
                 yield pytest.param(name, mode, 2, id=f"{name}-{mode}-every2")
                 continue
+            if name.endswith("-auto"):
+                # The o_direct="auto" twins of programs CI runs in full: every point is slow;
+                # CI runs every 3rd and the last 8 (the buffered chunk's write-back is near the start).
+                yield pytest.param(name, mode, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}")
+                yield pytest.param(name, mode, 3, id=f"{name}-{mode}-every3")
+                continue
             yield pytest.param(name, mode, 1, marks=marks, id=f"{name}-{mode}")
 
 
@@ -79,6 +85,42 @@ def test_every_crash_point(name, mode, every, tmp_path, request):
     program = PROGRAMS[name]
     s3 = _s3(request) if program.persist else None
     outcome = cp.enumerate_program(program, mode, str(tmp_path), s3, every=every, always_last=8)
+    _SUMMARY.append((name if every == 1 else f"{name}/{every}", mode, outcome.points, outcome.checked,
+                     len(outcome.violations), outcome.seconds))
+    print(cp.summarize(outcome))
+    assert outcome.points > 0
+    assert not outcome.violations, cp.summarize(outcome)
+
+
+#: The power modes besides "power" (a file's un-fsynced tail zero-filled, or partly
+#: kept: _crashpoints.POWER_TAILS): every point of every program is slow; CI runs
+#: every VARIANT_EVERY-th point (each variant from another first point) and the last
+#: 3 of the programs below, which write files and commit them in each way lazyckpt
+#: has (a step directory, a rollback's, an incremental step, a lone file, a new
+#: directory, DCP in both layouts, the "auto" I/O).
+VARIANTS = [m for m in cp.POWER_TAILS if m != "power"]
+VARIANT_CI = ("save-keep2", "rollback-keep2", "incremental-keep1", "single-file-save", "first-save-new-directory",
+              "dcp-lazyckpt", "dcp-dcp", "save-keepNone-auto")
+VARIANT_EVERY = 5
+
+
+def _variant_cases():
+    for name in PROGRAMS:
+        for mode in VARIANTS:
+            yield pytest.param(name, mode, 1, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}")
+            if name in VARIANT_CI:
+                first = 1 + 2 * VARIANTS.index(mode)
+                yield pytest.param(name, mode, VARIANT_EVERY, first, id=f"{name}-{mode}-every{VARIANT_EVERY}")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,mode,every,first", list(_variant_cases()))
+def test_every_crash_point_with_a_torn_tail(name, mode, every, first, tmp_path, request):
+    """The power loss leaves each file's un-fsynced tail zero-filled
+    (``power-zero``) or half kept (``power-partial``) instead of cut."""
+    program = PROGRAMS[name]
+    s3 = _s3(request) if program.persist else None
+    outcome = cp.enumerate_program(program, mode, str(tmp_path), s3, every=every, always_last=3, first=first)
     _SUMMARY.append((name if every == 1 else f"{name}/{every}", mode, outcome.points, outcome.checked,
                      len(outcome.violations), outcome.seconds))
     print(cp.summarize(outcome))
