@@ -416,8 +416,8 @@ def run_case(program: DistProgram, work: str, k: int, mode: str,
     if status == "killed" and os.path.exists(side):
         record = json.loads(open(side).read())
         out["op"] = record["op"]
-        if mode == "power":
-            out["dropped"] = cp.apply_power_loss(record["journal"], node_dir(case, 0))
+        if cp.is_power(mode):
+            out["dropped"] = cp.apply_power_loss(record["journal"], node_dir(case, 0), cp.POWER_TAILS[mode])
     elif status == "ok" and results[1][0] == "ok":
         out["op"] = f"(no point {k}: rank 0 made {value['count']} calls this time)"
     else:
