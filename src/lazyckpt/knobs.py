@@ -56,6 +56,10 @@ class Options:
     o_direct: Union[bool, str] = "auto"
     #: Size of one host-cache chunk: the unit of copy, write and checksum.
     chunk_bytes: int = 32 * MiB
+    #: A load of some entries (``keys=``, ``into=``) reads a gap between two of
+    #: them up to this size through, in the same request, rather than issuing
+    #: one request per entry (0: never; see docs/ARCHITECTURE.md, "the load path").
+    read_through_bytes: int = 256 * 1024
     #: Size of the reused host cache that stages data on its way to disk. 0 (the
     #: default) sizes it once, at the first save, to that state's bytes clamped to
     #: [AUTO_CACHE_MIN, AUTO_CACHE_MAX] and a quarter of the machine's memory: a
@@ -113,6 +117,8 @@ class Options:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
+        if self.read_through_bytes < 0:
+            raise ValueError(f"read_through_bytes must be >= 0 (0: never read a gap), got {self.read_through_bytes}")
         if self.host_cache_bytes != 0 and self.host_cache_bytes < 2 * 4096:
             raise ValueError(f"host_cache_bytes must be 0 (auto) or at least 8192, "
                              f"got {self.host_cache_bytes}")
@@ -176,7 +182,7 @@ _FIELDS = {f.name for f in dataclasses.fields(Options)}
 
 
 #: Options fields that are sizes: an int, or a string with a unit (lazyckpt/sizes.py).
-SIZE_FIELDS = ("host_cache_bytes", "chunk_bytes", "max_footer_bytes", "persist_bandwidth")
+SIZE_FIELDS = ("host_cache_bytes", "chunk_bytes", "read_through_bytes", "max_footer_bytes", "persist_bandwidth")
 #: A field's variable is LAZYCKPT_<FIELD>; these fields also take the name of
 #: their option group's field (lazyckpt/options.py IO), which wins when both are set.
 ENV_ALIASES = {"queue_policy": "WHEN_FULL", "exit_policy": "AT_EXIT", "lease_expiry_s": "LEASE_EXPIRY"}

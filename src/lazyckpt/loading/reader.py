@@ -22,7 +22,7 @@ import contextlib
 import mmap
 import os
 import threading
-from typing import Callable, Collection, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -120,18 +120,39 @@ class CheckpointFile:
         staging = StagingBuffers(2 * max(1, self.options.reader_threads) * self.options.chunk_bytes,
                                  self.store.is_remote) if staged else None
         jobs: List[cf.Future] = []
+        # Runs that stay in the result share fresh buffers of up to chunk_bytes
+        # (one allocation, not one per run), and their pieces go to the readers
+        # in batches of up to ``batch`` bytes: one job and one checksum hand-off
+        # per batch, not per piece (1,000 keys of 130 KB: 910 runs).
+        sizes = [fmt.align_up(self._run_end(r) - self.entries[r[0]].offset) for r in runs]
+        kept_total = sum(n for r, n in zip(runs, sizes) if not (staging is not None and r[0] in staged))
+        batch = max(256 << 10, min(4 << 20, kept_total // max(1, self.options.reader_threads)))
+        shared: List[Any] = [None, 0]       # [buffer, bytes used]
+        pending: List[_Piece] = []
+
+        def submit() -> None:
+            if pending:
+                jobs.append(self._read_and_verify(pool, fd, list(pending)))
+                pending.clear()
         try:
-            for run in runs:
-                start = self.entries[run[0]].offset
-                end = self.entries[run[-1]].offset + self.entries[run[-1]].length
+            for run, n in zip(runs, sizes):
+                start, end = self.entries[run[0]].offset, self._run_end(run)
                 reuse = staging is not None and run[0] in staged     # a run is all staged or none
                 if reuse:
-                    buf = staging.take(fmt.align_up(end - start), lambda: _failed(jobs))
+                    submit()            # a take may wait for jobs: none may be held back here
+                    buf = staging.take(n, lambda: _failed(jobs))
                     if buf is None:
                         break           # a read failed: raised below, after the others end
+                    view = memoryview(buf)
+                elif n >= self.options.chunk_bytes:
+                    view = memoryview(read_buffer(n, self.store.is_remote))
                 else:
-                    buf = read_buffer(fmt.align_up(end - start), self.store.is_remote)
-                view = memoryview(buf)
+                    if shared[0] is None or len(shared[0]) - shared[1] < n:
+                        size = min(self.options.chunk_bytes, kept_total)
+                        shared[0], shared[1] = read_buffer(max(size, n), self.store.is_remote), 0
+                    view = memoryview(shared[0])[shared[1]:shared[1] + n]
+                    shared[1] += n
+                    kept_total -= n
                 storages = {}
                 for i in run:
                     e = self.entries[i]
@@ -139,18 +160,24 @@ class CheckpointFile:
                     storages[i] = torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
                 if not reuse:
                     out.update(storages)
-                pieces = self._read_pieces(start, end)
-                finished = _RunDone(len(pieces), run, storages, on_entry) if on_entry is not None else None
-                # Each piece's job ends once it is read and every checksum block in it
+                spans = self._read_pieces(start, end)
+                finished = _RunDone(len(spans), run, storages, on_entry) if on_entry is not None else None
+                # Each piece counts once it is read and every checksum block in it
                 # verified (on a checksum thread, while the reader reads on).
                 run_entries = [self.entries[i] for i in run]
-                run_jobs = [self._read_and_verify(pool, fd, view, start, lo, hi, run_entries, finished)
-                            for lo, hi in pieces]
-                jobs.extend(run_jobs)
+                pieces = [_Piece(view, start, lo, hi, run_entries, finished) for lo, hi in spans]
                 if reuse:
+                    run_jobs = [self._read_and_verify(pool, fd, [p]) for p in pieces]
+                    jobs.extend(run_jobs)
                     # Back to the staging buffers once every read of the run has ended
                     # (after on_entry copied it out, or after a failure).
                     _when_all_done(run_jobs, lambda buf=buf: staging.give(buf))
+                    continue
+                for p in pieces:
+                    if pending and sum(q.hi - q.lo for q in pending) + (p.hi - p.lo) > batch:
+                        submit()
+                    pending.append(p)
+            submit()
             if while_reading is not None:
                 while_reading(out)
             # Every job ends before this returns or raises: none may still be
@@ -209,30 +236,39 @@ class CheckpointFile:
                 pieces.append((lo, hi))
         return pieces
 
-    def _read_and_verify(self, pool: cf.ThreadPoolExecutor, fd: Input, view: memoryview, run_start: int,
-                         lo: int, hi: int, entries: List[fmt.Entry],
-                         finished: Optional["_RunDone"] = None) -> cf.Future:
-        """A future that ends once file range [lo, hi) of a run is read (on
-        ``pool``) and, with ``verify_checksums``, verified (on a checksum
-        thread); then ``finished`` counts the block."""
+    def _run_end(self, run: List[int]) -> int:
+        last = self.entries[run[-1]]
+        return last.offset + last.length
+
+    def _read_and_verify(self, pool: cf.ThreadPoolExecutor, fd: Input, pieces: List["_Piece"]) -> cf.Future:
+        """A future that ends once every piece (a file range of a run) is read,
+        one after the other on ``pool``, and, with ``verify_checksums``,
+        verified (on a checksum thread, while the reader reads its next
+        batch); then each piece's ``finished`` counts it."""
         done: cf.Future = cf.Future()
 
         def settle(check: Callable[[], None]) -> None:
-            # The block's last step: checked, counted, its future ended (either way).
+            # The batch's last step: checked, counted, its future ended (either way).
             try:
                 check()
-                if finished is not None:
-                    finished.block_done()
+                for p in pieces:
+                    if p.finished is not None:
+                        p.finished.block_done()
             except BaseException as exc:
                 done.set_exception(exc)
             else:
                 done.set_result(None)
 
+        def verify() -> None:
+            for p in pieces:
+                self._verify_block(p.view, p.run_start, p.lo, p.hi, p.entries)
+
         def read() -> None:
             try:
-                self._read_block(fd, view, run_start, lo, hi)
+                for p in pieces:
+                    self._read_block(fd, p.view, p.run_start, p.lo, p.hi)
                 if self.options.verify_checksums:
-                    checksums.pool().submit(settle, lambda: self._verify_block(view, run_start, lo, hi, entries))
+                    checksums.pool().submit(settle, verify)
                     return
             except BaseException as exc:
                 done.set_exception(exc)
@@ -275,16 +311,19 @@ class CheckpointFile:
 
     def _plan_runs(self, indices: List[int], staged: Collection[int] = ()) -> List[List[int]]:
         """Group entries that sit next to each other in the file into one read
-        (staged entries only with staged ones)."""
+        (staged entries only with staged ones), reading a gap of up to
+        ``read_through_bytes`` between two of them through: one request costs
+        about as much as reading 50-250 KB more here (docs/ARCHITECTURE.md)."""
         runs: List[List[int]] = []
         limit = self.options.chunk_bytes
+        gap = self.options.read_through_bytes
         for i in indices:
             e = self.entries[i]
             if runs:
                 last = self.entries[runs[-1][-1]]
                 first = self.entries[runs[-1][0]]
-                adjacent = fmt.align_up(last.offset + last.length) == e.offset \
-                    and (i in staged) == (runs[-1][0] in staged)
+                after = fmt.align_up(last.offset + last.length)
+                adjacent = after <= e.offset <= after + gap and (i in staged) == (runs[-1][0] in staged)
                 if adjacent and e.offset + e.length - first.offset <= limit:
                     runs[-1].append(i)
                     continue
@@ -314,7 +353,7 @@ class CheckpointFile:
         try:
             buf = read_buffer(fmt.align_up(hi - lo), self.store.is_remote)
             view = memoryview(buf)
-            jobs = [self._read_and_verify(pool, fd, view, lo, a, b, [span])
+            jobs = [self._read_and_verify(pool, fd, [_Piece(view, lo, a, b, [span], None)])
                     for a, b in self._read_pieces(lo, hi)]
             for job in jobs:
                 job.result()
@@ -325,6 +364,18 @@ class CheckpointFile:
 
     def verify_all(self, pool: cf.ThreadPoolExecutor) -> None:
         self.read_entries(range(len(self.entries)), pool)
+
+
+class _Piece:
+    """File range [lo, hi) of a run whose bytes go to ``view`` (the run's
+    buffer, from file offset ``run_start``); ``finished`` counts it."""
+
+    __slots__ = ("view", "run_start", "lo", "hi", "entries", "finished")
+
+    def __init__(self, view: memoryview, run_start: int, lo: int, hi: int, entries: List[fmt.Entry],
+                 finished: Optional["_RunDone"]):
+        self.view, self.run_start, self.lo, self.hi = view, run_start, lo, hi
+        self.entries, self.finished = entries, finished
 
 
 class _RunDone:
