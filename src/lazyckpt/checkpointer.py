@@ -333,10 +333,13 @@ class Checkpointer:
         """Block until every pending save has copied its data out of the live state."""
         self._engine.wait_for_snapshot(timeout)
 
-    def wait(self, timeout: Optional[float] = None) -> None:
+    def wait(self, timeout: Optional[float] = None, *, freed: bool = False) -> None:
         """Block until every pending save is committed and durable -- and, with
         ``persist_to``, on the persistent tier (or superseded there by a newer
-        step); raise the first failure."""
+        step); raise the first failure. The steps retention dropped are out of
+        the listing by then (renamed aside, durably) but their bytes are freed
+        in the background; ``freed=True`` also waits for that (the disk space
+        is back). ``close()`` always does."""
         t0 = time.monotonic()
         self._engine.wait(timeout)
         if self._replicas is not None:
@@ -345,6 +348,10 @@ class Checkpointer:
             self.persistent.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
         if self.persistent is not None or self._replicas is not None:
             self._retain_drained()
+        if freed and not self.layout.wait_for_frees(
+                None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))):
+            raise CheckpointError(f"{self.directory}: the steps retention deleted were not freed within "
+                                  f"{timeout} s; wait again, or without freed=True", path=self.directory)
 
     def _retain_drained(self) -> None:
         """Local retention skipped steps still waiting for the persistent tier
@@ -625,6 +632,8 @@ class Checkpointer:
                     self._retain_drained()
             finally:
                 try:
+                    if not cancel:
+                        self.layout.wait_for_frees()    # a tidy directory after a clean close
                     if self._writer is not None:
                         self._writer.release()
                     self.layout.close()

@@ -3,6 +3,7 @@ reads, and the fsyncs a commit needs."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
 import logging
 import mmap
@@ -310,6 +311,18 @@ def _release(fd: int, path: str) -> None:
         os.close(fd)
     except OSError as exc:      # nobody waits for this close: say it, do not lose it
         log.warning("lazyckpt: %s: freeing the file this name had was refused: %s", path, exc)
+
+
+def free_later(free: Callable[[str], None], path: str) -> "cf.Future":
+    """Run ``free(path)`` (the removal of a tree already renamed aside) on the
+    release thread, after the frees submitted before it; its failure is
+    logged, not raised: the tree is a leftover that the next scan removes."""
+    def run() -> None:
+        try:
+            free(path)
+        except Exception as exc:
+            log.warning("lazyckpt: %s: freeing it failed (removed at the next open): %s", path, exc)
+    return _releaser.get().submit(run)
 
 
 def wait_for_releases(timeout: Optional[float] = None) -> None:
