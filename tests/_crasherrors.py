@@ -58,8 +58,8 @@ NEXT = make_state(777)
 
 def fault_errno(op: str) -> int:
     """The errno an injected failure of the call described by ``op`` carries."""
-    if op.startswith(("os.write ", "os.pwrite ", "os.writev ", "os.pwritev ", "os.mkdir ", "os.link ",
-                      "os.symlink ")):
+    if op.startswith(("os.write ", "os.pwrite ", "os.writev ", "os.pwritev ", "os.sendfile ",
+                      "os.copy_file_range ", "os.posix_fallocate ", "os.mkdir ", "os.link ", "os.symlink ")):
         return errno_mod.ENOSPC
     if op.startswith("os.open ") and "O_CREAT" in op:
         return errno_mod.ENOSPC
@@ -89,7 +89,8 @@ class FaultInterceptor(Interceptor):
     def _crash(self, desc: str) -> None:
         op = desc.split("] ", 1)[1]
         code = fault_errno(op)
-        self.fault = {"point": self.crash_at, "op": desc, "tag": self.tag, "errno": errno_mod.errorcode[code]}
+        self.fault = {"point": self.crash_at, "op": desc, "tag": self.tag,
+                      "errno": "HTTP 500" if op.startswith("s3 ") else errno_mod.errorcode[code]}
         if op.startswith("s3 "):
             raise _S3Fault(desc)
         exc = _Injected(code, f"{MARK}: {os.strerror(code)} ({op})")
