@@ -16,4 +16,19 @@ case ",${LAZYCKPT_EXTRAS:-bench}," in
   *,torchtitan,*)   # its checkpoint manager alone: see the torchtitan extra in pyproject.toml
     .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps "torchtitan==0.3.0" ;;
 esac
+case ",${LAZYCKPT_EXTRAS:-bench}," in
+  *,test,*)   # the browser tests (marker browser) open `lazyckpt report`'s page in Debian's chromium
+    if ! command -v chromium >/dev/null 2>&1; then
+      SUDO=""
+      [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+      if command -v apt-get >/dev/null 2>&1 && { [ -z "$SUDO" ] || sudo -n true 2>/dev/null; }; then
+        { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium; } \
+          >/dev/null || echo "setup.sh: apt-get could not install chromium: the browser tests will skip" \
+                             "(and fail under CI)" >&2
+      else
+        echo "setup.sh: chromium is missing and cannot be installed here (needs apt-get as root or" \
+             "password-less sudo): the browser tests (marker browser) will skip" >&2
+      fi
+    fi ;;
+esac
 .venv/bin/python -c "import torch, lazyckpt; print('lazyckpt', lazyckpt.__version__, 'torch', torch.__version__)"

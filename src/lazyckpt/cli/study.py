@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from lazyckpt.study import STATS, diff, trajectory
+from lazyckpt.study.report import MAX_STEPS, NORM_STEPS, TOP as REPORT_TOP, write_report
+from lazyckpt.study.panels import DASHES, metrics as saved_metrics, metrics_panel, panels, style
 from .inspect import human_bytes
 from .output import print_json, text_table
 
@@ -115,8 +116,25 @@ def cmd_trajectory(args: argparse.Namespace) -> int:
             for line in text_table(["step", "key", "why"], [[str(s), k, w] for s, k, w in traj.skipped]):
                 print("  " + line)
     if args.png is not None:
-        plot_trajectory(table, args.stat, args.png, group=args.group, title=args.run)
+        from lazyckpt.study.report import step_manifests
+        manifests = step_manifests([where for _, _, where in traj.locations])
+        found = saved_metrics({s: m.get("metadata") for s, m in zip(steps, manifests) if m is not None})
+        for note in plot_trajectory(table, args.stat, args.png, group=args.group, title=args.run,
+                                    numel=traj.numel(), metrics=found, counters=args.counters):
+            print(f"note: {note}", file=sys.stderr)
         print(f"wrote {args.png}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    report = write_report(args.run, args.output, persist_to=args.persist_to, from_step=args.from_step,
+                          to_step=args.to_step, keys=args.keys, group=args.group, counters=args.counters,
+                          top=args.top, max_steps=args.max_steps, norm_steps=args.norm_steps, workers=args.workers)
+    if args.json:
+        print_json(report.to_json())
+    took = sum(report.seconds.values())
+    print(f"wrote {args.output}: {len(report.kept):,} kept steps, {report.manifests_read:,} manifests and "
+          f"{human_bytes(report.bytes_read)} of tensors read, {took:.2f} s", file=sys.stderr)
     return EXIT_OK
 
 
@@ -134,30 +152,6 @@ def _pyplot() -> Any:
     return plt
 
 
-#: How a group's line combines its tensors' values: the norm of the group for
-#: norms, the extreme for extremes; the mean of the values otherwise.
-_COMBINE: Dict[str, Callable[[List[float]], float]] = {
-    "norm": lambda vs: math.sqrt(sum(v * v for v in vs)),
-    "absmax": max, "max": max, "min": min,
-}
-
-
-def group_values(table: Dict[str, Dict[int, float]], stat: str, pattern: str) -> Dict[str, Dict[int, float]]:
-    """One line per group: a tensor's group is the first match of ``pattern``
-    (a regex) in its key, the key itself where it does not match."""
-    rx = re.compile(pattern)
-    members: Dict[str, List[str]] = {}
-    for key in table:
-        m = rx.search(key)
-        members.setdefault(m.group(0) if m else key, []).append(key)
-    combine = _COMBINE.get(stat, lambda vs: sum(vs) / len(vs))
-    out: Dict[str, Dict[int, float]] = {}
-    for name, keys in members.items():
-        steps = sorted({s for k in keys for s in table[k]})
-        out[name] = {s: combine([table[k][s] for k in keys if s in table[k]]) for s in steps}
-    return out
-
-
 def cmd_history(args: argparse.Namespace) -> int:
     """``lazyckpt history``: the old name of ``lazyckpt trajectory``."""
     print("lazyckpt: note: `lazyckpt history` is deprecated and will be removed in 0.3: use `lazyckpt trajectory` "
@@ -166,25 +160,72 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def plot_trajectory(table: Dict[str, Dict[int, float]], stat: str, png: str, group: Optional[str] = None,
-                    title: str = "") -> None:
+                    title: str = "", numel: Optional[Dict[str, int]] = None,
+                    metrics: Optional[Dict[str, Dict[int, float]]] = None, counters: bool = False) -> List[str]:
+    """One panel per group (lazyckpt/study/panels.py: top-level keys, or
+    ``group``), counters left out unless ``counters``, a log axis where a
+    panel spans decades, a dash pattern per round of colours, and the saves'
+    metrics in a panel of their own. Returns the notes to show (what was left
+    out)."""
     plt = _pyplot()
-    lines = group_values(table, stat, group) if group else table
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for name, values in lines.items():
-        steps = sorted(values)
-        ax.plot(steps, [values[s] for s in steps], marker="o", markersize=3, label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel(stat + (" (per group)" if group else ""))
-    ax.set_title(title)
-    if len(lines) <= 20:
-        ax.legend(fontsize="small")
+    shown, left_out = panels(table, numel or {}, group=group, counters=counters, stat=stat)
+    notes = []
+    if left_out:
+        notes.append(f"counters left out (--counters to plot them): {', '.join(left_out[:6])}"
+                     + (", ..." if len(left_out) > 6 else ""))
+    if len(shown) > MAX_PANELS:
+        notes.append(f"{len(shown) - MAX_PANELS} groups not drawn (at most {MAX_PANELS} panels: a coarser --group "
+                     f"or --keys)")
+        shown = shown[:MAX_PANELS]
+    extra = metrics_panel(metrics or {})
+    if extra is not None:
+        shown = [extra] + shown
+    if not shown:
+        raise ValueError("nothing to plot: every value selected is a counter or not a number (--counters plots "
+                         "counters)")
+    cols = 1 if len(shown) == 1 else 2
+    rows = -(-len(shown) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(9.5 * cols, 3.6 * rows + 0.6), squeeze=False)
+    for ax, panel in zip(axes.flat, shown):
+        for i, (name, values) in enumerate(panel.lines.items()):
+            colour, dash = style(i)
+            steps = sorted(values)
+            ys = [values[s] if not panel.log or values[s] > 0 else float("nan") for s in steps]
+            ax.plot(steps, ys, color=colour, linestyle=DASHES[dash][0], marker="o", markersize=2.5, linewidth=1.4,
+                    label=_short(name, panel.title))
+        if panel.log:
+            ax.set_yscale("log")
+        ax.set_title(panel.title + ("" if panel.kind == "metrics" else f": {stat}") + (" (log)" if panel.log else ""),
+                     fontsize=10)
+        ax.set_xlabel("step", fontsize=9)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.tick_params(labelsize=8)
+        # Beside the axes, not on them: with many lines a legend inside hides the lines it names.
+        ax.legend(fontsize=7, ncol=2 if len(panel.lines) > 12 else 1, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  borderaxespad=0.0, frameon=False)
+        if panel.notes:
+            ax.text(0.01, 0.01, "; ".join(panel.notes), transform=ax.transAxes, fontsize=7, color="#555")
+    for ax in list(axes.flat)[len(shown):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+    return notes
+
+
+#: Panels of one PNG at most (two columns).
+MAX_PANELS = 16
+
+
+def _short(name: str, group: str) -> str:
+    """A legend label: the key less its panel's top-level component."""
+    prefix = group + "/"
+    return name[len(prefix):] if name.startswith(prefix) else name
 
 
 def add_commands(sub: Any, progress_flags: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``diff`` and ``trajectory`` (and its old name ``history``) on the ``lazyckpt`` parser."""
+    """Register ``diff``, ``report`` and ``trajectory`` (and its old name ``history``) on the ``lazyckpt`` parser."""
     sp = sub.add_parser("diff", help="compare two committed steps tensor by tensor (reads pieces, not states)",
                         description="A and B: a .lzc file, a step directory, a Checkpointer directory (its latest "
                         "step) or RUN@STEP; local or s3://; any world size on either side. One row per tensor: "
@@ -200,6 +241,31 @@ def add_commands(sub: Any, progress_flags: Callable[[argparse.ArgumentParser], N
     sp.add_argument("--workers", type=int, default=2, help="tensors compared in parallel (default 2)")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=cmd_diff)
+
+    rp = sub.add_parser("report", help="one self-contained HTML page of a run: its line of history, metrics, "
+                        "norms, biggest movers and save costs",
+                        description="Reads the run's index (every kept step and its tier), the manifests of at most "
+                        "--max-steps sampled steps, the tensors of --norm-steps of them, and the two steps compared; "
+                        "writes one HTML file with interactive charts (plotly.js inside: it opens with no network). "
+                        "Needs plotly: pip install 'lazyckpt[report]'.")
+    rp.add_argument("run", metavar="RUN", help="a Checkpointer directory or s3:// prefix")
+    rp.add_argument("-o", "--output", metavar="FILE", default="report.html", help="the page (default report.html)")
+    rp.add_argument("--persist-to", metavar="URL", help="the run's persistent tier (s3://...): its steps too")
+    rp.add_argument("--from", dest="from_step", type=int, metavar="STEP",
+                    help="the biggest movers from this step (default: the first kept)")
+    rp.add_argument("--to", dest="to_step", type=int, metavar="STEP", help="... to this one (default: the last kept)")
+    rp.add_argument("--keys", action="append", metavar="GLOB", help="tensors to measure and compare (repeatable)")
+    rp.add_argument("--group", metavar="REGEX", help="one norm chart per group: a key's first match of REGEX "
+                    "(default: the top-level keys)")
+    rp.add_argument("--counters", action="store_true", help="plot counters (one-element whole-number tensors) too")
+    rp.add_argument("--top", type=int, default=REPORT_TOP, metavar="K", help=f"movers shown (default {REPORT_TOP})")
+    rp.add_argument("--max-steps", type=int, default=MAX_STEPS, metavar="N",
+                    help=f"manifests read at most: a sample of the kept steps (default {MAX_STEPS})")
+    rp.add_argument("--norm-steps", type=int, default=NORM_STEPS, metavar="N",
+                    help=f"steps whose tensors are measured (default {NORM_STEPS})")
+    rp.add_argument("--workers", type=int, default=4, help="tensors read in parallel (default 4)")
+    rp.add_argument("--json", action="store_true", help="also print what the page shows as JSON")
+    rp.set_defaults(func=cmd_report)
 
     trajectory_parser(sub, "trajectory", progress_flags,
                       help="a statistic of tensors over every kept step of a run (table, --png)")
@@ -221,8 +287,11 @@ def trajectory_parser(sub: Any, name: str, progress_flags: Callable[[argparse.Ar
     sp.add_argument("--persist-to", metavar="URL", help="the run's persistent tier (s3://...): its steps too")
     sp.add_argument("--workers", type=int, default=4, help="tensors read in parallel (default 4)")
     sp.add_argument("--png", metavar="FILE", help="plot one line per tensor (needs matplotlib: lazyckpt[plot])")
-    sp.add_argument("--group", metavar="REGEX", help="with --png: one line per group, a tensor's group being "
-                    r"the first match of REGEX in its key (e.g. 'layers\.\d+')")
+    sp.add_argument("--group", metavar="REGEX", help="with --png: one panel per group, a tensor's group being "
+                    r"the first match of REGEX in its key (e.g. 'layers\.\d+'); default: the top-level keys "
+                    "(model, optimizer, ...)")
+    sp.add_argument("--counters", action="store_true", help="with --png: plot counters too (one-element tensors "
+                    "holding whole numbers, e.g. AdamW's step), which are left out by default")
     sp.add_argument("--wide", type=int, default=6, metavar="N",
                     help="one column per tensor when there are at most N (default 6), else one row per value")
     sp.add_argument("--json", action="store_true", help="machine-readable output")

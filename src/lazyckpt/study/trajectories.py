@@ -215,6 +215,8 @@ class Trajectory:
         if not located:
             raise CheckpointNotFoundError(f"{run}: no committed step", path=run)
         self.steps = [(s, tier) for s, tier, _ in located]
+        #: (step, tier, where) of every step read: a step directory or save prefix.
+        self.locations = list(located)
         self.skipped: List[Tuple[int, str, str]] = []
         self.tasks: List[Tuple[int, str, TensorInfo]] = []
         self._views: List[StepView] = []
@@ -304,6 +306,10 @@ class Trajectory:
                         bar.close()
         finally:
             self.close()
+
+    def numel(self) -> Dict[str, int]:
+        """key -> its number of elements (at its latest step): what tells a counter from a tensor."""
+        return {name: math.prod(info.shape or ()) for _, name, info in self.tasks}
 
     def table(self) -> Dict[str, Dict[int, Any]]:
         """key -> {step: value}, everything computed."""
