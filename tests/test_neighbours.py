@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import sys
 import os
 import threading
 import time
@@ -353,3 +354,63 @@ def test_close_does_not_wait_for_the_leftover_scan(tmp_path, monkeypatch):
     with lazyckpt.Checkpointer(d, keep=None) as ck:
         ck.layout.tidy()                       # waits for its scan
     assert not dead.exists()
+
+
+# --------------------------------------------------------------------------- abandoned steps a failing commit puts back
+
+def test_prune_never_removes_the_steps_a_failing_rollback_puts_back(tmp_path, monkeypatch):
+    """A rollback (keep=None) sets steps 3-5 aside as ``.abandoned-*``, then
+    its commit fails (EIO from fsync(DIR) after the new step's rename) and puts
+    them back. Prune, which listed them as abandoned while the commit ran,
+    must not remove them: they are only abandoned once that commit holds, so
+    the removal is decided under the commit lock (the failed save then leaves
+    the line 1..5 whole)."""
+    d = tmp_path / "run"
+    _make(d, range(1, 6))
+    real_fsync = layout_mod.fsync_dir
+    inside, go = threading.Event(), threading.Event()
+    box = {}
+
+    def fsync(path):
+        if threading.current_thread() is not threading.main_thread() and os.path.abspath(path) == str(d):
+            names = os.listdir(d)
+            if "set aside" not in box and any(n.startswith(".abandoned-") for n in names):
+                box["set aside"] = True           # steps 3-5 renamed aside: prune acts now
+                inside.set()
+                go.wait(30)
+            elif "set aside" in box and "failed" not in box and "step_0000000003" in names:
+                box["failed"] = True              # the new step renamed in: its durability fails
+                raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        return real_fsync(path)
+
+    def rollback():
+        try:
+            with lazyckpt.Checkpointer(d, keep=None) as ck:
+                ck.load(step=2)
+                ck.save(_state(30), 3).wait()
+        except BaseException as exc:              # the save is reported failed
+            box["error"] = exc
+    monkeypatch.setattr(layout_mod, "fsync_dir", fsync)
+    real_leftovers = CheckpointDir.leftovers
+
+    def leftovers(self, *a, **k):
+        if sys._getframe(1).f_code.co_name == "prune" and "thread" not in box:     # prune's own listing
+            box["thread"] = threading.Thread(target=rollback, name="rollback", daemon=True)
+            box["thread"].start()
+            assert inside.wait(30)
+            timer = threading.Timer(1.0, go.set)  # the commit goes on (prune may wait for its lock)
+            timer.start()
+        return real_leftovers(self, *a, **k)
+    monkeypatch.setattr(CheckpointDir, "leftovers", leftovers)
+    report = prune(str(d), keep=10)
+    go.set()
+    box["thread"].join(60)
+    monkeypatch.undo()
+    assert box.get("failed") and isinstance(box.get("error"), lazyckpt.CheckpointError), box
+    with lazyckpt.Checkpointer(d, keep=None) as ck:
+        assert ck.steps() == [1, 2, 3, 4, 5]
+        for s in range(1, 6):
+            assert _is(ck.load(s), s)
+    # The report agrees: what the failed commit put back was not removed.
+    abandoned = [a for a in report["actions"] if a["what"] == "abandoned"]
+    assert abandoned and not any(a["done"] for a in abandoned), report
