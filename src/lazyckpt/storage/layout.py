@@ -848,11 +848,30 @@ class CheckpointDir:
                 if leftover.kind == "dead-writer":
                     out[leftover.name] = self._remove_dead_writer()
                     continue
+                if leftover.kind == "abandoned":
+                    out[leftover.name] = self._remove_abandoned(leftover.name)
+                    continue
                 remove_tree(os.path.join(self.path, leftover.name))
                 out[leftover.name] = None
             except OSError as exc:
                 out[leftover.name] = f"{exc.strerror or exc}"
         return out
+
+    def _remove_abandoned(self, name: str) -> Optional[str]:
+        """A step set aside by a rollback is abandoned only once that commit
+        holds: one that fails puts it back under its step name. So it is moved
+        to the trash under the commit lock (a commit in progress ends first),
+        if it is still there, and removed after. None when removed, else why
+        it stays."""
+        path = os.path.join(self.path, name)
+        with self.commit_lock():
+            if not os.path.lexists(path):
+                return "no longer there (a failed commit put it back, or another process removed it); kept"
+            trash = os.path.join(self.path, DELETING_PREFIX + name[len(ABANDONED_PREFIX):])
+            os.rename(path, trash)
+            fsync_dir(self.path)
+        self._remove_trash(trash)
+        return None
 
 
 # --------------------------------------------------------------------------- saves in progress
