@@ -402,3 +402,47 @@ def test_safetensors_dimension_beyond_int64_of_an_empty_tensor(tmp_path):
     _safetensors(src, {"e": {"dtype": "F32", "shape": [0, 2**64], "data_offsets": [0, 0]}})
     with pytest.raises(CorruptCheckpointError, match="x.safetensors"):
         convert(src, str(tmp_path / "out.lzc"))
+
+
+def _set_central_external_attr(path, suffix, value):
+    """Set the external attributes of the central entry whose name ends with suffix."""
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
+    at = raw.find(b"PK\x01\x02")
+    while at >= 0:
+        name_len = struct.unpack_from("<H", raw, at + 28)[0]
+        if raw[at + 46:at + 46 + name_len].decode().endswith(suffix):
+            struct.pack_into("<I", raw, at + 38, value)
+        at = raw.find(b"PK\x01\x02", at + 4)
+    with open(path, "wb") as f:
+        f.write(raw)
+
+
+@pytest.mark.parametrize("attr", [0x10, 0x93])
+def test_a_torch_zip_record_marked_as_a_directory_is_corrupt(tmp_path, attr):
+    """Found by the format fuzzer (seed 7, input 73786): one flipped byte set the DOS
+    directory bit of a record's external attributes; torch's zip reader (miniz) then
+    takes the record for a directory, reads none of its bytes and checks no CRC, and
+    the tensor loaded with other values and no error."""
+    src = _torch_zip(str(tmp_path / "src.pt"))
+    _set_central_external_attr(src, "/data/0", attr)
+    with pytest.raises(CorruptCheckpointError, match="directory"):
+        convert(src, str(tmp_path / "out.lzc"))
+
+
+def test_a_dcp_record_marked_as_a_directory_is_corrupt(tmp_path):
+    _dcp_checkpoint(tmp_path / "d")
+    data = [n for n in os.listdir(tmp_path / "d") if n.endswith(".distcp")][0]
+    _set_central_external_attr(str(tmp_path / "d" / data), "/data/0", 0x93)
+    with pytest.raises(CorruptCheckpointError, match="directory"):
+        convert(str(tmp_path / "d"), str(tmp_path / "out.lzc"))
+
+
+def test_convert_of_a_tiny_damaged_safetensors_file_is_the_librarys(tmp_path):
+    """Found by the format fuzzer (seed 7, input 75276): a safetensors file cut to 7
+    bytes is too short to be recognised, goes to torch.load, which hands a
+    ``.safetensors`` name to the safetensors package: its SafetensorError escaped."""
+    src = tmp_path / "state.safetensors"
+    src.write_bytes(bytes.fromhex("80ff00000000f000"[:14]))
+    with pytest.raises(CheckpointError):
+        convert(str(src), str(tmp_path / "out.lzc"))

@@ -366,6 +366,17 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, Any], int]:
     return header, 8 + n
 
 
+def _safetensors_errors() -> Tuple[type, ...]:
+    """The safetensors package's error, where installed: torch.load hands a file
+    named ``*.safetensors`` to it (one too short to be recognised as safetensors
+    here comes to the torch reader)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return ()
+    return (SafetensorError,)
+
+
 class TorchSource(Source):
     format = "torch"
     memory_note = "torch.load(mmap=True): storages paged in lazily"
@@ -397,7 +408,7 @@ class TorchSource(Source):
                 raise CorruptCheckpointError(f"{self.path}: cannot unpickle: {first}", path=self.path) from None
             except (RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
                     AssertionError, OSError, OverflowError, RecursionError, struct.error,
-                    UnicodeDecodeError) as exc:
+                    UnicodeDecodeError, *_safetensors_errors()) as exc:
                 # The unpickler interprets the file's opcodes: a damaged stream fails in
                 # whatever way the opcode it reaches does.
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

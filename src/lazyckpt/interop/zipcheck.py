@@ -25,6 +25,9 @@ from lazyckpt.saving.torchzip import fast_crc32
 #: slice keeps a memoryview of a mapping small enough to release promptly.
 _SLICE = 64 << 20
 
+#: The DOS directory bit of a zip entry's external attributes (miniz tests it).
+_DOS_DIRECTORY = 0x10
+
 
 def check_torch_zip(source: Union[str, bytes, bytearray, memoryview], label: str) -> None:
     """Verify every record of the zip at ``source`` (a path, or the zip's bytes);
@@ -59,6 +62,12 @@ def _check(view: memoryview, label: str) -> None:
     for info in infos:
         name = info.filename
         at = info.header_offset
+        if name.endswith("/") or info.external_attr & _DOS_DIRECTORY:
+            # torch's reader (miniz) takes such a record for a directory: it reads none
+            # of its bytes and checks no CRC, so the tensor would load as other values.
+            raise CorruptCheckpointError(f"{label}: record {name!r} is marked as a directory (external "
+                                         f"attributes {info.external_attr:#x}); torch.save writes none",
+                                         path=label, entry=name)
         if not 0 <= at <= size - 30:
             raise CorruptCheckpointError(f"{label}: record {name!r}: its header offset {at} is outside the "
                                          f"file ({size} bytes)", path=label, entry=name)
