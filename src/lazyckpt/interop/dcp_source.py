@@ -93,6 +93,8 @@ ALLOWED = {
     "torch.distributed.checkpoint.metadata": None,
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix", "SerializationFormat"},
     "torch.distributed.checkpoint._extension": None,
+    # Megatron's saves keep every rank's plan in the metadata (all_local_plans), to reuse it.
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "slice", "complex"},
     "torch": {"Size"},

@@ -1,0 +1,199 @@
+"""Megatron-Core's dist_checkpointing with lazyckpt's save strategy
+(lazyckpt.integrations.megatron): 2 gloo ranks, a tiny GPTModel under tensor
+parallel 2, Megatron's own save/load/AsyncCallsQueue unmocked. What lazyckpt
+writes loads with plain Megatron bit-exact, and Megatron's own checkpoints load
+through lazyckpt's reader. The CPU shims are in tests/_megatron.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from _dist import run_ranks
+from _frameworks import require
+from _megatron import (allow_typing_override, cpu_shims, init_tp, make_dir, same, stub_triton_kernels, tensors,
+                       tiny_gpt)
+
+stub_triton_kernels()
+require("megatron.core.dist_checkpointing")
+
+
+def _sgd_step(model) -> None:
+    """An optimizer step that changes every parameter (lazyckpt's global step
+    pre-hook makes it wait for a pending capture first)."""
+    import torch
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+
+
+def _roundtrips(rank, world, root):
+    cpu_shims()
+    init_tp(2)
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from lazyckpt.errors import CheckpointWriteError
+    from lazyckpt.integrations.megatron import LazyLoadStrategy, LazySaveStrategy
+    out = {}
+    model = tiny_gpt()
+    before = tensors(model)
+    strategy = LazySaveStrategy()
+
+    # Async through lazyckpt, Megatron's queue; an optimizer step before the finalize.
+    lazy = f"{root}/lazy"
+    make_dir(lazy)
+    queue = AsyncCallsQueue()
+    request = dist_checkpointing.save(model.sharded_state_dict(), lazy, strategy, async_sharded_save=True,
+                                      async_strategy="mcore")
+    out["uncommitted"] = sorted(os.listdir(lazy))      # before the finalize: no .metadata yet
+    queue.schedule_async_request(request)
+    _sgd_step(model)
+    after = tensors(model)
+    queue.maybe_finalize_async_calls(blocking=True)
+    out["committed"] = sorted(os.listdir(lazy))
+    fresh = tiny_gpt(seed=1)
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), lazy))      # plain Megatron
+    out["lazy_read_by_megatron"] = same(tensors(fresh), before)
+    out["the_step_changed_the_model"] = not same(after, before)
+
+    # The reverse: Megatron's own (sync) save, read through lazyckpt's reader.
+    plain = f"{root}/megatron"
+    make_dir(plain)
+    dist_checkpointing.save(model.sharded_state_dict(), plain)
+    fresh = tiny_gpt(seed=1)
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), plain, LazyLoadStrategy()))
+    out["megatron_read_by_lazy"] = same(tensors(fresh), after)
+
+    # A rank's write fails: every rank's finalize raises lazyckpt's error and nothing commits.
+    broken = f"{root}/broken"
+    make_dir(broken)
+    if rank == 1:       # a non-empty directory where rank 1's file goes
+        os.makedirs(f"{broken}/__1_0.distcp/x")
+    torch.distributed.barrier()
+    try:
+        dist_checkpointing.save(model.sharded_state_dict(), broken, strategy)
+        out["error"] = None
+    except CheckpointWriteError as exc:
+        out["error"] = str(exc)
+    out["broken"] = sorted(os.listdir(broken))
+
+    # The strategy goes on: a sync save (Megatron's save() -> execute_sync) after the failure.
+    again = f"{root}/again"
+    make_dir(again)
+    dist_checkpointing.save(model.sharded_state_dict(), again, strategy)
+    fresh = tiny_gpt(seed=1)
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), again))
+    out["sync_after_failure"] = same(tensors(fresh), after)
+    strategy.close()
+    return out
+
+
+def test_saved_through_lazyckpt_loads_with_plain_megatron_and_back(tmp_path):
+    results = run_ranks(2, _roundtrips, str(tmp_path), timeout=240)
+    for out in results:
+        assert ".metadata" not in out["uncommitted"] and "metadata.json" not in out["uncommitted"]
+        assert out["committed"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"]
+        assert out["the_step_changed_the_model"]
+        assert out["lazy_read_by_megatron"], "the checkpoint must hold the values at async_save"
+        assert out["megatron_read_by_lazy"]
+        assert out["error"] is not None and "not committed" in out["error"] and "intact" in out["error"]
+        assert ".metadata" not in out["broken"] and "metadata.json" not in out["broken"]
+        assert out["sync_after_failure"]
+    # Tensor parallel 2: the two ranks hold different halves, and each round-trips its own.
+    assert os.path.getsize(tmp_path / "lazy" / "__0_0.distcp") > 0
+
+
+# --------------------------------------------------------------------------- a kill mid-save
+
+
+def _save(model, strategy, queue, root, iteration, rank):
+    """megatron.training's order: save, then the tracker file in a finalize after the commit."""
+    import torch
+    from megatron.core import dist_checkpointing
+    path = f"{root}/iter_{iteration:07d}"
+    make_dir(path)
+    request = dist_checkpointing.save(model.sharded_state_dict(), path, strategy, async_sharded_save=True,
+                                      async_strategy="mcore")
+
+    def tracker() -> None:
+        if rank == 0:
+            with open(f"{root}/latest.tmp", "w") as f:
+                f.write(str(iteration))
+            os.replace(f"{root}/latest.tmp", f"{root}/latest_checkpointed_iteration.txt")
+        torch.distributed.barrier()
+    request.add_finalize_fn(tracker)
+    queue.schedule_async_request(request)
+
+
+def _train_then_killed(rank, world, root):
+    cpu_shims()
+    init_tp(2)
+    import torch
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from lazyckpt.integrations.megatron import LazySaveStrategy
+    model = tiny_gpt()
+    strategy, queue = LazySaveStrategy(), AsyncCallsQueue()
+    _save(model, strategy, queue, root, 1, rank)
+    queue.maybe_finalize_async_calls(blocking=True)
+    torch.save(tensors(model), f"{root}/expected_{rank}.pt")
+    _sgd_step(model)
+    _save(model, strategy, queue, root, 2, rank)
+    os.kill(os.getpid(), signal.SIGKILL)        # while iteration 2's save is in flight
+
+
+def _resume(rank, world, root):
+    cpu_shims()
+    init_tp(2)
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    with open(f"{root}/latest_checkpointed_iteration.txt") as f:
+        iteration = int(f.read())
+    model = tiny_gpt(seed=1)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), f"{root}/iter_{iteration:07d}"))
+    expected = torch.load(f"{root}/expected_{rank}.pt")
+    try:
+        dist_checkpointing.load(tiny_gpt(seed=1).sharded_state_dict(), f"{root}/iter_0000002")
+        killed_loads = True
+    except CheckpointingException:
+        killed_loads = False
+    return iteration, same(tensors(model), expected), killed_loads
+
+
+def test_a_kill_during_an_async_save_leaves_the_previous_iteration_loading(tmp_path):
+    died = run_ranks(2, _train_then_killed, str(tmp_path), timeout=240, allow_failure=True)
+    assert all(r[0] == "died" for r in died), died
+    killed = sorted(os.listdir(tmp_path / "iter_0000002"))
+    assert ".metadata" not in killed and "metadata.json" not in killed
+    for iteration, loaded_exact, killed_loads in run_ranks(2, _resume, str(tmp_path), timeout=240):
+        assert iteration == 1
+        assert loaded_exact
+        assert not killed_loads, "plain Megatron must refuse the uncommitted iteration"
+
+
+# --------------------------------------------------------------------------- megatron.training
+
+
+def test_install_swaps_the_strategy_megatron_training_builds():
+    """``install()`` changes the name megatron.training's save_checkpoint builds its
+    strategy from; ``uninstall()`` gives it back."""
+    allow_typing_override()
+    checkpointing = pytest.importorskip("megatron.training.checkpointing")
+    from lazyckpt.integrations.megatron import LazySaveStrategy, install, uninstall
+    own = checkpointing.TorchDistSaveShardedStrategy
+    install(writer_threads=2)
+    try:
+        built = checkpointing.TorchDistSaveShardedStrategy(cpu_shm_mode=False)   # as save_checkpoint does
+        assert isinstance(built, LazySaveStrategy) and isinstance(built, own)
+        assert built.lazyckpt_knobs == {"writer_threads": 2}
+        install()
+        assert issubclass(checkpointing.TorchDistSaveShardedStrategy, LazySaveStrategy)
+    finally:
+        uninstall()
+    assert checkpointing.TorchDistSaveShardedStrategy is own
