@@ -14,10 +14,11 @@ Pieces (tests/test_crash_points.py and scripts/soak_crash_points.py use them):
   ``os.makedirs`` and ``shutil.rmtree``'s inner unlinks and rmdirs, which call
   them through the ``os`` module --, ``os.link``, ``os.symlink``; below
   Python, ``os.sendfile`` -- ``shutil.copyfile``'s way on Linux --,
-  ``os.copy_file_range``, ``os.posix_fallocate``, and the ``sync_file_range``
-  that ``storage/iomode.py`` calls through ctypes after a buffered write in
-  the default ``o_direct="auto"`` mode; lazyckpt makes no other call through
-  ctypes and writes no file through a mapping) on paths
+  ``os.copy_file_range``, ``os.posix_fallocate``, ``torch.save`` to a path
+  (torch's C++ writer: one point, journaled as an open that creates), and the
+  ``sync_file_range`` that ``storage/iomode.py`` calls through ctypes after a
+  buffered write in the default ``o_direct="auto"`` mode; lazyckpt makes no
+  other call through ctypes and writes no file through a mapping) on paths
   under the case's directory, and every mutating object-store request (PUT,
   POST, DELETE: a botocore ``before-send`` hook on the clients lazyckpt builds,
   ``storage.s3.ObjectStore``; reads change nothing, so a crash before one is
@@ -63,6 +64,12 @@ Pieces (tests/test_crash_points.py and scripts/soak_crash_points.py use them):
   (ext4's journal commits every earlier metadata change with any fsync, so the
   model is stricter than ext4 and may report what ext4 would not show); the
   object store (its acknowledged writes are taken as durable).
+* Mode ``error`` (tests/_crasherrors.py, ``FaultInterceptor``, a subclass):
+  the call at ``k`` fails instead (ENOSPC for writes and creates, EIO for the
+  rest, fsync included, whose lost pages are then overwritten unless the
+  library rewrote them; HTTP 500 for a store request) and the process goes
+  on: the error it raised, what is committed, its next save and a fresh
+  process's restart are checked. Its driver is ``_crasherrors.enumerate_program``.
 * A fork server: the test process imports torch and lazyckpt once; each crash
   point is a ``fork()`` of it running the program with the interceptor armed
   at ``k``; the checks run in another fresh fork (the parent never holds a
@@ -535,10 +542,28 @@ class Interceptor:
             return fn(*args, **kwargs)
         return wrapper
 
+    def _wrap_torch_save(self, fn: Callable) -> Callable:
+        """``torch.save(obj, path)``: torch's C++ writer opens, writes and closes
+        ``path`` itself (no Python call does): one point, journaled as an open
+        that creates or truncates (``convert --to torch`` saves so). A file
+        object's own open was the point."""
+        me = self
+
+        def wrapper(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            if me._busy() or not me.armed or not isinstance(f, (str, bytes, os.PathLike)):
+                return fn(obj, f, *args, **kwargs)
+            p = me._path(f)
+            if not me._under(p):
+                return fn(obj, f, *args, **kwargs)
+            return me._open_common(p, True, True, f"torch.save {me._rel(p)} (torch's C++ writer)",
+                                   lambda: fn(obj, f, *args, **kwargs))
+        return wrapper
+
     def _install_below_python(self) -> None:
         """The calls that move file bytes below Python: the os functions that copy
-        between descriptors or allocate, and the libc functions lazyckpt calls
-        through ctypes (the module attribute it calls them by is replaced)."""
+        between descriptors or allocate, torch.save to a path, and the libc
+        functions lazyckpt calls through ctypes (the module attribute it calls
+        them by is replaced)."""
         calls = {"sendfile": (0, lambda a: f"{a[3]} B from fd at {a[2]}"),
                  "copy_file_range": (1, lambda a: f"{a[2]} B"),
                  "posix_fallocate": (0, lambda a: f"{a[2]} B at {a[1]}")}
@@ -546,6 +571,9 @@ class Interceptor:
             if hasattr(os, name):
                 setattr(os, name, self._serialized(self._wrap_fd_call(f"os.{name}", getattr(os, name), fd_at,
                                                                       describe)))
+        torch = sys.modules.get("torch")
+        if torch is not None and hasattr(torch, "save"):
+            torch.save = self._serialized(self._wrap_torch_save(torch.save))
         try:
             from lazyckpt.storage import iomode
         except Exception:

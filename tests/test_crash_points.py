@@ -448,6 +448,35 @@ def test_calls_below_python_are_points(tmp_path):
         assert "os.sendfile root/copy" in text, text
 
 
+def test_torch_save_to_a_path_is_a_point_and_journaled(tmp_path):
+    """torch.save(obj, path) writes through torch's C++ writer, no Python call:
+    it is one point, and its file, never fsynced, is gone after a power loss
+    (convert --to torch saves so, then fsyncs and renames)."""
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    with open(os.path.join(root, "old.pt"), "wb") as f:
+        f.write(b"old")
+
+    def ops(root):
+        torch.save({"w": torch.ones(3)}, os.path.join(root, "new.pt"))
+        torch.save({"w": torch.ones(3)}, os.path.join(root, "old.pt"))
+        _dir_fsync(root)
+    dropped = _power_cut(tmp_path, root, None, ops)
+    assert not os.path.exists(os.path.join(root, "new.pt")) or os.path.getsize(os.path.join(root, "new.pt")) == 0, \
+        dropped
+    assert open(os.path.join(root, "old.pt"), "rb").read() == b"old", dropped
+
+    def child():
+        icp = cp.Interceptor(root, cp.INFINITY, str(tmp_path / "side2"), "kill")
+        icp.install()
+        with icp.operation():
+            ops(root)
+        return icp.descriptions
+    status, descriptions = cp.run_forked(child)
+    assert status == "ok", descriptions
+    assert "torch.save root/new.pt" in descriptions[0], descriptions
+
+
 def test_the_auto_programs_write_back_below_python(tmp_path):
     """Not vacuous: the o_direct="auto" programs' saves write a chunk buffered
     and write it back with sync_file_range, and the rest O_DIRECT."""
