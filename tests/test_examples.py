@@ -29,6 +29,7 @@ CASES = {
     "preemption.py": ([], "restored step 7 bit-exact after the preemption", False),
     "export_hf.py": (["transformers"], "from_pretrained loaded step 3 bit-exact", True),
     "study_run.py": ([], "studied 2 weights over 10 steps", False),
+    "report.py": (["matplotlib", "plotly"], "wrote the report of 12 steps", False),
 }
 
 pytestmark = pytest.mark.timeout(600)

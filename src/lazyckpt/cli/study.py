@@ -9,7 +9,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from lazyckpt.study import STATS, diff, trajectory
-from lazyckpt.study.report import MAX_STEPS, NORM_STEPS, TOP as REPORT_TOP, write_report
+from lazyckpt.study.report import MAX_STEPS, NORM_STEPS, TOP as REPORT_TOP, step_manifests, write_report
 from lazyckpt.study.panels import DASHES, metrics as saved_metrics, metrics_panel, panels, style
 from .inspect import human_bytes
 from .output import print_json, text_table
@@ -116,7 +116,6 @@ def cmd_trajectory(args: argparse.Namespace) -> int:
             for line in text_table(["step", "key", "why"], [[str(s), k, w] for s, k, w in traj.skipped]):
                 print("  " + line)
     if args.png is not None:
-        from lazyckpt.study.report import step_manifests
         manifests = step_manifests([where for _, _, where in traj.locations])
         found = saved_metrics({s: m.get("metadata") for s, m in zip(steps, manifests) if m is not None})
         for note in plot_trajectory(table, args.stat, args.png, group=args.group, title=args.run,

@@ -47,7 +47,12 @@ Where the code is (each module says more):
 * ``diffs.py``: ``diff`` -> ``DiffReport`` of ``DiffRow``;
 * ``trajectories.py``: ``trajectory`` -> ``Trajectory``, ``run_steps``
   (a run's kept steps on both tiers), the per-statistic accumulators;
-* ``cli/study.py``: ``lazyckpt diff`` and ``lazyckpt trajectory``.
+* ``panels.py``: what a plot of a run shows (a panel per group, counters
+  left out, log axes, line styles, the metrics of the saves' metadata), for
+  ``trajectory --png`` and the report page;
+* ``report.py``: ``write_report`` / ``collect`` -> ``RunReport``, the page of
+  ``lazyckpt report`` (the index and a sample of manifests, not every step);
+* ``cli/study.py``: ``lazyckpt diff``, ``lazyckpt trajectory`` and ``lazyckpt report``.
 
 This module is the public face: import from here. The submodules are
 ``diffs`` and ``trajectories``, not ``diff`` and ``trajectory``: a submodule
@@ -59,7 +64,8 @@ from __future__ import annotations
 
 from .diffs import DiffReport, DiffRow, diff
 from .pieces import ReadCounter, StepView, TensorInfo
+from .report import RunReport, collect, write_report
 from .trajectories import STATS, Trajectory, run_steps, trajectory
 
-__all__ = ["diff", "trajectory", "run_steps", "DiffReport", "DiffRow", "Trajectory", "ReadCounter", "StepView",
-           "TensorInfo", "STATS"]
+__all__ = ["diff", "trajectory", "run_steps", "write_report", "collect", "DiffReport", "DiffRow", "Trajectory",
+           "RunReport", "ReadCounter", "StepView", "TensorInfo", "STATS"]

@@ -45,7 +45,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from lazyckpt.storage.stores import for_path
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..knobs import Options, resolve as resolve_options
-from ..lineage import Event, line
+from ..lineage import Event, _merge, line
 from . import panels as _panels
 from .diffs import DiffReport, diff
 from .trajectories import trajectory
@@ -150,10 +150,9 @@ def _superseded(events: Iterable[Event]) -> Dict[Tuple[int, str], Event]:
     """(step, save_id) -> the commit that superseded it, for every save a later
     commit of a step <= its own superseded. Decided pair by pair, so a part of
     the events gives a part of the answer, never a wrong one."""
-    from ..lineage import _merge            # one event per save, in commit order
     live: List[Event] = []
     out: Dict[Tuple[int, str], Event] = {}
-    for e in _merge(events):
+    for e in _merge(events):                # one event per save, in commit order (as line() takes them)
         while live and live[-1].step >= e.step:
             gone = live.pop()
             out[(gone.step, gone.save_id)] = e
@@ -468,9 +467,11 @@ def charts(report: RunReport) -> List[Dict[str, Any]]:
                              "y": [r["bytes"] for r in rows], "marker": {"size": 6, "color": colour},
                              "text": [", ".join(map(str, r["references"][:8])) for r in rows],
                              "hovertemplate": "step %{x}: %{y:,} bytes<br>refers to %{text}<extra></extra>"})
-        out.append({"id": "chart-sizes", "section": "history", "data": data,
-                    "layout": _layout("bytes written per step", "bytes",
-                                      _panels.wants_log(r["bytes"] for r in sized))})
+        log = _panels.wants_log(r["bytes"] for r in sized)
+        layout = _layout("bytes written per step", "bytes", log)
+        if not log:
+            layout["yaxis"]["rangemode"] = "tozero"     # from 0: sizes that barely differ look it
+        out.append({"id": "chart-sizes", "section": "history", "data": data, "layout": layout})
     for i, (name, values) in enumerate(report.metrics.items()):
         panel = _panels.Panel(name, {name: values}, _panels.wants_log(values.values()), kind="metrics")
         out.append({"id": f"chart-metric-{i}", "section": "metrics", "data": _lines(panel),
@@ -567,7 +568,7 @@ def _json_for_script(doc: Any) -> str:
 def render(report: RunReport) -> str:
     """The page: one HTML document with plotly.js, the charts' data and the tables inside."""
     js, plotly_version = plotly_js()
-    from lazyckpt import __version__
+    from lazyckpt import __version__        # lazy: lazyckpt sets it after importing lazyckpt.study
     specs = charts(report)
     by_section: Dict[str, List[str]] = {}
     for c in specs:
