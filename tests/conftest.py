@@ -159,7 +159,7 @@ UNIT_MODULES = {
     "test_attacks", "test_file_formats", "test_roundtrip", "test_io_modes", "test_iomode", "test_memstore",
     "test_tier_line", "test_planner_contract", "test_builder", "test_load_request", "test_retention",
     "test_sizes", "test_surface", "test_errors_actionable", "test_schedule", "test_renames",
-    "test_docs_limits",
+    "test_docs_limits", "test_keptpools",
 }
 
 

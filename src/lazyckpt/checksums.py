@@ -23,8 +23,8 @@ THREADS = 2
 _pool = KeptPool(THREADS, "lazyckpt-checksum")
 
 
-def pool() -> cf.ThreadPoolExecutor:
-    """The shared pool, started at first use and kept for the process."""
+def pool() -> cf.Executor:
+    """The shared pool, kept for the process (its threads end when idle)."""
     return _pool.get()
 
 
