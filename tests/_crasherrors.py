@@ -579,3 +579,140 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ----------------------------------------------------------------------------- with replicas= (2 nodes)
+
+def _dist_rank(program: Any, case: str, rank: int, k: int, side: str) -> Dict[str, Any]:
+    """One rank of the faulted job (tests/_crashreplicas.py): rank 0's ``k``-th call
+    fails; both ranks report what they raised, open the directory anew (collective,
+    so on both: the same Checkpointer is kept by neither), check what loads, make
+    the next save (a retry of step 3 where any rank raised, else step 4), wait for
+    its replica round and load it."""
+    import torch.distributed as dist
+    import _crashreplicas as cr
+    from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
+    cp.quiet()
+    icp = FaultInterceptor(cr.node_dir(case, 0), k, side) if rank == 0 else None
+    if icp is not None:
+        icp.install()
+    raised: Optional[BaseException] = None
+    try:
+        program.run(case, rank, icp)
+    except Exception as exc:
+        raised = exc
+    finally:
+        if icp is not None:
+            icp.armed = False
+    out: Dict[str, Any] = {"problems": [], "raised": describe(raised), "fault": icp.fault if icp else None,
+                           "count": icp.count if icp else None, "descriptions": icp.descriptions if icp else [],
+                           "lost": icp.apply_lost() if icp else [], "world": None, "step": None}
+    problems = out["problems"]
+    if icp is not None:
+        problems += report_problems(raised, icp.fault, "dir")
+    elif raised is not None and not isinstance(raised, (CheckpointError, OSError)):
+        problems.append(f"rank 1 raised outside the library's family: {describe(raised)}")
+    for ck in (icp.checkpointers if icp is not None else []):
+        if not getattr(ck, "_crasherrors_closed", False):
+            try:
+                ck.close(cancel=True)
+            except Exception:
+                pass
+    if icp is None:
+        # Rank 1 has no interceptor: its Checkpointer is closed by the program or here.
+        pass
+    flags: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, raised is not None)
+    step = 3 if any(flags) else 4
+    before, after = program.before(rank), program.after(rank)
+    values = make_state(100 * rank + 777)
+    ck = None
+    try:
+        ck = cr._ck(case, rank)
+        try:
+            got = ck.load()
+            s = ck.loaded_from["step"]
+            world = "before" if s == max(before) and not differs(before[s], got) else \
+                "after" if s == max(after) and not differs(after[s], got) else None
+            if world is None:
+                problems.append(f"rank {rank}: right after the operation: load() returned step {s}, neither "
+                                f"line's latest")
+            elif world == "after" and any(flags) and rank == 0 and raised is not None:
+                problems.append(f"rank {rank}: the operation raised, yet its save (step {s}) loads")
+            elif world == "before" and not any(flags):
+                problems.append(f"rank {rank}: the operation returned, yet step {s} of the line before loads")
+            out["world"] = world
+        except CheckpointNotFoundError:
+            problems.append(f"rank {rank}: right after the operation: nothing loads")
+        h = ck.save(values, step=step)
+        h.wait()
+        ck.wait()
+        got = ck.load()
+        if ck.loaded_from["step"] != step or differs(values, got):
+            problems.append(f"rank {rank}: next save: save(step={step}) then load() returned step "
+                            f"{ck.loaded_from['step']} / other values")
+        if h.replica_state != "replicated":
+            problems.append(f"rank {rank}: next save (step {step}): replica state {h.replica_state!r}")
+        out["step"] = step
+    except Exception as exc:
+        problems.append(f"rank {rank}: reopen and next save (step {step}): {type(exc).__name__}: {str(exc)[:500]}")
+    finally:
+        if ck is not None:
+            try:
+                ck.close()
+            except Exception as exc:
+                problems.append(f"rank {rank}: close(): {type(exc).__name__}: {exc}")
+    return out
+
+
+def run_dist_case(program: Any, work: str, k: int) -> Dict[str, Any]:
+    import _crashreplicas as cr
+    case = os.path.join(work, f"case-error-{k}")
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
+    side = case + ".side"
+    results = cr.run_job(lambda rank, peers: _dist_rank(program, case, rank, k, side), timeout=300)
+    out: Dict[str, Any] = {"k": k, "op": None, "status": results[0][0], "problems": [], "dropped": [],
+                           "duplicate": False, "raised": None}
+    if any(s != "ok" for s, _ in results):
+        out["problems"].append(f"the faulted job: {results}"[-3000:])
+        cp._cleanup(case, side)
+        return out
+    r0, r1 = results[0][1], results[1][1]
+    fault = r0["fault"]
+    out["op"] = fault["op"] + f" -> {fault['errno']}" if fault else f"(no point {k}: {r0['count']} calls)"
+    out["raised"] = f"rank 0: {r0['raised']}; rank 1: {r1['raised']}"
+    out["dropped"] = r0["lost"]
+    out["problems"] = r0["problems"] + r1["problems"]
+    if r0["step"] is not None and r1["step"] is not None and not out["problems"]:
+        step = r0["step"]
+        worlds = [r0["world"], r1["world"]]
+
+        def line(rank: int) -> Dict[int, Any]:
+            base = program.after(rank) if worlds[rank] == "after" else program.before(rank)
+            return {**{s: v for s, v in base.items() if s < step}, step: make_state(100 * rank + 777)}
+        fresh = dataclasses.replace(program, before=line, after=line)
+        try:
+            out["problems"] += [f"fresh job: {p}" for p in cr.check_case(case, fresh)]
+        except Exception as exc:
+            out["problems"].append(f"the check: {type(exc).__name__}: {exc}")
+    cp._cleanup(case, side)
+    shutil.rmtree(case + ".lose1", ignore_errors=True)
+    return out
+
+
+def enumerate_dist_program(program: Any, work: str, points: Optional[List[int]] = None, every: int = 1,
+                           first: int = 1, log: Optional[Callable[[str], None]] = None) -> cp.Outcome:
+    import _crashreplicas as cr
+    t0 = time.monotonic()
+    n, descriptions = cr.dry_run(program, work)
+    violations = []
+    pts = points if points is not None else list(range(first, n + 1, every))
+    for k in pts:
+        result = run_dist_case(program, work, k)
+        if result["problems"]:
+            violations.append(result)
+            if log:
+                log(f"{program.name} error k={k}/{n} {result['op']} raised {result['raised']}: "
+                    f"{result['problems']}")
+    return cp.Outcome(program.name, "error", n, descriptions, violations, len(pts), time.monotonic() - t0, [])

@@ -59,3 +59,61 @@ def test_a_failed_directory_fsync_after_a_lone_file_is_published_says_it_is_in_p
     result = fail_first(file_program(), r"os\.fsync (dry|case-error-\d+)( |$)", tmp_path)
     assert "the new file is in place" in (result["raised"] or ""), result
     assert not result["problems"], result["problems"]
+
+
+# ----------------------------------------------------------------------------- the error mode itself
+
+def test_the_error_mode_catches_a_library_that_swallows_a_failed_fsync(tmp_path):
+    """Not vacuous: a mutant of the library that ignores an EIO from the data
+    file's fsync commits a step whose pages the failure dropped (the error mode
+    overwrites them): the check finds it, where the real library fails the save."""
+    import os
+    from lazyckpt.storage import fileio
+    good = save_program(None)
+
+    def run(ctx, icp):
+        def finish(self, size):
+            os.ftruncate(self.fd, size)
+            try:
+                os.fsync(self.fd)
+            except OSError:
+                pass                        # the mutant: the error swallowed
+        fileio.OutputFile.finish = finish
+        good.run(ctx, icp)
+    mutant = cp.Program("save-swallowing-fsync-eio", good.prepare, run, good.worlds, kwargs=good.kwargs)
+    result = fail_first(mutant, r"os\.fsync \S+/rank_00000\.lzc", tmp_path / "mutant")
+    assert result["raised"] is None, result
+    assert any("lost with the failed fsync" in d for d in result["dropped"]), result["dropped"]
+    assert result["problems"], result
+    real = fail_first(good, r"os\.fsync \S+/rank_00000\.lzc", tmp_path / "real")
+    assert real["raised"] and not real["problems"], real
+
+
+def test_only_the_kth_call_fails(tmp_path):
+    """One fault per point: the calls after it are made (a retry succeeds)."""
+    import os
+
+    def child():
+        root = str(tmp_path / "root")
+        os.makedirs(root)
+        icp = ce.FaultInterceptor(root, 2, str(tmp_path / "side"))
+        icp.install()
+        outcomes = []
+        with icp.operation():
+            fd = os.open(os.path.join(root, "a"), os.O_WRONLY | os.O_CREAT, 0o644)
+            for _ in range(2):
+                try:
+                    os.write(fd, b"x")
+                    outcomes.append("ok")
+                except OSError as exc:
+                    outcomes.append(os.strerror(exc.errno))
+            try:
+                os.fsync(fd)
+                outcomes.append("ok")
+            except OSError as exc:
+                outcomes.append(exc.errno)
+            os.close(fd)
+        return outcomes, icp.fault["errno"]
+    status, value = cp.run_forked(child)
+    assert status == "ok", value
+    assert value == (["No space left on device", "ok", "ok"], "ENOSPC"), value
