@@ -17,6 +17,11 @@ case ",${LAZYCKPT_EXTRAS:-bench}," in
     .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps "torchtitan==0.3.0" ;;
 esac
 case ",${LAZYCKPT_EXTRAS:-bench}," in
+  *,megatron,*)     # 0.19.2 declares Python >= 3.12: see the megatron extra in pyproject.toml
+    .venv/bin/python -m pip install --quiet -c constraints.txt --no-deps --ignore-requires-python \
+      "megatron-core==0.19.2" ;;
+esac
+case ",${LAZYCKPT_EXTRAS:-bench}," in
   *,test,*)   # the browser tests (marker browser) open `lazyckpt report`'s page in Debian's chromium
     if ! command -v chromium >/dev/null 2>&1; then
       SUDO=""

@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests run every integration against the real framework: install them all.
-LAZYCKPT_EXTRAS="${LAZYCKPT_EXTRAS:-test,s3,bench,cli,plot,report,deepspeed,lightning,pytorch-lightning,hf,torchtitan,docs}" bash scripts/setup.sh
+LAZYCKPT_EXTRAS="${LAZYCKPT_EXTRAS:-test,s3,bench,cli,plot,report,deepspeed,lightning,pytorch-lightning,hf,torchtitan,megatron,docs}" bash scripts/setup.sh
 export DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1
 if [ "${1:-}" = "unit" ]; then
   shift
