@@ -272,7 +272,9 @@ def _chain(exc: BaseException) -> List[BaseException]:
             continue
         seen.append(e)
         todo += [e.__cause__, e.__context__]
-        todo += [v for v in (getattr(e, "failures", None) or {}).values() if isinstance(v, BaseException)]
+        # DCP's CheckpointException: failures = {rank: (exception, its traceback)}.
+        for v in (getattr(e, "failures", None) or {}).values():
+            todo += [x for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, BaseException)]
         todo += [v for v in (getattr(e, "exceptions", None) or ()) if isinstance(v, BaseException)]
     return seen
 
