@@ -25,7 +25,7 @@ Writes, each durable (fsynced) before the clock stops: raw O_DIRECT pwrite
 from lazyckpt's writer thread count, raw buffered write() + fsync,
 ``lazyckpt.save`` (of a new file, and over the file its last save wrote)
 and a Checkpointer's save up to its commit point and up to ``wait()``
-(which also retires the superseded step); one Checkpointer for the run, its
+(the superseded step renamed aside; ``wait(freed=True)``: its space freed too); one Checkpointer for the run, its
 cache allocated before the clock. A replaced file's blocks are freed on
 lazyckpt's release thread after the save returns; the bench waits for that,
 untimed, before the next method.
@@ -291,8 +291,14 @@ def run_state(spec: str, args: argparse.Namespace) -> Dict[str, Any]:
 
     def save_checkpointer_wait() -> None:
         # The same up to wait()'s return: after the commit, the retention of the
-        # step it supersedes (keep_last=1: a 0.8 GB step deleted), ``latest``.
+        # step it supersedes (keep=1: a 0.8 GB step renamed aside, freed on the
+        # release thread after wait() returns: untimed, as for a replaced file), ``latest``.
         writer.save(state, step=next(steps)).wait()
+
+    def save_checkpointer_wait_freed() -> None:
+        # The same, with the superseded step's space freed before it returns.
+        writer.save(state, step=next(steps))
+        writer.wait(freed=True)
 
     # One untimed load first: a process's first load reads into small pages and
     # later ones (and the raw methods, which allocate as lazyckpt's reader does)
@@ -308,6 +314,7 @@ def run_state(spec: str, args: argparse.Namespace) -> Dict[str, Any]:
         "lazyckpt.save, over the last one": save_lazy_again,
         "Checkpointer.save(), committed": save_checkpointer,
         "Checkpointer.save().wait()": save_checkpointer_wait,
+        "Checkpointer.save().wait(freed=True)": save_checkpointer_wait_freed,
     }
     raw_reads = [k for k in reads if k.startswith("raw")]
     raw_writes = [k for k in writes if k.startswith("raw")]
