@@ -7,8 +7,11 @@ starts its next read. A thread that hashed its own block left the disk one
 request short for the length of each hash: 0.8 GB saved in 0.261 s with the
 writers hashing, 0.242 s with no hashing at all, raw O_DIRECT 0.227 s; the
 verified load was 5-8 % slower than the unverified one (BENCHMARKS section
-33). xxh3 runs at ~20 GB/s a core here and releases the GIL, so two threads
-keep up with 2-3x the fastest disk measured.
+33). xxh3 runs here at 12-14 GB/s on one thread over bytes in memory (where
+a read leaves them) and 13-16 GB/s on two: memory bandwidth, not cores,
+bounds it, and no candidate measured was faster (benchmarks/bench_checksums.py:
+CRC32C, xxh3-128). It releases the GIL above 64 KiB (xxhash >= 4.0), so the
+readers and the caller's Python run while it hashes.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import concurrent.futures as cf
 
 from lazyckpt.keptpools import KeptPool
 
-#: Threads hashing at once (each ~20 GB/s of xxh3 on this machine).
+#: Threads hashing at once (a second adds little: memory-bound, see above).
 THREADS = 2
 
 _pool = KeptPool(THREADS, "lazyckpt-checksum")

@@ -56,7 +56,7 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
 
 
 def checksum(data: Any) -> int:
-    """xxh3-64 of a bytes-like object (releases the GIL on large inputs)."""
+    """xxh3-64 of a bytes-like object (releases the GIL above 64 KiB: xxhash >= 4.0)."""
     return xxhash.xxh3_64_intdigest(data)
 
 
