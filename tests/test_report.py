@@ -163,6 +163,19 @@ def test_rollbacks_incremental_references_and_the_cli(tmp_path, capsys):
     assert rollbacks(events[:3]) == []
 
 
+def test_a_run_of_one_step_without_metadata_or_tensors_that_move(tmp_path):
+    pytest.importorskip("plotly")
+    run = str(tmp_path / "one")
+    with lazyckpt.Checkpointer(run) as ckpt:
+        ckpt.save({"w": torch.ones(3), "note": "x", "count": torch.tensor(3)}, 7).wait()
+    report = write_report(run, str(tmp_path / "one.html"))
+    assert report.kept == [7] and report.diff is None and report.metrics == {}
+    assert report.panels()[1] == ["count"]                 # a counter, left out
+    page = (tmp_path / "one.html").read_text()
+    assert "One step compared with itself (step 7): nothing moved." in page
+    assert "No number in the sampled saves' <code>metadata=</code>" in page
+
+
 def test_the_report_needs_plotly_and_says_how_to_get_it(adamw_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "plotly", None)
     out = tmp_path / "x.html"

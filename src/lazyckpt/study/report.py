@@ -341,10 +341,15 @@ def write_report(run: str, path: str, **kwargs: Any) -> RunReport:
     report = collect(run, **kwargs)
     t0 = time.perf_counter()
     page = render(report)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(page)
-    os.replace(tmp, path)
+    tmp = f"{path}.tmp-{os.getpid()}"          # a reader never sees half a page
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     report.seconds["render"] = time.perf_counter() - t0
     return report
 
