@@ -22,6 +22,7 @@ CASES = {
     "deepspeed_example.py": (["deepspeed"], "restored step 3 on 1 rank(s) bit-exact", True),
     "dcp_fsdp2_example.py": ([], "restored step 3 on 2 ranks bit-exact", False),
     "torchtitan_example.py": (["torchtitan", "tyro"], "restored step 4 on 2 ranks bit-exact", True),
+    "megatron_example.py": (["megatron.core"], "restored step 3 on 2 ranks bit-exact", True),
     "lightning_example.py": (["lightning"], "restored step 4 bit-exact", True),
     "hf_trainer_example.py": (["transformers", "accelerate"], "restored step 4 bit-exact", True),
     "object_storage.py": (["boto3"], "restored step 3 bit-exact from s3://", False),
