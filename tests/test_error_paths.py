@@ -16,19 +16,20 @@ import torch
 
 import _crasherrors as ce
 import _crashpoints as cp
-from _crashprograms import file_program, save_program
+from _crashprograms import dcp_program, file_program, save_program
 
 torch.set_num_threads(1)
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def fail_first(program, pattern, tmp_path):
-    """The fault at the first of ``program``'s points matching ``pattern``; the
-    case's result (``_crasherrors.run_case``)."""
+def fail_first(program, pattern, tmp_path, after=None):
+    """The fault at the first of ``program``'s points matching ``pattern`` (after
+    the first matching ``after``); the case's result (``_crasherrors.run_case``)."""
     cp.preload(program)
     n, descriptions = cp.dry_run(program, str(tmp_path))
-    k = next((i for i, d in enumerate(descriptions, 1) if re.search(pattern, d)), None)
+    start = 0 if after is None else next(i for i, d in enumerate(descriptions, 1) if re.search(after, d))
+    k = next((i for i, d in enumerate(descriptions, 1) if i > start and re.search(pattern, d)), None)
     assert k is not None, f"no point matches {pattern!r}: {descriptions}"
     result = ce.run_case(program, str(tmp_path), k)
     assert result["op"] and re.search(pattern, result["op"]), result["op"]
@@ -58,6 +59,19 @@ def test_a_failed_directory_fsync_after_a_lone_file_is_published_says_it_is_in_p
     the error said "save failed" while the new file was what loaded."""
     result = fail_first(file_program(), r"os\.fsync (dry|case-error-\d+)( |$)", tmp_path)
     assert "the new file is in place" in (result["raised"] or ""), result
+    assert not result["problems"], result["problems"]
+
+
+@pytest.mark.parametrize("file_format", ["lazyckpt", "dcp"])
+def test_a_failed_directory_fsync_after_dcp_metadata_leaves_no_checkpoint(tmp_path, file_format):
+    """``dcp.save`` through ``LazyStorageWriter``: ``.metadata`` (the commit) is
+    renamed in, then the directory's fsync fails (EIO). dcp.save raises; before
+    the fix the checkpoint was complete and loaded all the same, so the report
+    and the disk disagreed. ``.metadata`` is taken back: no checkpoint, and the
+    retry saves it."""
+    result = fail_first(dcp_program(file_format), r"os\.fsync (dry|case-error-\d+)/step2( |$)", tmp_path,
+                        after=r"os\.replace \S+/step2/\.metadata\.tmp")
+    assert result["raised"], result
     assert not result["problems"], result["problems"]
 
 

@@ -364,7 +364,17 @@ class LazyStorageWriter(StorageWriter):
         # is whole on the bucket): DCP treats a directory with .metadata as complete.
         path = self._current_path()
         store = for_path(path)
-        store.write_whole(store.join(path, name), pickle.dumps(metadata), self.options)
+        target = store.join(path, name)
+        try:
+            store.write_whole(target, pickle.dumps(metadata), self.options)
+        except OSError:
+            # The directory's fsync can fail after the rename put .metadata in place: the
+            # checkpoint would then load while dcp.save raises. Taken back, so the error
+            # and the directory agree (no checkpoint; saving again makes one).
+            if not store.is_remote:
+                from lazyckpt.storage.fileio import remove_quietly
+                remove_quietly(target)
+            raise
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self._current_path(), save_id=self.save_id)
