@@ -3,7 +3,9 @@ tests/_crashprograms.py is crashed before each of its mutating calls, in
 two modes (``kill``: SIGKILL; ``power``: SIGKILL plus a simulated power loss
 that drops what was not fsynced), and the invariants are checked after each
 crash (tests/_crashpoints.py; docs/RELIABILITY.md §5 has the table of
-programs and point counts).
+programs and point counts). In ``error`` mode (tests/_crasherrors.py,
+RELIABILITY.md §5.1) the call at each point fails instead and the process
+goes on: ``test_every_error_point``.
 
     .venv/bin/python -m pytest -q tests/test_crash_points.py -rA    # per-program counts in the summary
 """
