@@ -25,9 +25,12 @@ pipe and blocks reading a second pipe (holding the interceptor's lock: the
 child's other threads stop at their next durable call too). A neighbour that
 meets a lock the paused child holds would wait forever: in the neighbour the
 lock primitive (``locks._flock``) tells the parent when a non-blocking lock
-attempt is refused; if the neighbour has not finished ``GRACE_S`` later, the
+attempt is refused twice on one descriptor (it waits; a liveness probe is
+refused once); if the neighbour has not finished ``GRACE_S`` later, the
 parent lets the child go on and the two run at once (the outcome says
-``blocked``: both orders are then allowed by the checks).
+``blocked``: both orders are then allowed by the checks). A neighbour still
+running after ``PAUSE_LIMIT_S`` (a loaded machine) also lets the child go on
+(``blocked == "slow"``): the same checks, a concurrent interleaving.
 
 The checks (:func:`check_neighbour_case`), on what each process reported and
 what the directory holds afterwards (the oracle: the program's worlds, and
@@ -158,20 +161,26 @@ def _child(program: Program, ctx: Ctx, k: int, pause_w: int, go_r: int) -> Dict[
 # ----------------------------------------------------------------------------- the neighbours
 
 def _watch_locks(blocked_w: int) -> None:
-    """In a neighbour: tell the parent (once) when a lock attempt is refused (the
-    paused child may hold it: waiting for it there would never end)."""
+    """In a neighbour: tell the parent (once) when it waits for a lock (the paused
+    child may hold it: waiting for it there would never end). Waiting is a
+    second refusal on the same descriptor (a commit lock is polled); one refusal
+    is a probe (is this save alive?), which goes on at once."""
     from lazyckpt.storage import locks
     real = locks._flock
+    refused: Dict[int, int] = {}
     told = []
 
     def flock(fd: int, operation: int) -> None:
         try:
             real(fd, operation)
         except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) and not told:
-                told.append(True)
-                os.write(blocked_w, b"b")
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                refused[fd] = refused.get(fd, 0) + 1
+                if refused[fd] >= 2 and not told:
+                    told.append(True)
+                    os.write(blocked_w, b"b")
             raise
+        refused.pop(fd, None)
     locks._flock = flock
 
 
@@ -467,7 +476,7 @@ def check_neighbour_case(ctx: Ctx, program: Program, neighbour: str, child: Dict
         if not o["ok"] and not o["family"]:
             problems.append(f"{who} raised outside lazyckpt's family: {o['error']}\n{o['trace']}")
     if not c_ok and neighbour != "takeover":
-        problems.append(f"the program failed beside {neighbour}: {child['error']}")
+        problems.append(f"the program failed beside {neighbour}: {child['error']}\n{child['trace'][-1500:]}")
     if not n_ok:
         first_save = not program.worlds[0].allowed
         if not (first_save and isinstance(nb.get("error"), str) and "CheckpointNotFound" in nb["error"]):
