@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from typing import Any, Dict, List, Optional
 
 #: Where Debian's package puts it (``chromium``), or a name on PATH.
@@ -40,8 +41,9 @@ def open_page(path: str, screenshot: Optional[str] = None, timeout_s: float = 30
     test checks: ``errors`` (uncaught exceptions and console errors),
     ``requests`` (URLs that are not the file itself, ``data:`` or ``blob:``),
     ``charts`` (chart divs, and those plotly drew an SVG into), ``tables``
-    (rows per table class), ``rendered`` (the page's own count) and
-    ``title``. ``screenshot``: a full-page PNG there."""
+    (rows per table class), ``rendered`` (the page's own count),
+    ``title``, ``launch_s`` (starting Chromium) and ``draw_s`` (from opening
+    the file to every chart drawn). ``screenshot``: a full-page PNG there."""
     from playwright.sync_api import sync_playwright
     exe = find_chromium()
     if exe is None:
@@ -49,9 +51,11 @@ def open_page(path: str, screenshot: Optional[str] = None, timeout_s: float = 30
     errors: List[str] = []
     requests: List[str] = []
     url = "file://" + os.path.abspath(path)
+    t0 = time.perf_counter()
     with sync_playwright() as p:
         # --no-sandbox: as root (CI here) Chromium refuses to start with its sandbox.
         browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu"])
+        launched = time.perf_counter()
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
             page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
@@ -59,6 +63,7 @@ def open_page(path: str, screenshot: Optional[str] = None, timeout_s: float = 30
                     if msg.type == "error" else None)
             page.on("request", lambda req: requests.append(req.url)
                     if not req.url.startswith(("data:", "blob:")) and req.url != url else None)
+            opened = time.perf_counter()
             page.goto(url, wait_until="load", timeout=timeout_s * 1e3)
             rendered = None
             try:
@@ -66,6 +71,7 @@ def open_page(path: str, screenshot: Optional[str] = None, timeout_s: float = 30
                 rendered = int(page.get_attribute("body", "data-charts-rendered"))
             except Exception as exc:        # reported, not raised: the test names what is missing
                 errors.append(f"the page never said its charts were drawn: {exc}")
+            drawn_s = time.perf_counter() - opened
             info = page.evaluate("""() => ({
                 charts: document.querySelectorAll('div.chart').length,
                 drawn: Array.from(document.querySelectorAll('div.chart'))
@@ -78,7 +84,8 @@ def open_page(path: str, screenshot: Optional[str] = None, timeout_s: float = 30
             })""")
             if screenshot is not None:
                 page.screenshot(path=screenshot, full_page=True)
-            info.update(errors=errors, requests=requests, rendered=rendered, title=page.title())
+            info.update(errors=errors, requests=requests, rendered=rendered, title=page.title(),
+                        launch_s=launched - t0, draw_s=drawn_s)
             return info
         finally:
             browser.close()
