@@ -22,21 +22,17 @@ import time
 
 import pytest
 
+from _env import child_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_preempt_train.py")
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LAZYCKPT_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
 
 
 def _launch(world: int, args: list, cwd: str) -> subprocess.Popen:
     head = [sys.executable] if world == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
     err = open(os.path.join(cwd, "stderr.txt"), "a")
-    return subprocess.Popen(head + [SCRIPT] + args, stdout=subprocess.PIPE, stderr=err, text=True, env=_env(),
+    return subprocess.Popen(head + [SCRIPT] + args, stdout=subprocess.PIPE, stderr=err, text=True, env=child_env(),
                             cwd=cwd)
 
 

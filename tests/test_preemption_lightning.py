@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from _env import child_env
 from _frameworks import require
 
 require("lightning.pytorch")
@@ -25,17 +26,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_preempt_lightning.py")
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LAZYCKPT_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
-
 def test_sigterm_saves_the_step_then_fit_ends_and_resumes_bit_exact(tmp_path):
     ck = str(tmp_path / "ck")
     err = open(tmp_path / "stderr.txt", "w")
     proc = subprocess.Popen([sys.executable, SCRIPT, "run", ck], stdout=subprocess.PIPE, stderr=err, text=True,
-                            env=_env(), cwd=str(tmp_path))
+                            env=child_env(), cwd=str(tmp_path))
     try:
         arrived = None
         while arrived is None or arrived < 20:
@@ -61,7 +56,7 @@ def test_sigterm_saves_the_step_then_fit_ends_and_resumes_bit_exact(tmp_path):
     assert step >= arrived + 1 and run["global_step"] == step
     assert torch.load(path, weights_only=False)["global_step"] == step     # whole: durable when fit ended
     proc = subprocess.run([sys.executable, SCRIPT, "resume", ck, "15"], capture_output=True, text=True,
-                          env=_env(), cwd=str(tmp_path), timeout=240)
+                          env=child_env(), cwd=str(tmp_path), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.load(open(tmp_path / "resume.json"))
     assert resumed == {"step": step, "equal": True}

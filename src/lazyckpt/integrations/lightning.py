@@ -108,6 +108,7 @@ __all__ = ["AsyncFileWriter", "LazyCheckpointIO", "PLLazyCheckpointIO", "is_lazy
 
 from lazyckpt.saving.engine import SaveHandle
 from . import _lightning_order
+from ._lazyclass import lazy_classes
 from lazyckpt.storage.fileio import replace_with_link as _replace_with_link
 from lazyckpt.storage.stores import for_path
 from lazyckpt.tiers.files import FileMirror, check_mirror_target
@@ -628,8 +629,6 @@ _TREES = {
     "LazyCheckpointIO": ("lightning.pytorch.plugins.io", "lightning.fabric.plugins.io.torch_io"),
     "PLLazyCheckpointIO": ("pytorch_lightning.plugins.io", "lightning_fabric.plugins.io.torch_io"),
 }
-_classes: Dict[str, type] = {}
-_classes_lock = threading.Lock()
 
 
 def _make_class(name: str) -> type:
@@ -649,10 +648,4 @@ def _make_class(name: str) -> type:
     return cls
 
 
-def __getattr__(name: str) -> Any:
-    if name in _TREES:
-        with _classes_lock:
-            if name not in _classes:
-                _classes[name] = _make_class(name)
-            return _classes[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_classes(__name__, _TREES, _make_class)

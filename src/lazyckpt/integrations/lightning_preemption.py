@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional, Union
 
 from lazyckpt.knobs import parse_duration
+from ._lazyclass import lazy_classes
 
 log = logging.getLogger("lazyckpt")
 
@@ -87,8 +87,6 @@ class _SaveOnPreemptionImpl:
 
 
 _TREES = {"SaveOnPreemption": "lightning.pytorch", "PLSaveOnPreemption": "pytorch_lightning"}
-_classes: Dict[str, type] = {}
-_classes_lock = threading.Lock()
 
 
 def _make_class(name: str) -> type:
@@ -104,10 +102,4 @@ def _make_class(name: str) -> type:
                                                        "__doc__": doc + "\n\n" + (_SaveOnPreemptionImpl.__doc__ or "")})
 
 
-def __getattr__(name: str) -> Any:
-    if name in _TREES:
-        with _classes_lock:
-            if name not in _classes:
-                _classes[name] = _make_class(name)
-            return _classes[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_classes(__name__, _TREES, _make_class)
