@@ -1191,7 +1191,8 @@ def run(size: int = 256 << 20, tensors: int = 16, dtypes: Optional[List[torch.dt
         "config": {"size_bytes": nbytes, "tensors": len(state), "dtypes": [str(d).removeprefix("torch.")
                                                                              for d in dtypes],
                    "reps": reps, "seed": seed, "orders": orders,
-                   "isolated": [m.key for m in active if m.isolated], "directory": os.path.dirname(workdir) if own_dir else directory,
+                   "isolated": [m.key for m in active if m.isolated],
+                   "directory": os.path.dirname(workdir) if own_dir else directory,
                    "filesystem": filesystem_of(workdir if keep else os.path.dirname(workdir)),
                    "drop_caches": drop, "writer_threads": b.options.writer_threads,
                    "reader_threads": b.options.reader_threads},
