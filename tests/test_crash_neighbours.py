@@ -70,7 +70,7 @@ def _ci_programs():
         yield pytest.param(name, marks=marks, id=name)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)         # about 5-10 s each on a quiet machine
 @pytest.mark.parametrize("program", list(_ci_programs()))
 def test_neighbours_at_sampled_points(program, tmp_path):
     _run(program, _neighbours(program), str(tmp_path), CI_POINTS)
