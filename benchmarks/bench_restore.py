@@ -51,6 +51,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -319,7 +320,8 @@ def run_state(spec: str, args: argparse.Namespace) -> Dict[str, Any]:
     raw_reads = [k for k in reads if k.startswith("raw")]
     raw_writes = [k for k in writes if k.startswith("raw")]
     if args.only:
-        keep = set(args.only.split(","))
+        # Commas inside a name ("lazyckpt.load, no verify") are followed by a space.
+        keep = set(re.split(r",(?! )", args.only))
         reads = {k: v for k, v in reads.items() if k in raw_reads or k in keep}
         writes = {k: v for k, v in writes.items() if k in raw_writes or k in keep}
     tasks = [("read", k, f) for k, f in reads.items()] + \
