@@ -197,3 +197,69 @@ def test_install_swaps_the_strategy_megatron_training_builds():
     finally:
         uninstall()
     assert checkpointing.TorchDistSaveShardedStrategy is own
+
+
+def _megatron_lm_saves(rank, world, root):
+    """megatron.training's own save_checkpoint with --async-save, set up as Megatron's own
+    tests set it up (parse_args, then the attributes a run would have; get_args patched
+    where checkpointing reads it)."""
+    cpu_shims()
+    allow_typing_override()
+    init_tp(2)
+    import sys
+    from unittest import mock
+
+    import torch
+    sys.argv = sys.argv[:1]
+    import megatron.training.async_utils as async_utils
+    import megatron.training.checkpointing as checkpointing
+    from megatron.core import dist_checkpointing
+    from megatron.training.arguments import parse_args
+
+    import lazyckpt.integrations.megatron as lazy_megatron
+    if not torch.cuda.is_available():       # get_rng_state saves the CUDA generator's state too
+        torch.cuda.get_rng_state = lambda *args, **kwargs: torch.zeros(16, dtype=torch.uint8)
+    args = parse_args(ignore_unknown_args=True)
+    for name, value in dict(save=root, load=root, use_dist_ckpt=True, ckpt_format="torch_dist", async_save=True,
+                            async_strategy="mcore", no_save_optim=True, no_save_rng=False,
+                            ckpt_fully_parallel_save=True, ckpt_assume_constant_structure=False,
+                            non_persistent_ckpt_type=None, non_persistent_global_ckpt_dir=None,
+                            data_parallel_random_init=False, log_progress=False, consumed_train_samples=0,
+                            skipped_train_samples=0, consumed_valid_samples=0, tensor_model_parallel_size=2,
+                            pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                            use_distributed_optimizer=False, fp16=False, bf16=False).items():
+        setattr(args, name, value)
+    model = tiny_gpt()
+    lazy_megatron.install(writer_threads=2)
+    tracker = checkpointing.get_checkpoint_tracker_filename(root)
+    context = {}
+    try:
+        with mock.patch.object(checkpointing, "get_args", new=lambda: args), \
+                mock.patch.object(async_utils, "get_args", new=lambda: args):
+            checkpointing.save_checkpoint(5, [model], None, None, 0, checkpointing_context=context)
+            strategy = context["save_strategy"]
+            before_finalize = os.path.exists(tracker)
+            async_utils.maybe_finalize_async_save(blocking=True, terminate=True)
+    finally:
+        lazy_megatron.uninstall()
+    with open(tracker) as f:
+        latest = f.read().strip()
+    base = getattr(strategy, "base_strategy", strategy)     # inside FullyParallelSaveStrategyWrapper
+    path = checkpointing.get_checkpoint_name(root, 5, return_base_dir=True)
+    fresh = tiny_gpt(seed=1)
+    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, path, strict="assume_ok_unexpected")
+    fresh.load_state_dict(loaded["model"])
+    return (type(base).__name__, before_finalize, latest, same(tensors(fresh), tensors(model)))
+
+
+def test_megatron_lm_save_checkpoint_through_install(tmp_path):
+    """The one line for Megatron-LM: its save_checkpoint (--ckpt-format torch_dist,
+    --ckpt-fully-parallel-save, --async-save) builds LazySaveStrategy; the tracker file
+    appears only with the finalize, and plain Megatron loads the model bit-exact."""
+    allow_typing_override()
+    pytest.importorskip("megatron.training.checkpointing")
+    for name, before_finalize, latest, exact in run_ranks(2, _megatron_lm_saves, str(tmp_path), timeout=240):
+        assert name == "LazySaveStrategy"
+        assert not before_finalize
+        assert latest == "5"
+        assert exact
