@@ -495,7 +495,10 @@ def run_case(program: Program, work: str, k: int, s3: Optional[Dict[str, Any]] =
     shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
     ctx = cp._ctx(program, case, s3, f"error-{k}")
     side = case + ".side"
-    status, value = cp.run_forked(lambda: _error_child(program, ctx, k, side), timeout=300)
+    # The faulted process makes one attempt per request (the injected 500 reaches the
+    # library); the fresh process keeps botocore's retries (a slow server is no fault).
+    faulted = cp._ctx(program, case, _error_s3(s3), f"error-{k}")
+    status, value = cp.run_forked(lambda: _error_child(program, faulted, k, side), timeout=300)
     out: Dict[str, Any] = {"k": k, "op": None, "status": status, "problems": [], "dropped": [], "duplicate": False,
                            "raised": None}
     if status != "ok":
@@ -541,7 +544,6 @@ def enumerate_program(program: Program, work: str, s3: Optional[Dict[str, Any]] 
     ``every``-th from 1, plus the last ``always_last``) and the checks."""
     t0 = time.monotonic()
     cp.preload(program)
-    s3 = _error_s3(s3)
     n, descriptions = cp.dry_run(program, work, s3)
     if points is None:
         points = sorted(set(range(1, n + 1, every)) | set(range(max(1, n - always_last + 1), n + 1)))

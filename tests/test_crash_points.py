@@ -561,12 +561,21 @@ import _crasherrors as ce  # noqa: E402
 ERROR_EVERY = {"dir": 12, "file": 4, "dcp": 8, "objects": 8, "hf": 0}
 
 
+#: Open findings of the error mode (RELIABILITY.md §4): strict, so a fix shows as XPASS.
+ERROR_OPEN = {
+    "lightning-persist-rotation": "RELIABILITY.md finding 36: the new top-k file's save fails (fsync EIO), "
+                                  "last.ckpt's save succeeds, and remove_checkpoint of the old top-k, gated "
+                                  "on the newest save only, deletes the last top-k file",
+}
+
+
 def _error_cases():
     for name, program in PROGRAMS.items():
-        yield pytest.param(name, 1, marks=[pytest.mark.slow], id=f"{name}-error")
+        known = [pytest.mark.xfail(strict=True, reason=ERROR_OPEN[name])] if name in ERROR_OPEN else []
+        yield pytest.param(name, 1, marks=[pytest.mark.slow] + known, id=f"{name}-error")
         every = ERROR_EVERY.get(program.kind, 0) * (2 if program.persist and program.kind == "dir" else 1)
         if every and not name.endswith("-auto"):        # the o_direct="auto" twins: slow only
-            yield pytest.param(name, every, id=f"{name}-error-every{every}")
+            yield pytest.param(name, every, marks=known, id=f"{name}-error-every{every}")
 
 
 @pytest.mark.timeout(900)
