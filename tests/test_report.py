@@ -21,7 +21,8 @@ from lazyckpt import cli
 from lazyckpt.errors import CheckpointNotFoundError
 from lazyckpt.storage.localstore import LocalStore
 from lazyckpt.study import panels as P
-from lazyckpt.study.report import collect, render, rollbacks, sample, write_report
+from lazyckpt.study import report as report_module
+from lazyckpt.study.report import charts, collect, render, rollbacks, sample, write_report
 from lazyckpt.lineage import Event
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -206,6 +207,12 @@ def test_a_long_run_reads_only_its_index_and_the_sampled_manifests(tmp_path, mon
     assert report.norm_steps[0] == 0 and report.norm_steps[-1] == 1999 and len(report.norm_steps) == 10
     page = render(report)
     assert page.count('class="chart"') >= 8 and "100 of 2,000 steps sampled" in page
+    tier = charts(report)[0]["data"][0]
+    assert tier["mode"] == "markers" and len(tier["x"]) == 2000
+    # Above MARKERS_UP_TO kept steps, a run of steps is one line (an SVG element per step lays out slowly).
+    monkeypatch.setattr(report_module, "MARKERS_UP_TO", 1000)
+    tier = charts(report)[0]["data"][0]
+    assert tier["mode"] == "lines" and tier["x"] == list(range(2000))
     assert sample(list(range(2000)), 100, must=(7,))[1] == 7
 
 

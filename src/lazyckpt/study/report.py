@@ -439,15 +439,35 @@ def _lines(panel: _panels.Panel) -> List[Dict[str, Any]]:
     return traces
 
 
+#: Above this many kept steps the tier chart draws runs of steps as lines: a marker per step is an
+#: SVG element per step, which a browser lays out slowly by the ten thousand.
+MARKERS_UP_TO = 2000
+
+
+def _tier_trace(report: RunReport, tier: str, colour: str) -> Dict[str, Any]:
+    steps = [s for s in report.kept if report.tiers[s] == tier]
+    trace = {"type": "scatter", "name": tier, "hovertemplate": "step %{x}<extra>" + _e(tier) + "</extra>"}
+    if len(report.kept) <= MARKERS_UP_TO:
+        trace.update(mode="markers", x=steps, y=[tier] * len(steps), marker={"size": 6, "color": colour})
+        return trace
+    # One segment per run of consecutive kept steps on this tier (a gap where another tier's steps are).
+    xs: List[Any] = []
+    position = {s: i for i, s in enumerate(report.kept)}
+    for s in steps:
+        if xs and position[s] != position[xs[-1]] + 1:
+            xs.append(None)
+        xs.append(s)
+    trace.update(mode="lines", x=xs, y=[None if x is None else tier for x in xs],
+                 line={"color": colour, "width": 10}, connectgaps=False)
+    return trace
+
+
 def charts(report: RunReport) -> List[Dict[str, Any]]:
     """The page's charts as plotly figure specs: ``{"id", "section", "data", "layout"}``."""
     out: List[Dict[str, Any]] = []
     # The line of history: every kept step on its tier (the index), rollbacks as lines.
     tiers = sorted(set(report.tiers.values()))
-    traces = [{"type": "scatter", "mode": "markers", "name": t, "x": [s for s in report.kept if report.tiers[s] == t],
-               "y": [t] * sum(1 for s in report.kept if report.tiers[s] == t),
-               "marker": {"size": 6 if len(report.kept) < 2000 else 3, "color": _panels.COLOURS[i]},
-               "hovertemplate": "step %{x}<extra>" + _e(t) + "</extra>"} for i, t in enumerate(tiers)]
+    traces = [_tier_trace(report, t, _panels.COLOURS[i]) for i, t in enumerate(tiers)]
     shapes = [{"type": "line", "xref": "x", "yref": "paper", "x0": r["step"], "x1": r["step"], "y0": 0, "y1": 1,
                "line": {"color": "#d62728", "dash": "dot", "width": 1}} for r in report.rollbacks]
     if report.rollbacks:
