@@ -561,12 +561,9 @@ import _crasherrors as ce  # noqa: E402
 ERROR_EVERY = {"dir": 12, "file": 4, "dcp": 8, "objects": 8, "hf": 0}
 
 
-#: Open findings of the error mode (RELIABILITY.md §4): strict, so a fix shows as XPASS.
-ERROR_OPEN = {
-    "lightning-persist-rotation": "RELIABILITY.md finding 36: the new top-k file's save fails (fsync EIO), "
-                                  "last.ckpt's save succeeds, and remove_checkpoint of the old top-k, gated "
-                                  "on the newest save only, deletes the last top-k file",
-}
+#: Open findings of the error mode (RELIABILITY.md §4), program -> reason: strict
+#: xfails, so that a fix shows as XPASS.
+ERROR_OPEN: dict = {}
 
 
 def _error_cases():

@@ -16,22 +16,22 @@ import torch
 
 import _crasherrors as ce
 import _crashpoints as cp
-from _crashprograms import dcp_program, file_program, save_program
+from _crashprograms import dcp_program, file_program, lightning_persist_program, save_program
 
 torch.set_num_threads(1)
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def fail_first(program, pattern, tmp_path, after=None):
+def fail_first(program, pattern, tmp_path, after=None, s3=None):
     """The fault at the first of ``program``'s points matching ``pattern`` (after
     the first matching ``after``); the case's result (``_crasherrors.run_case``)."""
     cp.preload(program)
-    n, descriptions = cp.dry_run(program, str(tmp_path))
+    n, descriptions = cp.dry_run(program, str(tmp_path), s3)
     start = 0 if after is None else next(i for i, d in enumerate(descriptions, 1) if re.search(after, d))
     k = next((i for i, d in enumerate(descriptions, 1) if i > start and re.search(pattern, d)), None)
     assert k is not None, f"no point matches {pattern!r}: {descriptions}"
-    result = ce.run_case(program, str(tmp_path), k)
+    result = ce.run_case(program, str(tmp_path), k, s3)
     assert result["op"] and re.search(pattern, result["op"]), result["op"]
     return result
 
@@ -71,6 +71,21 @@ def test_a_failed_directory_fsync_after_dcp_metadata_leaves_no_checkpoint(tmp_pa
     retry saves it."""
     result = fail_first(dcp_program(file_format), r"os\.fsync (dry|case-error-\d+)/step2( |$)", tmp_path,
                         after=r"os\.replace \S+/step2/\.metadata\.tmp")
+    assert result["raised"], result
+    assert not result["problems"], result["problems"]
+
+
+def test_a_failed_top_k_save_keeps_the_previous_top_k_file(tmp_path, s3_bucket, s3_server):
+    """Lightning's rotation through ``LazyCheckpointIO`` (with a persistent tier):
+    the new top-k file's save fails (fsync EIO), last.ckpt's save after it
+    succeeds, then ``remove_checkpoint`` of the old top-k file. Before the fix
+    the removal waited for the newest save only (last.ckpt's) and deleted the
+    old file: no top-k file was left. Every save queued before now counts."""
+    s3 = {"bucket": s3_bucket,
+          "storage_options": {"endpoint_url": s3_server.endpoint, "access_key_id": s3_server.access_key,
+                              "secret_access_key": s3_server.secret_key, "region": s3_server.region}}
+    result = fail_first(lightning_persist_program(), r"os\.fsync \S+/ck/\.epoch=0-step=2\.ckpt\.tmp", tmp_path,
+                        s3=s3)
     assert result["raised"], result
     assert not result["problems"], result["problems"]
 

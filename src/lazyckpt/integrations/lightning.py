@@ -99,7 +99,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 log = logging.getLogger("lazyckpt")
@@ -190,6 +190,7 @@ class _LazyCheckpointIOImpl:
         self._last_trainer: Any = None                   # weakref to the trainer seen last
         self._views: Any = weakref.WeakSet()             # ModelCheckpoints showing a committed view
         self._last_save: Optional[SaveHandle] = None
+        self._since_removal: List[SaveHandle] = []       # saves queued since the last removal
         self.saves = 0                                   # saves queued (proves the plugin is in use)
         # Links also run on the writer's thread, the moment the save they wait for is
         # durable: last.ckpt then names the newest committed file at once,
@@ -207,7 +208,7 @@ class _LazyCheckpointIOImpl:
     def __getstate__(self) -> Dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items()
                  if k not in ("_actions", "_removals", "_links", "_running_actions", "_trainer_call",
-                              "_last_trainer", "_views", "_last_save", "_action_lock", "_at_commit",
+                              "_last_trainer", "_views", "_last_save", "_since_removal", "_action_lock", "_at_commit",
                               "_commit_errors", "_stand_ins", "_publishing", "_copy_at_commit", "_stood_in")}
         state["_writer"] = None
         state["_mirror"] = None
@@ -253,6 +254,7 @@ class _LazyCheckpointIOImpl:
         handle = self.writer.save(checkpoint, local, on_commit=self._committed,
                                   before_publish=functools.partial(self._before_publish, local), **kwargs)
         self._last_save = handle
+        self._since_removal.append(handle)
         self.saves += 1
         mode = self._save_mode()
         if mode == "durable":
@@ -315,6 +317,14 @@ class _LazyCheckpointIOImpl:
         thread's next safe point after that commit (and dropped if the save
         failed, so the previous checkpoint stays); otherwise it waits."""
         local = file_location(path)
+        # Every save queued before, not only the newest: the new top-k file's save failing
+        # and last.ckpt's succeeding after it must keep the old top-k file.
+        earlier, self._since_removal = self._since_removal, []
+        failed = next((h for h in earlier if h.done() and (h.error is not None or h.cancelled)), None)
+        if failed is not None:
+            log.warning("lazyckpt: %s: not removed: the save of %s failed (the previous checkpoint is kept)",
+                        local, failed.name)
+            return
         last = self._last_save
         if not self._actions and (last is None or (last.done() and last.error is None)):
             self._remove(local)             # nothing pending, nothing failed: as the default does
