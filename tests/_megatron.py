@@ -65,7 +65,7 @@ def init_tp(tp: int = 2) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
-def tiny_gpt(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = 128):
+def tiny_gpt(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = 128, max_seq: int = 16):
     """A tiny GPTModel (CPU initialization, float32) of the current tensor-parallel rank."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -75,7 +75,7 @@ def tiny_gpt(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = 128)
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4,
                                use_cpu_initialization=True, params_dtype=torch.float32)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
-                    max_sequence_length=16)
+                    max_sequence_length=max_seq)
 
 
 def tensors(model) -> dict:
