@@ -1188,9 +1188,10 @@ def _check_objects(ctx: Ctx, program: Program) -> List[str]:
                 problems.append(f"{side}: {name}: holds neither the old nor the new checkpoint")
             found[name] = worlds[0] if worlds else None
         topk = {n: s for n, s in found.items() if n != "last.ckpt"}
+        known = [s for s in topk.values() if s is not None]     # a file of neither world is reported above
         if "last.ckpt" not in found:
             problems.append(f"{side}: no last.ckpt ({sorted(files)})")
-        elif topk and found["last.ckpt"] is not None and found["last.ckpt"] < min(topk.values()):
+        elif known and found["last.ckpt"] is not None and found["last.ckpt"] < min(known):
             problems.append(f"{side}: last.ckpt names step {found['last.ckpt']}, older than every top-k file "
                             f"({topk})")
         if not topk:

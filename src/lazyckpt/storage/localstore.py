@@ -14,7 +14,7 @@ from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import MANIFEST, STEP_DIR
 from lazyckpt.knobs import Options
 from .base import HeldStep, Input, Located, Store
-from .fileio import (NotARegularFile, OutputFile, make_dirs_durable, open_regular, read_small_file,
+from .fileio import (NotARegularFile, OutputFile, fsync_dir, make_dirs_durable, open_regular, read_small_file,
                      replace_with_link, unlink_releasing_later, write_file_atomic)
 from .iomode import open_local_input, open_local_output
 from .layout import CheckpointDir, PendingSiblingFile
@@ -88,6 +88,12 @@ class LocalStore(Store):
             unlink_releasing_later(path)         # a removal on the training thread (Lightning's top-k)
         elif os.path.isdir(path):
             shutil.rmtree(path)
+        else:
+            return
+        # Removed when this returns, as an object store's acknowledged delete: without
+        # the directory's fsync a power loss brings the file back, an orphan that
+        # Lightning's top-k rotation and the persistent tier's mirror no longer know.
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def copy_file(self, source: str, dest: str, options: Options) -> None:
         """A hard link (a file of its own, which outlives ``source``; a copy where
