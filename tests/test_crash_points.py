@@ -580,7 +580,7 @@ import _crasherrors as ce  # noqa: E402
 #: CI's sample of each program's points in error mode (every N-th from the first, and
 #: the last: the lease's release), under a minute in all; every point is slow. The HF
 #: Trainer (a Trainer a point) runs only there; a persistent tier's point costs 4-5
-#: local ones (its requests), so those programs are sampled more thinly.
+#: local ones (its requests), so those programs are sampled more thinly (every 48th).
 ERROR_EVERY = {"dir": 12, "file": 4, "dcp": 8, "objects": 8, "hf": 0}
 
 
@@ -593,7 +593,7 @@ def _error_cases():
     for name, program in PROGRAMS.items():
         known = [pytest.mark.xfail(strict=True, reason=ERROR_OPEN[name])] if name in ERROR_OPEN else []
         yield pytest.param(name, 1, marks=[pytest.mark.slow] + known, id=f"{name}-error")
-        every = ERROR_EVERY.get(program.kind, 0) * (2 if program.persist and program.kind == "dir" else 1)
+        every = ERROR_EVERY.get(program.kind, 0) * (4 if program.persist and program.kind == "dir" else 1)
         if every and not name.endswith("-auto"):        # the o_direct="auto" twins: slow only
             yield pytest.param(name, every, marks=known, id=f"{name}-error-every{every}")
 
