@@ -241,7 +241,7 @@ def add_commands(sub: Any, progress_flags: Callable[[argparse.ArgumentParser], N
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=cmd_diff)
 
-    rp = sub.add_parser("report", help="one self-contained HTML page of a run: its line of history, metrics, "
+    rp = sub.add_parser("report", help="one self-contained HTML page of a run: its steps, commits and rollbacks, metrics, "
                         "norms, biggest movers and save costs",
                         description="Reads the run's index (every kept step and its tier), the manifests of at most "
                         "--max-steps sampled steps, the tensors of --norm-steps of them, and the two steps compared; "

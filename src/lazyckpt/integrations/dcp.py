@@ -58,6 +58,7 @@ from lazyckpt.saving.dcp_file import DISTCP_SUFFIX, DcpFileLayout
 from lazyckpt.saving.engine import CopyPart, FilePart, NoCommit, SaveEngine, run_now
 from lazyckpt.saving.hostcache import StagingArenas
 from lazyckpt.state.providers import flatten
+from lazyckpt.storage.fileio import remove_quietly
 from lazyckpt.storage.stores import for_path
 
 # The reader lives in the core (lazyckpt.interop.dcp_source: `lazyckpt convert` reads these directories);
@@ -372,7 +373,6 @@ class LazyStorageWriter(StorageWriter):
             # checkpoint would then load while dcp.save raises. Taken back, so the error
             # and the directory agree (no checkpoint; saving again makes one).
             if not store.is_remote:
-                from lazyckpt.storage.fileio import remove_quietly
                 remove_quietly(target)
             raise
 

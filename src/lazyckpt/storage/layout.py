@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
 
-from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import ABANDONED_PREFIX, DELETING_PREFIX, LATEST, MANIFEST, PREPARED, SMALL_TEMP, STEP_DIR, TEMP_PREFIX, WRITER, rank_filename, step_dirname
 from lazyckpt.lineage import Committing, Event, event_problem, manifest_event
@@ -990,7 +990,6 @@ class PendingSiblingFile:
             # whole and in place, but a power loss may still bring the old one back:
             # reported as exactly that (``committed``), never as a save that did not
             # happen, nor as a durable one. Saving again makes it durable.
-            from lazyckpt.errors import CheckpointWriteError
             error = CheckpointWriteError(
                 f"{self.final}: the new file is in place and loads, but the fsync of its directory failed "
                 f"({exc}): until the directory is synced, a power loss may bring back the file it replaced; "
