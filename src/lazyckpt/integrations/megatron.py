@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import functools
 import os
 import shutil
 import tempfile
@@ -78,6 +79,7 @@ from torch.distributed.checkpoint.utils import _wrap_exception
 from lazyckpt.errors import CheckpointWriteError
 from lazyckpt.interop.dcp_source import LazyStorageReader
 from lazyckpt.saving.capture import record_events
+from lazyckpt.storage.fileio import fsync_dir
 from lazyckpt.saving.engine import CopyPart, NoCommit
 
 from .dcp import LazyStorageWriter, _aligned
@@ -314,10 +316,48 @@ class LazySaveStrategy(TorchDistSaveShardedStrategy):
                     pass
 
         request_cls = AsyncRequest
+        fns = _FinalizeFns([finalize], functools.partial(_make_durable, path))
         if async_strategy == "nvrx":
             from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
             request_cls = get_async_strategy("nvrx")[1]["AsyncRequest"]
-        return request_cls(wait_for_write, (save.marker, os.getpid(), _WAIT_TIMEOUT_S), [finalize])
+        return request_cls(wait_for_write, (save.marker, os.getpid(), _WAIT_TIMEOUT_S), fns)
+
+
+class _FinalizeFns(list):
+    """The request's finalize functions, with ``durable`` run right after the
+    first one appended to lazyckpt's commit. ``dist_checkpointing.save`` appends
+    the writing of ``metadata.json`` (what makes a directory a checkpoint to
+    Megatron) to the list at once, unsynced; Megatron-LM appends the tracker
+    file (``latest_checkpointed_iteration.txt``) after it: so the checkpoint is
+    durable before the tracker names it."""
+
+    def __init__(self, fns: List[Any], durable: Any):
+        super().__init__(fns)
+        self._durable: Optional[Any] = durable
+
+    def append(self, fn: Any) -> None:
+        super().append(fn)
+        durable, self._durable = self._durable, None
+        if durable is not None:
+            super().append(durable)
+
+
+def _make_durable(path: str) -> None:
+    """fsync ``metadata.json``, the checkpoint directory and its entry in the
+    parent (a power loss would otherwise take back a finalized checkpoint
+    whole), on the rank that wrote ``metadata.json``; then every rank agrees."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        config = os.path.join(path, "metadata.json")
+        if os.path.exists(config):
+            fd = os.open(config, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 #: The waiting process gives up after this long (the finalize then reports the write's state).
