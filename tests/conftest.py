@@ -23,6 +23,36 @@ def _hermetic_environment(monkeypatch):
             monkeypatch.delenv(name)
 
 
+import torch.serialization as _ts        # noqa: E402
+import torch.storage as _storage          # noqa: E402
+
+#: torch's weights_only allow-list and storage unpickler before any test module
+#: is collected: ``import megatron.core`` (test_megatron.py imports it at
+#: collection) adds ``argparse.Namespace`` and a dozen other classes to the list
+#: for the whole process and swaps ``torch.storage._load_from_bytes``.
+_SAFE_GLOBALS_AT_START = list(_ts.get_safe_globals())
+_LOAD_FROM_BYTES_AT_START = _storage._load_from_bytes
+
+
+@pytest.fixture(autouse=True)
+def _torch_safe_globals(request):
+    """A test of what ``torch.load`` refuses (e.g. Lightning's torch format)
+    must see torch's own allow-list, not the one Megatron's import left; a
+    Megatron test gets Megatron's back, as a process that imports it has."""
+    import sys
+    if "megatron" in request.node.nodeid:
+        if "megatron.core.safe_globals" in sys.modules:
+            megatron_globals = sys.modules["megatron.core.safe_globals"]
+            megatron_globals.register_safe_globals()
+            _storage._load_from_bytes = megatron_globals.safe_load_from_bytes
+    else:
+        if list(_ts.get_safe_globals()) != _SAFE_GLOBALS_AT_START:
+            _ts.clear_safe_globals()
+            _ts.add_safe_globals(_SAFE_GLOBALS_AT_START)
+        _storage._load_from_bytes = _LOAD_FROM_BYTES_AT_START
+    yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _frozen_heap():
     """What is alive when a module starts (the objects of the frameworks that
