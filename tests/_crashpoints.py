@@ -258,6 +258,18 @@ class Interceptor:
                 return
         self.files[ino] = info
 
+    def _backup_existing(self, path: str, fd: Optional[int] = None) -> None:
+        """_backup of the regular file at ``path`` (or open as ``fd``), if there is one."""
+        self._local.busy = True
+        try:
+            st = os.fstat(fd) if fd is not None else os.stat(path)
+            if stat.S_ISREG(st.st_mode):
+                self._backup(st.st_ino, path)
+        except OSError:
+            pass
+        finally:
+            self._local.busy = False
+
     def _entry(self, kind: str, parent: str, name: str, ino: int, **extra: Any) -> None:
         self.seq += 1
         try:
@@ -368,14 +380,7 @@ class Interceptor:
                 return fn(*args, **kwargs)
             me.point(f"os.{name} {me._rel(p)}")
             if kind == "truncate" and me._track():
-                me._local.busy = True
-                try:
-                    st = os.stat(p)
-                    me._backup(st.st_ino, p)
-                except OSError:
-                    pass
-                finally:
-                    me._local.busy = False
+                me._backup_existing(p)
             dropped = None                  # unlink, rmdir: what brings the entry back
             if kind in ("unlink", "rmdir") and me._track():
                 me._local.busy = True
@@ -419,15 +424,7 @@ class Interceptor:
             else:
                 me.point(f"os.{name} {me._rel(p)}")
             if kind in ("write", "ftruncate") and me._track():
-                me._local.busy = True
-                try:
-                    st = os.fstat(fd)
-                    if stat.S_ISREG(st.st_mode):
-                        me._backup(st.st_ino, p)
-                except OSError:
-                    pass
-                finally:
-                    me._local.busy = False
+                me._backup_existing(p, fd)
             result = fn(fd, *args, **kwargs)
             if kind == "sync" and me._track():
                 me._local.busy = True
@@ -442,15 +439,7 @@ class Interceptor:
         existed = os.path.lexists(p)
         self.point(desc)
         if self._track() and existed:
-            self._local.busy = True
-            try:
-                st = os.stat(p)
-                if stat.S_ISREG(st.st_mode):
-                    self._backup(st.st_ino, p)
-            except OSError:
-                pass
-            finally:
-                self._local.busy = False
+            self._backup_existing(p)
         result = do_open()
         if self._track() and not existed and creates:
             self._local.busy = True
@@ -530,15 +519,7 @@ class Interceptor:
                 return fn(*args, **kwargs)
             me.point(f"{name} {me._rel(p)} {describe(args)}")
             if changes and me._track():
-                me._local.busy = True
-                try:
-                    st = os.fstat(args[fd_at])
-                    if stat.S_ISREG(st.st_mode):
-                        me._backup(st.st_ino, p)
-                except OSError:
-                    pass
-                finally:
-                    me._local.busy = False
+                me._backup_existing(p, args[fd_at])
             return fn(*args, **kwargs)
         return wrapper
 
