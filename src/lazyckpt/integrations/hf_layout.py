@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, MissingKeyError
-from lazyckpt.storage.fileio import fsync_dir
+from lazyckpt.storage.fileio import fsync_dir, fsync_file
 
 log = logging.getLogger("lazyckpt")
 
@@ -283,11 +283,7 @@ def _fsync_files(directory: str) -> None:
         if os.path.isdir(path):
             _fsync_files(path)
             continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(path)
     fsync_dir(directory)
 
 

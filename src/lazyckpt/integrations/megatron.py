@@ -79,7 +79,7 @@ from torch.distributed.checkpoint.utils import _wrap_exception
 from lazyckpt.errors import CheckpointWriteError
 from lazyckpt.interop.dcp_source import LazyStorageReader
 from lazyckpt.saving.capture import record_events
-from lazyckpt.storage.fileio import fsync_dir
+from lazyckpt.storage.fileio import fsync_dir, fsync_file
 from lazyckpt.saving.engine import CopyPart, NoCommit
 
 from .dcp import LazyStorageWriter, _aligned
@@ -349,11 +349,7 @@ def _make_durable(path: str) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         config = os.path.join(path, "metadata.json")
         if os.path.exists(config):
-            fd = os.open(config, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(config)
         fsync_dir(path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
     if torch.distributed.is_initialized():

@@ -168,7 +168,13 @@ def make_dirs_durable(path: str) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fsync_file(path, getattr(os, "O_DIRECTORY", 0))
+
+
+def fsync_file(path: str, flags: int = 0) -> None:
+    """fsync what is at ``path`` (written through another descriptor, or by
+    another library)."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
