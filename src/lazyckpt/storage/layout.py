@@ -452,7 +452,7 @@ class CheckpointDir:
                        fence: Optional[str] = None) -> "WriterLease":
         # ``fence`` is for stores that fence by save id; here the commit lock fences.
         if not takeover:
-            return WriterLease(self.path, heartbeat_s, expiry_s)
+            return WriterLease(self.path, heartbeat_s, expiry_s, commit_lock=self.commit_lock)
         # Under the commit lock: a displaced writer inside its commit finishes it first (its
         # commit precedes the takeover), and any later commit of it checks its lease under
         # the same lock and is refused (fencing).
@@ -461,7 +461,7 @@ class CheckpointDir:
                 raise CheckpointError(f"{self.path}: cannot take over the writer lease: a commit in another "
                                       f"process has held this directory's commit lock for over {expiry_s:.0f} s",
                                       path=self.path)
-            return WriterLease(self.path, heartbeat_s, expiry_s, takeover=True)
+            return WriterLease(self.path, heartbeat_s, expiry_s, takeover=True, commit_lock=self.commit_lock)
 
     # ---------------------------------------------------------------- retention
 

@@ -35,7 +35,7 @@ import stat
 import threading
 import time
 import uuid
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from lazyckpt.formats import manifest as manifests
@@ -46,6 +46,9 @@ log = logging.getLogger("lazyckpt")
 
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_EXPIRY_S = 60.0
+#: How long ``WriterLease.release`` (``close()``) waits for the directory's commit
+#: lock to remove ``.writer``; past it the file stays, released (see there).
+RELEASE_WAIT_S = 5.0
 
 
 def new_token() -> str:
@@ -499,10 +502,16 @@ class WriterLease:
     longer has that name; its :meth:`check` (every save, and every commit)
     then fails, naming who took over."""
 
-    def __init__(self, directory: str, heartbeat_s: float, expiry_s: float, takeover: bool = False):
+    def __init__(self, directory: str, heartbeat_s: float, expiry_s: float, takeover: bool = False,
+                 commit_lock: Optional[Callable[[Optional[float]], ContextManager[bool]]] = None):
         self.directory = directory
         self.path = os.path.join(directory, WRITER)
         self.expiry_s = expiry_s
+        #: The directory's commit lock (``CheckpointDir.commit_lock``), which every takeover's
+        #: rename over ``.writer`` and every removal of a dead one hold: the release's check
+        #: and unlink are one act under it, and a writer meeting a removal waits for it.
+        #: Without it (None) the caller excludes takeovers and removals itself.
+        self._commit_lock = commit_lock
         self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "id": uuid.uuid4().hex,
                        "since": time.time()}
         self._lease = self._take_over(heartbeat_s) if takeover else self._acquire(heartbeat_s)
@@ -510,6 +519,11 @@ class WriterLease:
     # ---------------------------------------------------------------- taking it
 
     def _acquire(self, heartbeat_s: float) -> Lease:
+        with contextlib.ExitStack() as under:
+            return self._acquire_in(heartbeat_s, under)
+
+    def _acquire_in(self, heartbeat_s: float, under: contextlib.ExitStack) -> Lease:
+        waited = False                  # for a removal of a dead lease: once, then under the commit lock
         for _ in range(100):            # retried only when a takeover renames the file under us
             try:
                 before = os.stat(self.path)
@@ -525,7 +539,18 @@ class WriterLease:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     if self._unlinked_since(before):
                         continue        # locked by a cleanup proving a dead lease dead: take it anew
-                    raise self._refused(read_writer(self.path)) from None
+                    holder = read_writer(self.path)
+                    if not waited and self._commit_lock is not None and not _alive_here(holder):
+                        # The lock may be a removal's (remove_dead_lease holds the dead file's lock
+                        # to unlink it, under the commit lock) that stalls: wait for the commit
+                        # lock, bounded, and look again holding it. No removal runs then, so a
+                        # lock still there is a live holder's. Nothing is taken meanwhile: the
+                        # lease is only ever a lock won on the file ``.writer`` names.
+                        waited = True
+                        if not under.enter_context(self._commit_lock(self.expiry_s)):
+                            raise self._stalled(holder) from None
+                        continue
+                    raise self._refused(holder) from None
                 raise
             if not self._current(lease):
                 lease.release()         # locked a file a takeover had just replaced: retry on the new one
@@ -601,6 +626,15 @@ class WriterLease:
         os.pwrite(fd, data, 0)
         os.ftruncate(fd, len(data))     # written first, then cut: never an empty holder
 
+    def _stalled(self, holder: Optional[Dict]) -> CheckpointError:
+        return CheckpointError(f"{self.directory}: cannot take the writer lease: {self.path} (naming "
+                               f"{describe_writer(holder)}) is locked by another process, and the directory's "
+                               f"commit lock has been held for over {self.expiry_s:g} s by a process that is "
+                               f"committing or removing a dead writer's lease (a Checkpointer's cleanup at open, "
+                               f"or `lazyckpt prune`): its file is being removed, or a commit is stalled. Retry "
+                               f"once that process is done (a process stalled there keeps every writer out)",
+                               path=self.directory)
+
     def _refused(self, holder: Optional[Dict], same_process: bool = False) -> CheckpointError:
         who = describe_writer(holder)
         if same_process or (holder and holder.get("pid") == os.getpid()
@@ -638,19 +672,38 @@ class WriterLease:
     def release(self) -> None:
         """Idempotent. Removes ``.writer`` while it still names this lease (and
         the lock is still held, so an acquirer that opened it meanwhile sees it
-        gone and retries), then drops the lock. A takeover renaming its file in
-        between the check and the unlink loses that file: its holder's next
-        save then fails clearly (``check``); nothing is committed wrongly."""
+        gone and retries), then drops the lock. The check and the unlink are
+        one act under the directory's commit lock, which a takeover holds to
+        rename its new file over ``.writer``: the takeover comes before (the
+        name is not this lease's any more: nothing is removed) or after (its
+        file takes a free name), never in between, where the unlink would
+        remove the takeover's lease. The lock is waited for at most
+        ``RELEASE_WAIT_S``: held longer (a commit stalled in another process),
+        the file stays, marked released and unlocked, and the next writer takes
+        it (the next open's cleanup removes it)."""
         lease = self._lease
         if lease.fd < 0:
             return
         try:
-            if self._current(lease):
-                self._write(lease.fd, {**self.holder, "released": True})   # for file systems without locks
-                os.unlink(self.path)
+            with (self._commit_lock(RELEASE_WAIT_S) if self._commit_lock is not None
+                  else contextlib.nullcontext(True)) as held:
+                if self._current(lease):
+                    self._write(lease.fd, {**self.holder, "released": True})   # for file systems without locks
+                    if held:
+                        os.unlink(self.path)
         except OSError:
             pass
         lease.release()
+
+
+def _alive_here(holder: Optional[Dict]) -> bool:
+    """Whether ``holder`` (``read_writer``) names a process of this host that
+    exists: its lock is surely its own. Anything else (another host, a file
+    being written or released) may be locked by a removal proving it dead."""
+    if not holder or holder.get("released") or holder.get("host") != socket.gethostname():
+        return False
+    pid = holder.get("pid")
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and pid_alive(pid)
 
 
 def read_writer(path: str) -> Optional[Dict]:
