@@ -289,7 +289,7 @@ def report_problems(raised: Optional[BaseException], fault: Optional[Dict[str, A
         return [f"the operation raised with no fault injected: {what}"]
     problems = []
     chain = _chain(raised)
-    if kind in ("dcp", "hf"):
+    if kind in ("dcp", "hf", "megatron"):
         # A framework wraps what the storage layer raised (DCP: CheckpointException).
         family = any(isinstance(e, (CheckpointError, OSError)) for e in chain)
     else:
@@ -369,12 +369,9 @@ def next_save_dir(ctx: Ctx, program: Program, icp: FaultInterceptor, step: int) 
     try:
         if fresh:
             ck = cp._checkpointer(ctx, program)
-        h = ck.save(NEXT, step=step, metadata=program.restart_metadata)
-        h.wait(**({"persisted": True} if program.persist else {}))
-        got = ck.load()
-        if ck.loaded_from["step"] != step or differs(NEXT, got):
-            problems.append(f"next save in the same process: save(step={step}).wait() then load() returned "
-                            f"step {ck.loaded_from['step']} / other values")
+        bad = cp.save_and_reload(ck, program, NEXT, step)
+        if bad:
+            problems.append(f"next save in the same process: {bad}")
     except Exception as exc:
         problems.append(f"next save in the same process ({'a fresh' if fresh else 'the same'} Checkpointer, "
                         f"step {step}): {type(exc).__name__}: {str(exc)[:500]}")
@@ -427,6 +424,32 @@ def committed_dcp(ctx: Ctx, program: Program, raised: bool) -> List[str]:
     return ["the operation raised, yet step2 is a checkpoint and loads"] if raised else []
 
 
+def committed_megatron(ctx: Ctx, program: Program, raised: bool) -> List[str]:
+    """Right after the operation, with plain Megatron: iter1 loads bit-exact; iter2
+    loads its values where the save returned, and is refused as no checkpoint where
+    it raised (tests/_crashmegatron.py)."""
+    import _crashmegatron as cm
+    problems: List[str] = []
+    old = program.worlds[0].allowed[1]
+    try:
+        if differs(old, cm.load(os.path.join(ctx.case, "iter1"))):
+            problems.append("right after the operation: iter1 loads other values")
+    except Exception as exc:
+        problems.append(f"right after the operation: iter1: {type(exc).__name__}: {str(exc)[:300]}")
+    try:
+        got = cm.load(os.path.join(ctx.case, "iter2"))
+    except Exception as exc:
+        if raised:
+            return problems + ([] if cm.refused_as_no_checkpoint(exc) else
+                               [f"the operation raised; iter2 is neither refused as no checkpoint nor loaded: "
+                                f"{type(exc).__name__}: {str(exc)[:300]}"])
+        return problems + [f"the operation returned, yet iter2 does not load: {type(exc).__name__}: "
+                           f"{str(exc)[:300]}"]
+    if differs(program.worlds[-1].allowed[2], got):
+        return problems + ["right after the operation: iter2 loads other values than its save"]
+    return problems + (["the operation raised, yet iter2 is a checkpoint and loads"] if raised else [])
+
+
 # ----------------------------------------------------------------------------- one case
 
 def _error_child(program: Program, ctx: Ctx, k: int, side: str) -> Dict[str, Any]:
@@ -469,6 +492,20 @@ def _error_child(program: Program, ctx: Ctx, k: int, side: str) -> Dict[str, Any
                 out["world"] = World("next save", 1, {1: NEXT})
         except Exception as exc:
             problems.append(f"next save in the same process: {type(exc).__name__}: {exc}")
+    elif program.kind == "megatron":
+        problems += committed_megatron(ctx, program, raised is not None)
+        import _crashmegatron as cm
+        values = cm.values(777)
+        try:
+            iter2 = os.path.join(ctx.case, "iter2")
+            cm.save(iter2, values)
+            if differs(values, cm.load(iter2)):
+                problems.append("next save in the same process: iter2 saved again, then loaded, differs")
+            else:
+                out["world"] = World("next save", 2, {2: values})
+        except BaseException as exc:
+            problems.append(f"next save in the same process: iter2 again: {type(exc).__name__}: "
+                            f"{str(exc)[:500]}")
     elif program.kind == "dcp":
         problems += committed_dcp(ctx, program, raised is not None)
         try:
@@ -561,8 +598,10 @@ def enumerate_program(program: Program, work: str, s3: Optional[Dict[str, Any]] 
 
 
 def main() -> None:
-    """``python tests/_crasherrors.py [PROGRAM...] [--every N]``: every point of
-    the local programs (or those named), the counts and violations printed."""
+    """``python tests/_crasherrors.py [PROGRAM...] [--every N] [--first F] [--points K,K..]``:
+    every point of the local programs (or those named; a replica program of
+    tests/_crashreplicas.py by its name, each point's result printed as it ends),
+    the counts and violations printed."""
     import argparse
     import sys
     import tempfile
@@ -571,21 +610,34 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("names", nargs="*")
     parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--first", type=int, default=1, help="replica programs: the first point")
+    parser.add_argument("--points", default=None, help="comma-separated points (instead of --every)")
     args = parser.parse_args()
+    points = [int(k) for k in args.points.split(",")] if args.points else None
+    import _crashreplicas as cr
+    for program in [p for p in cr.dist_programs() if p.name in args.names]:
+        with tempfile.TemporaryDirectory(prefix="lazyckpt-errors-") as work:
+            outcome = enumerate_dist_program(program, work, points=points, every=args.every, first=args.first,
+                                             log=lambda s: print(s, flush=True), progress=True)
+            print(cp.summarize(outcome), flush=True)
+            print(json.dumps({"program": program.name, "points": outcome.points, "checked": outcome.checked,
+                              "violations": len(outcome.violations)}), flush=True)
     programs = [p for p in local_programs() if not args.names or p.name in args.names]
     for program in programs:
         with tempfile.TemporaryDirectory(prefix="lazyckpt-errors-") as work:
-            outcome = enumerate_program(program, work, every=args.every, log=lambda s: print(s, flush=True))
+            outcome = enumerate_program(program, work, every=args.every, points=points,
+                                        log=lambda s: print(s, flush=True))
             print(cp.summarize(outcome), flush=True)
             print(json.dumps({"program": program.name, "points": outcome.points, "checked": outcome.checked,
                               "violations": len(outcome.violations)}), flush=True)
 
 
-if __name__ == "__main__":
-    main()
-
 
 # ----------------------------------------------------------------------------- with replicas= (2 nodes)
+
+#: The commit timeout of the faulted job's ranks (seconds): long enough for a loaded machine's rounds.
+DIST_COMMIT_TIMEOUT = 15.0
+
 
 def _dist_rank(program: Any, case: str, rank: int, k: int, side: str) -> Dict[str, Any]:
     """One rank of the faulted job (tests/_crashreplicas.py): rank 0's ``k``-th call
@@ -597,6 +649,10 @@ def _dist_rank(program: Any, case: str, rank: int, k: int, side: str) -> Dict[st
     import _crashreplicas as cr
     from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
     cp.quiet()
+    # Rank 0's save failing before the replica round never joins it: rank 1's round waits
+    # the commit timeout for it, then fails (its step stays unreplicated; the next save's
+    # round is checked). 60 s of waiting a point: bounded here, in this job's ranks only.
+    cr.COMMIT_TIMEOUT = DIST_COMMIT_TIMEOUT
     icp = FaultInterceptor(cr.node_dir(case, 0), k, side) if rank == 0 else None
     if icp is not None:
         icp.install()
@@ -706,7 +762,10 @@ def run_dist_case(program: Any, work: str, k: int) -> Dict[str, Any]:
 
 
 def enumerate_dist_program(program: Any, work: str, points: Optional[List[int]] = None, every: int = 1,
-                           first: int = 1, log: Optional[Callable[[str], None]] = None) -> cp.Outcome:
+                           first: int = 1, log: Optional[Callable[[str], None]] = None,
+                           progress: bool = False) -> cp.Outcome:
+    """Dry run, then the fault at every point (or at ``points``; or every ``every``-th
+    from ``first``). ``progress``: ``log`` each point's outcome as it ends too."""
     import _crashreplicas as cr
     t0 = time.monotonic()
     n, descriptions = cr.dry_run(program, work)
@@ -714,9 +773,16 @@ def enumerate_dist_program(program: Any, work: str, points: Optional[List[int]] 
     pts = points if points is not None else list(range(first, n + 1, every))
     for k in pts:
         result = run_dist_case(program, work, k)
+        if progress and log:
+            log(f"{program.name} error k={k}/{n} {'VIOLATION' if result['problems'] else 'ok'} "
+                f"({time.monotonic() - t0:.0f} s)")
         if result["problems"]:
             violations.append(result)
             if log:
                 log(f"{program.name} error k={k}/{n} {result['op']} raised {result['raised']}: "
                     f"{result['problems']}")
     return cp.Outcome(program.name, "error", n, descriptions, violations, len(pts), time.monotonic() - t0, [])
+
+
+if __name__ == "__main__":
+    main()

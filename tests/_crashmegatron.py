@@ -76,10 +76,23 @@ def _load(path: str) -> Dict[str, Any]:
     return dist_checkpointing.load(sharded({k: torch.zeros(s) for k, s in SHAPES.items()}), path)
 
 
+def refused_as_no_checkpoint(exc: BaseException) -> bool:
+    """Whether plain Megatron's load refused a directory as no checkpoint (absent,
+    or without ``metadata.json``)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    return isinstance(exc, CheckpointingException) and (
+        "is not a distributed checkpoint" in str(exc) or "does not exist" in str(exc))
+
+
+#: For the error mode (tests/_crasherrors.py): the same save and plain load.
+save, load = _save, _load
+
+
 def _check(ctx: Ctx, program: Program) -> List[str]:
     _init()
     problems: List[str] = []
-    old, new = values(1), values(2)
+    # The last world's iter2: the operation's save, or (error mode) the next save after it.
+    old, new = values(1), program.worlds[-1].allowed[2]
     try:
         bad = differs(old, _load(os.path.join(ctx.case, "iter1")))
         if bad:
@@ -92,9 +105,7 @@ def _check(ctx: Ctx, program: Program) -> List[str]:
         if bad:
             problems.append(f"iter2 loads with plain Megatron, but other values: {bad}")
     except Exception as exc:
-        from megatron.core.dist_checkpointing.core import CheckpointingException
-        refused = isinstance(exc, CheckpointingException) and (
-            "is not a distributed checkpoint" in str(exc) or "does not exist" in str(exc))
+        refused = refused_as_no_checkpoint(exc)
         if len(program.worlds) == 1:            # the finalize returned: it must be there
             problems.append(f"iter2: the finalize returned, then it is gone: {type(exc).__name__}: {exc}")
         elif not refused:

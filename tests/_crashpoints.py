@@ -982,6 +982,18 @@ def remote_index_problems(url: str, storage_options: Any, when: str) -> List[str
     return [f"{when}: the store's index says the latest save is {got}, its listing's line {newest}"]
 
 
+def save_and_reload(ckpt: Any, program: Program, values: Any, step: int) -> Optional[str]:
+    """``values`` saved as ``step`` through ``ckpt`` and waited for (persisted too
+    with a persistent tier), then ``load()``: None where it returns that save, else
+    what it returned instead. What the save or load raised propagates."""
+    h = ckpt.save(values, step=step, metadata=program.restart_metadata)
+    h.wait(**({"persisted": True} if program.persist else {}))
+    got = ckpt.load()
+    if ckpt.loaded_from["step"] != step or differs(values, got):
+        return f"save(step={step}).wait() then load() returned step {ckpt.loaded_from['step']} / other values"
+    return None
+
+
 def check_case(ctx: Ctx, program: Program) -> List[str]:
     """The invariants after a crash (run in a fresh child). Returns the violations."""
     import lazyckpt
@@ -1079,12 +1091,9 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
         new_step = (world.latest if world is not None and world.latest is not None else 0) + 1
         values = program.restart_values if program.restart_values is not None else make_state(999)
         try:
-            h = ckpt.save(values, step=new_step, metadata=program.restart_metadata)
-            h.wait(**({"persisted": True} if program.persist else {}))
-            got = ckpt.load()
-            if ckpt.loaded_from["step"] != new_step or differs(values, got):
-                problems.append(f"restart: save(step={new_step}).wait() then load() returned step "
-                                f"{ckpt.loaded_from['step']} / other values")
+            bad = save_and_reload(ckpt, program, values, new_step)
+            if bad:
+                problems.append(f"restart: {bad}")
         except Exception as exc:
             problems.append(f"restart: save(step={new_step}): {type(exc).__name__}: {exc}")
         problems += index_problems(directory, "after the restart's save")

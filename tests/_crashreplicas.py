@@ -68,11 +68,16 @@ def node_dir(case: str, rank: int) -> str:
     return os.path.join(case, f"node{rank}")
 
 
+#: How long a rank waits for its partner (the error mode lowers it in its ranks: see _crasherrors).
+COMMIT_TIMEOUT = 60.0
+
+
 def _ck(case: str, rank: int) -> Any:
     import lazyckpt
     from _groups import groups
     return lazyckpt.Checkpointer(node_dir(case, rank), **groups(KNOBS, replicas=lazyckpt.Replicas(1, node_size=1),
-                                                                distributed=lazyckpt.Distributed(commit_timeout=60)))
+                                                                distributed=lazyckpt.Distributed(
+                                                                    commit_timeout=COMMIT_TIMEOUT)))
 
 
 @dataclasses.dataclass
