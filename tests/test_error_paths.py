@@ -9,6 +9,7 @@ mode found, kept as a focused test of its own."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -88,6 +89,96 @@ def test_a_failed_top_k_save_keeps_the_previous_top_k_file(tmp_path, s3_bucket, 
                         s3=s3)
     assert result["raised"], result
     assert not result["problems"], result["problems"]
+
+
+def _require_megatron():
+    from _megatron import stub_triton_kernels
+    stub_triton_kernels()
+    from _frameworks import require
+    require("megatron.core.dist_checkpointing")
+
+
+@pytest.mark.parametrize("pattern,after", [
+    (r"os\.fsync \S+/iter2/metadata\.json", None),
+    (r"os\.fsync (dry|case-error-\d+)/iter2( |$)", r"os\.fsync \S+/iter2/metadata\.json"),
+    (r"os\.fsync (dry|case-error-\d+)( |$)", r"os\.fsync \S+/iter2/metadata\.json")],
+    ids=["metadata.json", "the-checkpoint-directory", "its-entry-in-the-parent"])
+def test_a_failed_fsync_after_megatron_metadata_json_leaves_no_checkpoint(tmp_path, pattern, after):
+    """Megatron's ``dist_checkpointing.save`` through ``LazySaveStrategy``: after
+    Megatron writes ``metadata.json`` (what makes the directory a checkpoint to
+    Megatron), the strategy fsyncs it, the directory and its entry in the
+    parent; one of those fails (EIO). The finalize raises; before the fix
+    ``metadata.json`` stayed and iter2 loaded all the same (or, its pages lost
+    with the failed fsync, failed to load with a ``UnicodeDecodeError``).
+    ``metadata.json`` is taken back: no checkpoint, and saving again works."""
+    _require_megatron()
+    from _crashmegatron import megatron_program
+    result = fail_first(megatron_program(), pattern, tmp_path, after=after)
+    assert result["raised"], result
+    assert not result["problems"], result["problems"]
+
+
+def _megatron_rank_whose_metadata_fsync_fails(rank, world, root):
+    """Both ranks save iter2 with Megatron through ``LazySaveStrategy``; rank 0's
+    fsync of ``metadata.json`` fails (EIO). What each rank's finalize raised,
+    and whether Megatron then reads iter2 as a checkpoint."""
+    import errno
+    import _crashmegatron as cm
+    from _megatron import cpu_shims
+    cpu_shims()
+    import lazyckpt.integrations.megatron as lm
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    path = os.path.join(root, "iter2")
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        real = lm.fsync_file
+
+        def fsync_file(p, *args):
+            if os.path.basename(p) == "metadata.json":
+                raise OSError(errno.EIO, "injected fault: EIO (fsync metadata.json)")
+            return real(p, *args)
+        lm.fsync_file = fsync_file
+    torch.distributed.barrier()
+    values = cm.values(2)
+    state = {k: ShardedTensor.from_rank_offsets(k, v, replica_id=rank) for k, v in values.items()}
+    strategy = lm.LazySaveStrategy(lazyckpt={"writer_threads": 1})
+    raised = None
+    tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
+
+    def write_tracker():            # Megatron-LM's finalize, appended after the save's
+        if rank == 0:
+            with open(tracker, "w") as f:
+                f.write("2")
+    try:
+        request = dist_checkpointing.save(state, path, strategy, async_sharded_save=True, async_strategy="mcore")
+        request.add_finalize_fn(write_tracker)
+        request.execute_sync()
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    finally:
+        strategy.close()
+    torch.distributed.barrier()
+    return {"raised": raised, "metadata.json": os.path.exists(os.path.join(path, "metadata.json")),
+            "tracker": os.path.exists(tracker)}
+
+
+def test_a_failed_fsync_after_megatron_metadata_json_fails_the_save_on_every_rank(tmp_path):
+    """Two ranks: rank 0 makes ``metadata.json`` durable and fails (EIO). Every
+    rank's finalize must report the save failed, and none may write Megatron-LM's
+    tracker file (appended after the save's finalize): it would name an
+    iteration that is not a checkpoint. Before the fix rank 0 raised a bare
+    OSError and left metadata.json, and rank 1, waiting for rank 0 at a
+    barrier after the fsyncs, failed with gloo's "connection closed"."""
+    _require_megatron()
+    from _dist import run_ranks
+    results = run_ranks(2, _megatron_rank_whose_metadata_fsync_fails, str(tmp_path), timeout=120,
+                        allow_failure=True)
+    assert all(status == "ok" for status, _ in results), results
+    for rank, (_, out) in enumerate(results):
+        assert out["raised"] and "CheckpointWriteError" in out["raised"], results
+        assert "injected fault" in out["raised"], results
+        assert not out["metadata.json"] and not out["tracker"], results
 
 
 # ----------------------------------------------------------------------------- the error mode itself

@@ -345,15 +345,49 @@ class _FinalizeFns(list):
 def _make_durable(path: str) -> None:
     """fsync ``metadata.json``, the checkpoint directory and its entry in the
     parent (a power loss would otherwise take back a finalized checkpoint
-    whole), on the rank that wrote ``metadata.json``; then every rank agrees."""
+    whole), on the rank that wrote ``metadata.json``; then every rank agrees.
+
+    Where one of those fsyncs fails, ``metadata.json`` is taken back before every
+    rank raises: the directory is then no checkpoint to Megatron, as the error
+    says (a failed fsync may have dropped its pages, and a checkpoint a power
+    loss can take back must not be reported, nor named by the tracker file
+    Megatron-LM writes after this)."""
+    error: Optional[str] = None
+    cause: Optional[BaseException] = None
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         config = os.path.join(path, "metadata.json")
-        if os.path.exists(config):
-            fsync_file(config)
-        fsync_dir(path)
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
+        try:
+            if os.path.exists(config):
+                fsync_file(config)
+            fsync_dir(path)
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
+        except OSError as exc:
+            cause, error = exc, _take_back_config(path, config, exc)
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        # Rank 0's outcome to every rank (the others wait for it here, as at a barrier).
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointWriteError(error, path=path) from cause
+
+
+def _take_back_config(path: str, config: str, exc: OSError) -> str:
+    """Remove ``metadata.json`` after a failed fsync; the error's message."""
+    what = f"Megatron checkpoint {path}: making it durable failed ({exc})"
+    try:
+        os.unlink(config)
+    except FileNotFoundError:
+        pass
+    except OSError as unlink_exc:
+        return (f"{what}, and its metadata.json could not be taken back ({unlink_exc}): it may read as a "
+                f"checkpoint whose data a power loss can drop; delete the directory and save again")
+    try:
+        fsync_dir(path)
+    except OSError:
+        pass            # the next save of this directory fsyncs it again
+    return (f"{what}: its metadata.json is taken back, so it is no checkpoint (the previous one is intact); "
+            f"save again")
 
 
 #: The waiting process gives up after this long (the finalize then reports the write's state).
