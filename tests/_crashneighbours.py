@@ -86,22 +86,79 @@ PAUSE_LIMIT_S = 30.0
 
 
 def neighbour_programs() -> List[Program]:
-    """The programs of tests/_crashprograms.py a neighbour applies to: one
-    Checkpointer directory, local (the single file and DCP have no directory
-    for these tools; the object-store programs are left to their own tests)."""
+    """The programs of tests/_crashprograms.py on one local Checkpointer
+    directory: the tools of :data:`NEIGHBOURS` apply to each."""
     from _crashprograms import local_programs
     return [p for p in local_programs() if p.kind == "dir" and not p.persist]
 
 
-def pairs() -> List[Tuple[str, str]]:
-    out = []
-    for p in neighbour_programs():
-        for n in NEIGHBOURS:
-            out.append((p.name, n))
-        if p.name in TOOL_PROGRAMS:
-            for n in COMMITS:
-                out.append((p.name, n))
+#: The neighbours of the programs that are not one local Checkpointer directory
+#: (:func:`other_programs`), by the program's kind (``persist``: a Checkpointer
+#: directory with a persistent tier on the object store):
+#:
+#: * a lone file (``single-file-save``): ``load``, ``verify`` and ``inspect``
+#:   (``describe``) of the file, and ``writer``: a second ``lazyckpt.save`` of
+#:   other values to the same path (last rename wins; both report done);
+#: * DCP: ``load`` (``dcp.load`` through ``LazyStorageReader`` of the old and the
+#:   new checkpoint), ``dcp-load`` (DCP's own ``FileSystemReader``, DCP's layout
+#:   only), ``verify``/``inspect`` of each checkpoint's lazyckpt data file
+#:   (lazyckpt's layout only: DCP's ``.distcp`` files are not lazyckpt files);
+#: * a persistent tier: ``store-load`` (``lazyckpt.load`` of the ``s3://``
+#:   prefix), ``store-prune`` (``lazyckpt prune`` of the prefix, ``--keep 2``),
+#:   ``takeover`` of the local directory (the same tier), ``open``: a
+#:   Checkpointer on the directory and the same tier that only loads (an
+#:   evaluation job: no lease taken), ``verify`` of the directory and of the
+#:   prefix, and ``load``/``prune`` of the directory;
+#: * Lightning's rotation: ``load`` of ``last.ckpt`` through ``LazyCheckpointIO``
+#:   (from the directory, and for the mirrored program ``store-load``: the
+#:   store's ``last.ckpt``);
+#: * the HF Trainer's: ``store-load``, the store's newest complete
+#:   ``checkpoint-<step>`` (what a restart with the node lost resumes from);
+#: * Megatron: ``megatron-load`` (plain Megatron) and ``lazy-load``
+#:   (``LazyLoadStrategy``) of the previous and of the new iteration.
+OTHER_NEIGHBOURS = {
+    "file": ("load", "verify", "inspect", "writer"),
+    "dcp-lazyckpt": ("load", "verify", "inspect"),
+    "dcp-dcp": ("load", "dcp-load"),
+    "dcp-lazyckpt-s3": ("load",),
+    "persist": ("store-load", "store-prune", "takeover", "open", "verify", "load", "prune"),
+    "lightning-s3-rotation": ("load",),
+    "lightning-persist-rotation": ("load", "store-load"),
+    "hf": ("store-load",),
+    "megatron": ("megatron-load", "lazy-load"),
+}
+
+
+def neighbours_for(program: Program) -> Tuple[str, ...]:
+    """The neighbours run beside ``program``."""
+    if program.kind == "dir" and not program.persist:
+        return NEIGHBOURS + (COMMITS if program.name in TOOL_PROGRAMS else ())
+    if program.kind == "dir":
+        return OTHER_NEIGHBOURS["persist"]
+    if program.kind in ("dcp", "objects"):
+        return OTHER_NEIGHBOURS[program.name]
+    return OTHER_NEIGHBOURS[program.kind]
+
+
+def other_programs(megatron: bool = True) -> List[Program]:
+    """The programs :func:`neighbour_programs` leaves out: the lone file, DCP,
+    the persistent tier and the frameworks' (Megatron's when ``megatron``)."""
+    from _crashprograms import local_programs, persist_programs
+    out = [p for p in local_programs() if p.kind != "dir"] + persist_programs()
+    if megatron:
+        from _crashmegatron import megatron_program
+        out.append(megatron_program())
     return out
+
+
+def all_programs(megatron: bool = True) -> List[Program]:
+    return neighbour_programs() + other_programs(megatron)
+
+
+def pairs(programs: Optional[List[Program]] = None) -> List[Tuple[str, str]]:
+    """(program, neighbour) for ``programs`` (the local directory programs by default)."""
+    return [(p.name, n) for p in (neighbour_programs() if programs is None else programs)
+            for n in neighbours_for(p)]
 
 
 # ----------------------------------------------------------------------------- the paused child
@@ -143,6 +200,8 @@ def _outcome(fn: Callable[[], Any]) -> Dict[str, Any]:
 
 def _child(program: Program, ctx: Ctx, k: int, pause_w: int, go_r: int) -> Dict[str, Any]:
     cp.quiet()
+    if program.persist:
+        cp._copy_prefix(ctx)                    # the prepared object-store prefix, this case's own
     icp = PauseInterceptor(ctx.case, k, ctx.case + ".side", pause_w, go_r)
     icp.install()
     run = program.run
@@ -200,6 +259,17 @@ def latest_candidates(program: Program) -> Dict[str, Any]:
     return {w.name: w.allowed[w.latest] for w in program.worlds if w.latest is not None}
 
 
+def store_lag_step(program: Program) -> Optional[int]:
+    """A rollback's resumed-from step (the new line's newest below its new step),
+    which the store alone returns while the new step uploads; else None. The
+    programs' step ``s`` holds ``make_state(s)``: its seed is its step."""
+    before, after = program.worlds[0], program.worlds[-1]
+    if after.latest is None or before.latest is None or after.latest >= before.latest:
+        return None
+    below = [s for s in after.allowed if s < after.latest]
+    return max(below) if below else None
+
+
 def commit_plan(program: Program, neighbour: str) -> Tuple[int, Any, Optional[int]]:
     """A commit neighbour's (step, values, step it resumes from)."""
     top = max(program.worlds[0].allowed)
@@ -221,15 +291,40 @@ def _prune_summary(report: Dict[str, Any]) -> Dict[str, Any]:
 
 def run_neighbour(name: str, program: Program, ctx: Ctx) -> Dict[str, Any]:
     """One neighbour's operation on ``ctx.case/run``; returns what it reported."""
+    if program.kind != "dir":
+        return run_other_neighbour(name, program, ctx)
     d = os.path.join(ctx.case, "run")
     if name == "prune":
         from lazyckpt.cli.prune import prune
         return _prune_summary(prune(d, PRUNE_KEEP))
+    if name == "store-prune":
+        from lazyckpt.cli.prune import prune
+        _store_env(ctx)
+        return _prune_summary(prune(ctx.persist_to, PRUNE_KEEP))
     if name == "verify":
         from lazyckpt.loading.verify import verify
         from lazyckpt.storage.stores import LOCAL
         report = verify(d, store=LOCAL)
-        return {"ok": report.ok, "problems": [p.message for p in report.problems][:5]}
+        problems = [p.message for p in report.problems][:5]
+        if program.persist:             # and the persistent tier's copy of its latest save
+            from lazyckpt.knobs import resolve
+            from lazyckpt.storage.stores import for_path
+            remote = verify(ctx.persist_to, resolve(storage_options=ctx.storage_options),
+                            store=for_path(ctx.persist_to))
+            problems += [f"store: {p.message}" for p in remote.problems][:5]
+            return {"ok": report.ok and remote.ok, "problems": problems}
+        return {"ok": report.ok, "problems": problems}
+    if name == "store-load":
+        import lazyckpt
+        got = lazyckpt.load(ctx.persist_to, storage_options=ctx.storage_options)
+        candidates = latest_candidates(program)
+        # The store may lag a rollback (RELIABILITY §1.6): the rollback's supersede reaches it
+        # before its new step, and in between a reader of the store alone gets the step the
+        # run resumed from, whole (the world "lag").
+        lag = store_lag_step(program)
+        if lag is not None:
+            candidates["lag"] = program.worlds[-1].allowed[lag]
+        return {"world": _match(got, candidates), "seed": _seed_of(got)}
     if name == "inspect":
         from lazyckpt.cli.inspect import describe, list_directory
         listing = list_directory(d)
@@ -246,14 +341,20 @@ def run_neighbour(name: str, program: Program, ctx: Ctx) -> Dict[str, Any]:
         return {"world": _match(got, latest_candidates(program)), "seed": _seed_of(got)}
     if name == "takeover":
         from lazyckpt.errors import CheckpointNotFoundError
-        with _ck(ctx, keep=None, takeover=True) as ck:
+        # With a persistent tier, the run that takes over uses the same tier.
+        with _ck(ctx, persist=program.persist, keep=None, takeover=True) as ck:
             try:
                 got = ck.load()
                 world, seed = _match(got, latest_candidates(program)), _seed_of(got)
             except CheckpointNotFoundError:
                 world, seed = None, None
-            ck.save(make_state(TAKEOVER_STEP), step=TAKEOVER_STEP).wait()
+            ck.save(make_state(TAKEOVER_STEP), step=TAKEOVER_STEP).wait(
+                **({"persisted": True} if program.persist else {}))
         return {"world": world, "seed": seed, "saved": TAKEOVER_STEP}
+    if name == "open":
+        with _ck(ctx, persist=program.persist, keep=None) as ck:
+            got = ck.load()
+        return {"world": _match(got, latest_candidates(program)), "seed": _seed_of(got)}
     if name in COMMITS:
         step, values, resume = commit_plan(program, name)
         with _ck(ctx, keep=None) as ck:
@@ -262,6 +363,137 @@ def run_neighbour(name: str, program: Program, ctx: Ctx) -> Dict[str, Any]:
             ck.save(values, step=step).wait()
         return {"saved": step}
     raise ValueError(f"unknown neighbour {name!r}")
+
+
+def _store_env(ctx: Ctx) -> None:
+    """The object store's endpoint and keys in the environment: ``lazyckpt prune``
+    of an ``s3://`` prefix takes them from there, as the command line does."""
+    o = ctx.storage_options or {}
+    for var, key in (("AWS_ENDPOINT_URL", "endpoint_url"), ("AWS_ACCESS_KEY_ID", "access_key_id"),
+                     ("AWS_SECRET_ACCESS_KEY", "secret_access_key"), ("AWS_REGION", "region"),
+                     ("AWS_DEFAULT_REGION", "region")):
+        if o.get(key):
+            os.environ[var] = o[key]
+
+
+def _refused(exc: BaseException) -> bool:
+    """A DCP load's refusal of a checkpoint not (yet) there: no file, or lazyckpt's
+    own refusal (DCP without a process group re-raises the reader's error inside a
+    CheckpointException, whose ``failures`` hold it)."""
+    from lazyckpt.errors import CheckpointError
+    causes = [exc] + list(getattr(exc, "failures", {}).values())
+    causes += [c[0] for c in causes if isinstance(c, tuple) and c]     # (the exception, its frames)
+    # DCP's own reader finds no .metadata: "metadata is None; global metadata read failed: [Errno 2] ...".
+    return any(isinstance(c, (FileNotFoundError, CheckpointError)) or "no committed DCP checkpoint" in str(c)
+               or "global metadata read failed: [Errno 2]" in str(c) for c in causes)
+
+
+def _verdict(read: Callable[[], Any], allowed: Dict[str, Any], refused: Callable[[BaseException], bool]) -> str:
+    """Which of ``allowed`` (name: values) ``read()`` returned whole, "refused" (no
+    checkpoint there), or what else happened (judged by the checks)."""
+    try:
+        got = read()
+    except BaseException as exc:        # DCP's CheckpointException is a BaseException
+        return "refused" if refused(exc) else f"error: {type(exc).__name__}: {str(exc)[:500]}"
+    return _match(got, allowed) or f"other values (seed {_seed_of(got)})"
+
+
+def run_other_neighbour(name: str, program: Program, ctx: Ctx) -> Dict[str, Any]:
+    """The neighbours of a lone file, DCP, Lightning, the HF Trainer and Megatron
+    (:data:`OTHER_NEIGHBOURS`): each returns a verdict per checkpoint it read."""
+    import lazyckpt
+    if program.kind == "file":
+        path = os.path.join(ctx.case, "model.lzc")
+        if name == "load":
+            got = lazyckpt.load(path)
+            return {"world": _match(got, latest_candidates(program)), "seed": _seed_of(got)}
+        if name == "verify":
+            from lazyckpt.loading.verify import verify
+            from lazyckpt.storage.stores import LOCAL
+            report = verify(path, store=LOCAL)
+            return {"ok": report.ok, "problems": [p.message for p in report.problems][:5]}
+        if name == "inspect":
+            from lazyckpt.cli.inspect import describe
+            info = describe(path)
+            return {"kind": info["kind"], "leaves": len(info["files"][0]["leaves"])}
+        if name == "writer":
+            lazyckpt.save(make_state(TAKEOVER_STEP), path, **KNOBS)
+            return {"saved": TAKEOVER_STEP}
+    if program.kind == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from lazyckpt.integrations.dcp import LazyStorageReader
+        place = program.kwargs["place"]
+        old, new = program.kwargs["old"], program.worlds[-1].allowed[2]
+        options = {"storage_options": ctx.storage_options} if ctx.storage_options else {}
+        if name in ("load", "dcp-load"):
+            def read(where: str) -> Any:
+                into = make_state(0)
+                reader = dcp.FileSystemReader(place(ctx, where)) if name == "dcp-load" else \
+                    LazyStorageReader(place(ctx, where), **options)
+                dcp.load(into, storage_reader=reader, no_dist=True)
+                return into
+            return {"step1": _verdict(lambda: read("step1"), {"old": old}, _refused),
+                    "step2": _verdict(lambda: read("step2"), {"new": new}, _refused)}
+        if name in ("verify", "inspect"):
+            from lazyckpt.cli.inspect import describe
+            from lazyckpt.errors import CheckpointNotFoundError
+            from lazyckpt.loading.verify import verify
+            from lazyckpt.storage.stores import LOCAL
+            out = {}
+            for where in ("step1", "step2"):
+                path = os.path.join(place(ctx, where), "__0.lzc")
+                try:
+                    out[where] = verify(path, store=LOCAL).ok if name == "verify" else describe(path)["kind"] == "file"
+                except (CheckpointNotFoundError, FileNotFoundError):
+                    out[where] = "absent"
+            return out
+    if program.kind == "objects":
+        from lazyckpt.integrations.lightning import LazyCheckpointIO
+        allowed = latest_candidates(program)
+        if program.mirror_dir is None or name == "store-load":
+            where = f"{ctx.persist_to}/{program.mirror_dir}/last.ckpt" if program.mirror_dir else \
+                f"{ctx.persist_to}/last.ckpt"
+            plugin = LazyCheckpointIO(storage_options=ctx.storage_options, **KNOBS)
+        else:
+            where = os.path.join(ctx.case, program.mirror_dir, "last.ckpt")
+            plugin = LazyCheckpointIO(**KNOBS)
+        got = plugin.load_checkpoint(where)
+        plugin.teardown()
+        return {"world": _match(got, allowed), "seed": _seed_of(got)}
+    if program.kind == "hf":
+        from lazyckpt.integrations.hf_callbacks import CHECKPOINT_DIR
+        from lazyckpt.knobs import resolve
+        from lazyckpt.storage.stores import for_path
+        names = for_path(ctx.persist_to).list_files(ctx.persist_to, resolve(storage_options=ctx.storage_options),
+                                                    recursive=True)
+        complete = sorted({n.split("/")[0] for n in names if n.endswith("/trainer_state.json")},
+                          key=lambda n: int(CHECKPOINT_DIR.match(n).group(1)))
+        if not complete:
+            return {"newest": None}
+        saved = lazyckpt.load(f"{ctx.persist_to}/{complete[-1]}/lazyckpt.lzc", storage_options=ctx.storage_options)
+        return {"newest": complete[-1], "global_step": saved["global_step"],
+                "step": int(CHECKPOINT_DIR.match(complete[-1]).group(1))}
+    if program.kind == "megatron":
+        import _crashmegatron as cm
+        import torch
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+        cm._init()
+
+        def read(where: str) -> Any:
+            strategy = None
+            if name == "lazy-load":
+                from lazyckpt.integrations.megatron import LazyLoadStrategy
+                strategy = LazyLoadStrategy()
+            return dist_checkpointing.load(cm.sharded({k: torch.zeros(s) for k, s in cm.SHAPES.items()}),
+                                           os.path.join(ctx.case, where), strategy)
+
+        def refused(exc: BaseException) -> bool:      # absent, or no metadata.json: not a checkpoint
+            return isinstance(exc, CheckpointingException) and (
+                "is not a distributed checkpoint" in str(exc) or "does not exist" in str(exc))
+        return {"iter1": _verdict(lambda: read("iter1"), {"old": cm.values(1)}, refused),
+                "iter2": _verdict(lambda: read("iter2"), {"new": program.worlds[-1].allowed[2]}, refused)}
+    raise ValueError(f"unknown neighbour {name!r} of {program.name}")
 
 
 def _neighbour_child(name: str, program: Program, ctx: Ctx, blocked_w: int) -> Dict[str, Any]:
@@ -338,14 +570,14 @@ def _wait(fds: List[int], timeout: float) -> List[int]:
 
 
 def run_neighbour_case(program: Program, neighbour: str, work: str, k: int,
-                       timeout: float = 300.0) -> Dict[str, Any]:
+                       timeout: float = 300.0, s3: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Pause the program at point ``k``, run ``neighbour`` to completion (or until
     it meets the child's lock), let the program finish, then check.
     Returns {"k", "op", "blocked", "child", "neighbour", "problems"}."""
     case = os.path.join(work, f"case-{neighbour}-{k}")
     shutil.rmtree(case, ignore_errors=True)
     shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
-    ctx = Ctx(case)
+    ctx = cp._ctx(program, case, s3, f"nb-{neighbour}-{k}")
     pause_r, pause_w = os.pipe()
     go_r, go_w = os.pipe()
     out: Dict[str, Any] = {"k": k, "op": None, "blocked": False, "child": None, "neighbour": None, "problems": []}
@@ -436,8 +668,9 @@ def run_neighbour_case(program: Program, neighbour: str, work: str, k: int,
         out["problems"].append(f"the neighbour's child: {nb.result[0]}: {str(nb.result[1])[-2000:]}")
         return out
     c, n = child.result[1], nb.result[1]
-    status, value = cp.run_forked(lambda: (cp.quiet(), check_neighbour_case(ctx, program, neighbour, c, n,
-                                                                            out["blocked"]))[1], timeout=300)
+    check = check_neighbour_case if program.kind == "dir" else check_other_case
+    status, value = cp.run_forked(lambda: (cp.quiet(), check(ctx, program, neighbour, c, n, out["blocked"]))[1],
+                                  timeout=300)
     out["problems"] = value if status == "ok" else [f"the check: {status}: {str(value)[-2000:]}"]
     _cleanup(case)
     return out
@@ -479,16 +712,10 @@ def check_neighbour_case(ctx: Ctx, program: Program, neighbour: str, child: Dict
         problems.append(f"the program failed beside {neighbour}: {child['error']}\n{child['trace'][-1500:]}")
     if not n_ok:
         first_save = not program.worlds[0].allowed
-        # Accepted (locks.WriterLease.release): the displaced writer's close, racing the takeover
-        # that waited for its commit, unlinks the new lease by name; the takeover's save then
-        # fails clearly and commits nothing (checked below). An open finding, not a silent loss.
-        released_race = neighbour == "takeover" and blocked and \
-            "was removed while this Checkpointer held it" in nb.get("error", "")
         # A writer resuming from a step that prune (paused) holds for its deletion is told it
         # was deleted while read, and saves nothing: the documented answer of a load racing prune.
         resume_deleted = neighbour == "rollback" and "was deleted while it was being read" in nb.get("error", "")
-        if not (first_save and "CheckpointNotFound" in nb.get("error", "")) and not released_race \
-                and not resume_deleted:
+        if not (first_save and "CheckpointNotFound" in nb.get("error", "")) and not resume_deleted:
             problems.append(f"the neighbour ({neighbour}) failed: {nb['error']}")
     # -- the saves made under each step number (the oracle of "no mix, no half step")
     known: Dict[int, List[Any]] = {}
@@ -568,9 +795,10 @@ def check_neighbour_case(ctx: Ctx, program: Program, neighbour: str, child: Dict
                             f"(steps() = {listed}; program: {_short(child)}; {neighbour}: {_short(nb)})")
         # -- what the neighbour (and prune as the program) reported
         res = nb.get("result") if n_ok else None
-        if neighbour in ("load", "takeover") and res is not None:
+        if neighbour in ("load", "takeover", "store-load", "open") and res is not None:
             allowed = set(latest_candidates(program))
-            if res["world"] is None and not (res["seed"] is None and any(w.latest is None for w in program.worlds)):
+            if res["world"] is None and \
+                    not (res["seed"] is None and any(w.latest is None for w in program.worlds)):
                 problems.append(f"{neighbour}: load() beside the program returned step seed {res['seed']}, "
                                 f"neither the old nor the new latest ({sorted(allowed)})")
         if neighbour == "verify" and res is not None and not res["ok"]:
@@ -600,11 +828,74 @@ def check_neighbour_case(ctx: Ctx, program: Program, neighbour: str, child: Dict
         except Exception as exc:
             problems.append(f"restart: save(step={new_step}): {type(exc).__name__}: {exc}")
         problems += cp.index_problems(d, "after the restart's save")
+        if program.persist:
+            problems += _store_problems(ctx, program, known)
     finally:
         try:
             ck.close()
         except Exception as exc:
             problems.append(f"close(): {type(exc).__name__}: {exc}")
+    return problems
+
+
+def _store_problems(ctx: Ctx, program: Program, known: Dict[int, List[Any]]) -> List[str]:
+    """With a persistent tier, after both and the restart: the store's index
+    names its newest live save, and the store alone (a Checkpointer on an empty
+    directory) loads a save made under the step it names."""
+    problems = cp.remote_index_problems(ctx.persist_to, ctx.storage_options, "after both and the restart")
+    try:
+        with cp._checkpointer(ctx, program, os.path.join(ctx.case, "alone")) as alone:
+            got = alone.load()
+            s = alone.loaded_from["step"]
+            if not any(not differs(v, got) for v in known.get(s, [])) and differs(make_state(999), got):
+                problems.append(f"the store alone loads step {s}, which holds no save made under that number")
+    except Exception as exc:
+        problems.append(f"the store alone: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def check_other_case(ctx: Ctx, program: Program, neighbour: str, child: Dict[str, Any],
+                     nb: Dict[str, Any], blocked: Any) -> List[str]:
+    """A lone file, DCP, Lightning, the HF Trainer, Megatron: both processes
+    succeed; what the neighbour read was the old or the new checkpoint, whole,
+    or (a checkpoint the program is writing) refused as not there; then the
+    program's own checks (tests/_crashpoints.py) on what it left, with only its
+    last world allowed (it reported done), and a restart."""
+    problems: List[str] = []
+    for who, o in (("the program", child), (f"the neighbour ({neighbour})", nb)):
+        if not o["ok"]:
+            problems.append(f"{who} failed beside the other: {o['error']}\n{o['trace'][-1500:]}")
+    res = nb.get("result") if nb["ok"] else None
+    if res is not None:
+        if "world" in res and res["world"] is None:
+            problems.append(f"{neighbour} beside the program returned seed {res['seed']}, neither the old nor "
+                            f"the new checkpoint ({sorted(latest_candidates(program))})")
+        if "ok" in res and not res["ok"]:
+            problems.append(f"{neighbour} beside the program reported problems: {res['problems']}")
+        if neighbour == "inspect" and program.kind == "file" and res["kind"] != "file":
+            problems.append(f"inspect beside the program: {res}")
+        for before, after in (("step1", "step2"), ("iter1", "iter2")):
+            if before in res:
+                if res[before] not in ("old", True):
+                    problems.append(f"{neighbour}: {before}, committed before the program, read as {res[before]}")
+                if res[after] not in ("new", "refused", "absent", True):
+                    problems.append(f"{neighbour}: {after}, the program's, neither whole nor refused as no "
+                                    f"checkpoint: {res[after]}")
+        if program.kind == "hf" and res.get("newest") is not None and (
+                res["step"] not in {w.latest for w in program.worlds} or res["global_step"] != res["step"]):
+            problems.append(f"store-load: the store's newest complete checkpoint {res['newest']} holds step "
+                            f"{res['global_step']}")
+        if program.kind == "hf" and res.get("newest") is None:
+            problems.append("store-load: no complete checkpoint on the store beside the program")
+    done = dataclasses.replace(program, worlds=program.worlds[-1:], worlds_at=None)
+    if program.kind == "file":
+        if neighbour == "writer":           # both reported done: the last rename's values
+            done = dataclasses.replace(done, worlds=done.worlds + [
+                cp.World("writer", TAKEOVER_STEP, {TAKEOVER_STEP: make_state(TAKEOVER_STEP)})])
+        left = [n for n in os.listdir(ctx.case) if n != "model.lzc"]
+        if left:
+            problems.append(f"after both saves returned, the directory holds more than the file: {left}")
+    problems += cp.check_case(ctx, done)
     return problems
 
 
@@ -638,18 +929,19 @@ class Outcome:
 
 
 def enumerate_pair(program: Program, neighbour: str, work: str, points: Optional[List[int]] = None,
-                   log: Optional[Callable[[str], None]] = None) -> Outcome:
-    """A dry run (its point count), then the neighbour at each point (or ``points``)."""
+                   log: Optional[Callable[[str], None]] = None, s3: Optional[Dict[str, Any]] = None) -> Outcome:
+    """A dry run (its point count), then the neighbour at each point (or ``points``);
+    ``s3`` (bucket, storage_options): the object store of a program with ``persist``."""
     t0 = time.monotonic()
     cp.preload(program)
-    n, _ = cp.dry_run(program, work)
+    n, _ = cp.dry_run(program, work, s3)
     if points is None:
         points = list(range(1, n + 1))
     violations, checked, blocked = [], 0, 0
     for k in points:
         if k > n:
             continue
-        result = run_neighbour_case(program, neighbour, work, k)
+        result = run_neighbour_case(program, neighbour, work, k, s3=s3)
         checked += 1
         blocked += bool(result["blocked"])
         if result["problems"]:
@@ -676,9 +968,32 @@ def summarize(o: Outcome) -> str:
     return "\n".join(lines)
 
 
+def megatron_available() -> bool:
+    try:
+        from _megatron import stub_triton_kernels
+        stub_triton_kernels()
+        import megatron.core.dist_checkpointing  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def s3_server(work: str) -> Tuple[Any, Dict[str, Any]]:
+    """A SeaweedFS server (tests/_s3server.py) and a bucket, as tests/test_crash_points.py's ``_s3``."""
+    from _s3server import SeaweedServer
+    server = SeaweedServer(os.path.join(work, "seaweedfs"))
+    server.start()
+    return server, {"bucket": server.make_bucket(),
+                    "storage_options": {"endpoint_url": server.endpoint, "access_key_id": server.access_key,
+                                        "secret_access_key": server.secret_key, "region": server.region}}
+
+
 def main() -> None:
-    """python tests/_crashneighbours.py [--out FILE] [--shard I/N] [--skip ROWS.json] [PROGRAM[+NEIGHBOUR] ...]:
-    every point of every pair (``--shard``: the pairs I, I+N, ...; ``--skip``: pairs a saved run has)."""
+    """python tests/_crashneighbours.py [--out FILE] [--shard I/N] [--skip ROWS.json] [--every N]
+    [--all] [PROGRAM[+NEIGHBOUR] ...]: every point of every pair of the local
+    directory programs (``--all``: of every program, the persistent tier's on a
+    SeaweedFS server started here); ``--shard``: the pairs I, I+N, ...;
+    ``--skip``: pairs a saved run has; ``--every N``: every N-th point (a sample)."""
     import argparse
     import sys
     import tempfile
@@ -686,29 +1001,47 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--shard", default="0/1")
     parser.add_argument("--skip", default=None)
+    parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--all", action="store_true")
     parser.add_argument("only", nargs="*")
     args = parser.parse_args()
-    programs = {p.name: p for p in neighbour_programs()}
+    listed = all_programs(megatron_available()) if args.all or args.only else neighbour_programs()
+    programs = {p.name: p for p in listed}
     shard, shards = (int(x) for x in args.shard.split("/"))
     done = set()
     if args.skip:
         with open(args.skip) as f:
             done = {(r["program"], r["neighbour"]) for r in json.load(f)}
     rows = []
-    for i, (name, neighbour) in enumerate(pairs()):
-        if args.only and name not in args.only and f"{name}+{neighbour}" not in args.only:
-            continue
-        if i % shards != shard or (name, neighbour) in done:
-            continue
-        with tempfile.TemporaryDirectory(prefix="nb-") as work:
-            o = enumerate_pair(programs[name], neighbour, work, log=lambda m: print(m, file=sys.stderr, flush=True))
-        print(summarize(o), flush=True)
-        rows.append({"program": o.program, "neighbour": o.neighbour, "points": o.points, "checked": o.checked,
-                     "blocked": o.blocked, "violations": len(o.violations), "seconds": round(o.seconds, 1),
-                     "details": [{"k": v["k"], "op": v["op"], "problems": v["problems"]} for v in o.violations]})
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
+    server, s3 = None, None
+    top = tempfile.mkdtemp(prefix="nb-")
+    try:
+        for i, (name, neighbour) in enumerate(pairs(listed)):
+            if args.only and name not in args.only and f"{name}+{neighbour}" not in args.only:
+                continue
+            if i % shards != shard or (name, neighbour) in done:
+                continue
+            program = programs[name]
+            if program.persist and server is None:
+                server, s3 = s3_server(top)
+            with tempfile.TemporaryDirectory(prefix="nb-", dir=top) as work:
+                points = None
+                if args.every > 1:
+                    n, _ = cp.dry_run(program, work, s3 if program.persist else None)
+                    points = list(range(1, n + 1, args.every))
+                o = enumerate_pair(program, neighbour, work, points=points, s3=s3 if program.persist else None,
+                                   log=lambda m: print(m, file=sys.stderr, flush=True))
+            print(summarize(o), flush=True)
+            rows.append({"program": o.program, "neighbour": o.neighbour, "points": o.points, "checked": o.checked,
+                         "blocked": o.blocked, "violations": len(o.violations), "seconds": round(o.seconds, 1),
+                         "details": [{"k": v["k"], "op": v["op"], "problems": v["problems"]} for v in o.violations]})
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=1)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(top, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import _crashpoints as cp
 torch.set_num_threads(1)
 
 PROGRAMS = {p.name: p for p in cn.neighbour_programs()}
+#: The lone file, DCP, the persistent tier's, Lightning's, the HF Trainer's and Megatron's programs.
+OTHERS = {p.name: p for p in cn.other_programs()}
 #: Points a pair in CI.
 CI_POINTS = 1
 
@@ -78,15 +80,7 @@ def test_neighbours_at_sampled_points(program, tmp_path):
 
 def _all_pairs():
     for program, neighbour in cn.pairs():
-        marks = []
-        if program == "clean-leftovers-on-open" and neighbour in cn.COMMITS:
-            # Open finding (RELIABILITY.md §5.2): paused while it unlinks a dead .writer under
-            # that file's lock, the opening Checkpointer keeps a writer beside it from the lease
-            # (refused after 0.2 s, naming the dead holder). Safe (nothing committed, a clear
-            # error, a retry works), not yet live.
-            marks.append(pytest.mark.xfail(strict=False, reason="open finding: a stalled dead-lease removal "
-                                           "refuses a writer (RELIABILITY.md 5.2)"))
-        yield pytest.param(program, neighbour, marks=marks, id=f"{program}-{neighbour}")
+        yield pytest.param(program, neighbour, id=f"{program}-{neighbour}")
 
 
 @pytest.mark.slow
@@ -158,3 +152,37 @@ def test_the_checks_catch_a_prune_that_deletes_by_a_stale_plan(tmp_path):
     assert outcome.violations, cn.summarize(outcome)
     assert any("newest save reported done is step [3]" in p for v in outcome.violations for p in v["problems"]), \
         cn.summarize(outcome)
+
+
+# ----------------------------------------------------------------------------- found
+
+def _s3(request):
+    server = request.getfixturevalue("s3_server")
+    if not server.running:
+        server.start()
+    return {"bucket": server.make_bucket(),
+            "storage_options": {"endpoint_url": server.endpoint, "access_key_id": server.access_key,
+                                "secret_access_key": server.secret_key, "region": server.region}}
+
+
+@pytest.mark.parametrize("neighbour", ["takeover", "open"])
+def test_a_checkpointer_opens_beside_a_persisted_rollback_moving_its_old_steps(neighbour, tmp_path, request):
+    """A rollback with a persistent tier, paused after its commit point while it
+    moves the superseded steps aside (the record names the new step 3, the
+    directory step_0000000003 still holds the old one): a Checkpointer opened
+    beside it on the same tier (a takeover, or one that only loads) opens and
+    loads the new step 3. Two causes, found in turn: the open re-uploads the
+    latest local step the store lacks and verified that step under its name
+    first, found the old step 3 and raised "step 3 was abandoned" (the commit in
+    progress is the other process's to upload); then load() tried step 3 under
+    its name, not in its temporary directory (the line over both tiers took the
+    name for every local save), waited for the old step's lock and, told it was
+    deleted, returned step 2, neither the old nor the new latest."""
+    program = OTHERS["rollback-keepNone-persist"]
+    s3 = _s3(request)
+    cp.preload(program)
+    n, descriptions = cp.dry_run(program, str(tmp_path), s3)
+    k = next(i for i, d in enumerate(descriptions, 1) if "os.rename" in d and "run/step_0000000003 ->" in d)
+    result = cn.run_neighbour_case(program, neighbour, str(tmp_path), k, s3=s3)
+    assert result["problems"] == [], result
+    assert result["neighbour"][1]["ok"], result

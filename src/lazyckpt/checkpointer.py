@@ -306,7 +306,14 @@ class Checkpointer:
             return
         if not self._dist.distributed:
             # Damaged at rest since it was committed: never replace a good copy there with it.
-            report = verify(self.layout.step_path(step), self.options, store=self.store)
+            try:
+                report = verify(self.layout.step_path(step), self.options, store=self.store)
+            except CheckpointNotFoundError as exc:
+                # A commit in progress in another process (a rollback moving the steps it
+                # superseded aside: the name still holds the old save) or a step deleted
+                # meanwhile: that process uploads its own commit; this open has nothing to send.
+                log.info("lazyckpt: step %d is not uploaded again at open: %s", step, exc)
+                return
             if not report.ok:
                 log.warning("lazyckpt: step %d is not on the persistent tier %s and its local copy is damaged "
                             "(%s); it is not uploaded", step, self.persistent.url, report.problems[0].message)

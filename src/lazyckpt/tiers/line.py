@@ -198,11 +198,12 @@ class Line:
                     f"{self.layout.path}: step {step} was abandoned (a later save of an older step superseded "
                     f"it: a run resumed from an earlier step); it is not loaded", path=self.layout.path, step=step)
         out = []
+        # Where each local save is: under its name, or in its temporary directory while another
+        # process's commit renames it in (under the name, until then, is the step it supersedes).
+        paths = self.layout.step_paths() if local else {}
         for s, sid in reversed(live):
-            if s in local and local[s].save_id in (sid, None):
-                out.append((s, "local", self.layout.step_path(s)))
-            elif s in local and sid.startswith("?unreadable-"):
-                out.append((s, "local", self.layout.step_path(s)))
+            if s in local and (local[s].save_id in (sid, None) or sid.startswith("?unreadable-")):
+                out.append((s, "local", paths.get(s, self.layout.step_path(s))))
             if remote.get(s) == sid:
                 out.append((s, "persistent", self.remote.save_path(s, sid)))
         return out
