@@ -32,7 +32,10 @@
   next save left, including a restart's save.
   Kinds "objects" and "hf" (Lightning, the HF Trainer) get the report check
   and the fresh process's checks against the program's own worlds; they
-  have no next save in the same process.
+  have no next save in the same process. Kind "megatron" (tests/_crashmegatron.py)
+  is read with plain Megatron's load: iter1 whole, iter2 whole where the save
+  returned and refused as no checkpoint where it raised; its next save is iter2
+  again.
 """
 
 from __future__ import annotations
