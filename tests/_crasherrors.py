@@ -219,21 +219,26 @@ class FaultInterceptor(Interceptor):
 
     def install(self) -> None:
         super().install()
-        import lazyckpt
-        me = self
-        init, close = lazyckpt.Checkpointer.__init__, lazyckpt.Checkpointer.close
+        track_checkpointers(self.checkpointers)
 
-        def tracked_init(self_ck: Any, *args: Any, **kwargs: Any) -> None:
-            init(self_ck, *args, **kwargs)
-            me.checkpointers.append(self_ck)
 
-        def tracked_close(self_ck: Any, *args: Any, **kwargs: Any) -> None:
-            try:
-                close(self_ck, *args, **kwargs)
-            finally:
-                self_ck._crasherrors_closed = True
-        lazyckpt.Checkpointer.__init__ = tracked_init
-        lazyckpt.Checkpointer.close = tracked_close
+def track_checkpointers(made: List[Any]) -> None:
+    """Append every Checkpointer this process makes to ``made`` (newest last);
+    one closed is marked ``_crasherrors_closed``."""
+    import lazyckpt
+    init, close = lazyckpt.Checkpointer.__init__, lazyckpt.Checkpointer.close
+
+    def tracked_init(self_ck: Any, *args: Any, **kwargs: Any) -> None:
+        init(self_ck, *args, **kwargs)
+        made.append(self_ck)
+
+    def tracked_close(self_ck: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            close(self_ck, *args, **kwargs)
+        finally:
+            self_ck._crasherrors_closed = True
+    lazyckpt.Checkpointer.__init__ = tracked_init
+    lazyckpt.Checkpointer.close = tracked_close
 
 
 class _S3Fault(Exception):
@@ -657,8 +662,12 @@ def _dist_rank(program: Any, case: str, rank: int, k: int, side: str) -> Dict[st
     # round is checked). 60 s of waiting a point: bounded here, in this job's ranks only.
     cr.COMMIT_TIMEOUT = DIST_COMMIT_TIMEOUT
     icp = FaultInterceptor(cr.node_dir(case, 0), k, side) if rank == 0 else None
+    made: List[Any] = []        # the program's Checkpointers, on either rank
     if icp is not None:
         icp.install()
+        made = icp.checkpointers
+    else:
+        track_checkpointers(made)
     raised: Optional[BaseException] = None
     try:
         program.run(case, rank, icp)
@@ -675,15 +684,14 @@ def _dist_rank(program: Any, case: str, rank: int, k: int, side: str) -> Dict[st
         problems += report_problems(raised, icp.fault, "dir")
     elif raised is not None and not isinstance(raised, (CheckpointError, OSError)):
         problems.append(f"rank 1 raised outside the library's family: {describe(raised)}")
-    for ck in (icp.checkpointers if icp is not None else []):
+    # A program that raised left its Checkpointer open (its writer lease held): closed
+    # here on each rank, as a caller would before opening the directory again.
+    for ck in made:
         if not getattr(ck, "_crasherrors_closed", False):
             try:
                 ck.close(cancel=True)
             except Exception:
                 pass
-    if icp is None:
-        # Rank 1 has no interceptor: its Checkpointer is closed by the program or here.
-        pass
     flags: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(flags, raised is not None)
     step = 3 if any(flags) else 4
