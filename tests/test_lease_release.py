@@ -67,9 +67,9 @@ class _Other:
         listen()
     """)
 
-    def __init__(self, d, body):
+    def __init__(self, d, body, *args):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-c", self.PRELUDE + textwrap.dedent(body), str(d)],
+        self.proc = subprocess.Popen([sys.executable, "-c", self.PRELUDE + textwrap.dedent(body), str(d), *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._buf = b""
         assert self.heard(120) == "ready"
@@ -180,13 +180,10 @@ _WRITER_BESIDE = """
 """
 
 
-class _WriterBeside(_Other):
-    def __init__(self, d, kwargs=""):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-c", self.PRELUDE + textwrap.dedent(_WRITER_BESIDE), str(d),
-                                      kwargs or "{}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._buf = b""
-        assert self.heard(120) == "ready"
+def _writer_beside(d, kwargs="{}"):
+    """A second process that opens a Checkpointer on ``d`` (``kwargs``, a Python
+    expression) once told, saves step 2 and says how that went."""
+    return _Other(d, _WRITER_BESIDE, kwargs)
 
 
 @pytest.mark.parametrize("remover", ["prune", "open"])
@@ -198,7 +195,7 @@ def test_a_writer_beside_a_stalled_dead_lease_removal_takes_the_lease(tmp_path, 
     d = tmp_path / "run"
     _make(d, [1])
     _dead_lease(d)
-    writer = _WriterBeside(d)
+    writer = _writer_beside(d)
     heard = {}
 
     def writer_now():
@@ -231,7 +228,7 @@ def test_a_writer_beside_a_dead_lease_removal_stalled_past_the_expiry_is_refused
     d = tmp_path / "run"
     _make(d, [1])
     _dead_lease(d)
-    writer = _WriterBeside(d, "{'io': lazyckpt.IO(lease_expiry=1.0)}")
+    writer = _writer_beside(d, "{'io': lazyckpt.IO(lease_expiry=1.0)}")
     heard = {}
 
     def writer_now():
