@@ -83,3 +83,77 @@ def test_damage_at_both_ends_of_a_read(tmp_path):
     assert sorted(p.entry for p in report.problems) == sorted([first.name, last.name])
     assert all(p.offsets == [e.offset] for p, e in zip(sorted(report.problems, key=lambda p: p.offsets[0]),
                                                         (first, last)))
+
+
+# --------------------------------------------------------------------------- loads: verified on the reader
+
+
+def _odd_state():
+    # Sizes that are not multiples of a page: checksum spans start and end
+    # inside slices, and the large ones cross several slices and blocks.
+    g = torch.Generator().manual_seed(3)
+    return {f"t{i:02d}": torch.randn(n, generator=g) for i, n in enumerate([3, 10_001, 70_000, 1, 40_000, 5_000])}
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    from lazyckpt.loading import reader
+    monkeypatch.setattr(reader, "SLICE_BYTES", 3 * 4096)
+    return reader
+
+
+def test_spans_across_slices_and_blocks_load_verified(tmp_path, small_slices):
+    state = _odd_state()
+    path = str(tmp_path / "odd.lzc")
+    lazyckpt.save(state, path, chunk_bytes=64 << 10)
+    f = CheckpointFile(path, lazyckpt.Options(), store=LOCAL)
+    assert f.footer.block_bytes == 64 << 10
+    assert any(e.length > 64 << 10 for e in f.entries)         # spans cut at block boundaries
+    for knobs in ({}, {"o_direct": True}, {"o_direct": False}, {"verify_checksums": False}):
+        out = lazyckpt.load(path, **knobs)
+        assert all(torch.equal(out[k], state[k]) for k in state), knobs
+
+
+def test_checksums_running_is_the_formats_checksum():
+    from lazyckpt import checksums
+    from lazyckpt.formats import datafile as fmt
+    data = os.urandom(300_001)
+    h = checksums.running()
+    for a, b in ((0, 1), (1, 65_536), (65_536, 200_000), (200_000, 300_001)):
+        h.update(memoryview(data)[a:b])
+    assert h.intdigest() == fmt.checksum(data)
+
+
+@pytest.mark.parametrize("where", [0, 3 * 4096 - 1, 3 * 4096, 100_000, -1])
+def test_damage_anywhere_in_a_span_across_slices_fails_the_load(tmp_path, small_slices, where):
+    state = _odd_state()
+    path = str(tmp_path / "odd.lzc")
+    lazyckpt.save(state, path, chunk_bytes=64 << 10)
+    e = entry_by_offset(path, "t02")                # 280,000 bytes: 23 slices, 5 blocks
+    _flip(path, e.offset + (where if where >= 0 else e.length + where))
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="checksum mismatch in entry 't02'"):
+        lazyckpt.load(path)
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="t02"):
+        lazyckpt.load(path, keys=["t02"])
+    # Unverified, the damaged bytes load (nothing else checks them).
+    assert not torch.equal(lazyckpt.load(path, verify_checksums=False)["t02"], state["t02"])
+
+
+def entry_by_offset(path, name):
+    return {e.name: e for e in CheckpointFile(path, lazyckpt.Options(), store=LOCAL).entries}[name]
+
+
+def test_into_never_holds_unverified_bytes(tmp_path, small_slices):
+    """A damaged entry fails the load before its bytes reach its tensor of
+    into=: every tensor holds its old value or the saved one."""
+    state = _odd_state()
+    path = str(tmp_path / "odd.lzc")
+    lazyckpt.save(state, path, chunk_bytes=64 << 10)
+    e = entry_by_offset(path, "t04")
+    _flip(path, e.offset + e.length - 5)
+    into = {k: torch.full_like(v, -7.0) for k, v in state.items()}
+    with pytest.raises(lazyckpt.CorruptCheckpointError, match="t04"):
+        lazyckpt.load(path, into=into)
+    assert torch.equal(into["t04"], torch.full_like(state["t04"], -7.0))
+    for k in state:
+        assert torch.equal(into[k], state[k]) or torch.equal(into[k], torch.full_like(state[k], -7.0)), k
