@@ -117,3 +117,34 @@ def test_stopping_the_only_thread_while_tasks_wait_still_runs_them():
     assert not worker.is_alive() and first.result(timeout=10) is True
     assert [f.result(timeout=10) for f in queued] == list(range(5))
     assert checksums.pool() is checksums._pool       # the executor callers get is the kept pool itself
+
+
+def test_the_functional_apis_pools_end_when_idle_and_start_again(tmp_path):
+    """lazyckpt.save/load keep their writer, reader and serializer pools for the
+    process (one set per Options): their threads end after the idle time like
+    the checksum and release threads, and the next save and load start them again."""
+    from lazyckpt import api
+    from lazyckpt.knobs import resolve
+
+    def functional_alive():
+        return {t for t in _kept_alive()
+                if t.name.rsplit("_", 1)[0] in ("lazyckpt-writer", "lazyckpt-reader", "lazyckpt-serializer")}
+
+    state = {**_state(7), "meta": {"step": 7}}          # a pickled entry: the serializer thread
+    lazyckpt.save(state, tmp_path / "a.lzc")
+    loaded = lazyckpt.load(tmp_path / "a.lzc")
+    assert all(torch.equal(loaded[k], v) for k, v in state.items() if k != "meta") and loaded["meta"] == {"step": 7}
+    names = {t.name.rsplit("_", 1)[0] for t in functional_alive()}
+    assert {"lazyckpt-writer", "lazyckpt-reader"} <= names, names
+    res = api._resources(resolve(None))
+    assert all(isinstance(p, KeptPool) for p in (res.writers, res.readers, res.serializer))
+    end = time.monotonic() + keptpools.IDLE_S + 3
+    while functional_alive() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert functional_alive() == set()
+    # The same pools serve the next save and load.
+    state = {**_state(8), "meta": {"step": 8}}
+    lazyckpt.save(state, tmp_path / "b.lzc")
+    loaded = lazyckpt.load(tmp_path / "b.lzc")
+    assert all(torch.equal(loaded[k], v) for k, v in state.items() if k != "meta") and loaded["meta"] == {"step": 8}
+    assert {t.name.rsplit("_", 1)[0] for t in functional_alive()} >= {"lazyckpt-writer", "lazyckpt-reader"}

@@ -42,11 +42,13 @@ if hasattr(os, "register_at_fork"):
 
 def _resources(options: Options) -> Resources:
     """Process-wide caches and pools for the functional API, one set per distinct
-    Options, created once and never torn down under a concurrent caller."""
+    Options, created once and never torn down under a concurrent caller; the
+    pools' threads end after a second idle (lazyckpt.keptpools), so a process
+    that has stopped saving and loading keeps none of them."""
     with _shared_lock:
         res = _shared.get(options)
         if res is None:
-            res = _shared[options] = Resources(options)
+            res = _shared[options] = Resources(options, kept=True)
         return res
 
 

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
+from lazyckpt.keptpools import KeptPool
 from lazyckpt.knobs import Options
 from .hostcache import HostCache
 
 
 class Resources:
-    def __init__(self, options: Options):
+    """``kept=True``: the pools are :class:`~lazyckpt.keptpools.KeptPool` s, whose
+    threads end after a second idle and start again at the next task, for the
+    resources the functional API keeps for the whole process (a Checkpointer's
+    are shut down by its ``close()``)."""
+
+    def __init__(self, options: Options, kept: bool = False):
         self.options = options
         self.cache: Optional[HostCache] = None
         #: A cache size fixed by the owner (overrides the automatic sizing).
@@ -21,9 +27,11 @@ class Resources:
         #: Held by whoever runs a job on the caller's thread (functional save, DCP's
         #: write_data): one file job at a time per cache.
         self.save_lock = threading.Lock()
-        self.writers = cf.ThreadPoolExecutor(options.writer_threads, thread_name_prefix="lazyckpt-writer")
-        self.readers = cf.ThreadPoolExecutor(options.reader_threads, thread_name_prefix="lazyckpt-reader")
-        self.serializer = cf.ThreadPoolExecutor(1, thread_name_prefix="lazyckpt-serializer")
+        pool: Callable[[int, str], cf.Executor] = (
+            KeptPool if kept else lambda size, name: cf.ThreadPoolExecutor(size, thread_name_prefix=name))
+        self.writers = pool(options.writer_threads, "lazyckpt-writer")
+        self.readers = pool(options.reader_threads, "lazyckpt-reader")
+        self.serializer = pool(1, "lazyckpt-serializer")
 
     def cache_for(self, sources: Iterable[Any]) -> HostCache:
         """The host cache: allocated on first use (``fixed_cache_bytes``, else sized
