@@ -93,7 +93,6 @@ import logging
 import os
 import random
 import shutil
-import threading
 import warnings
 from typing import Any, Dict, Optional
 
@@ -107,6 +106,7 @@ from lazyckpt.storage.sidefiles import clean_sibling_temps, sibling_temp
 from lazyckpt.storage.stores import for_path
 from lazyckpt.tiers.files import FileMirror
 from ._async import AsyncFileWriter, file_writer_options, persist_tier, tier_options
+from ._lazyclass import lazy_classes
 from .hf_layout import queue_hf_checkpoint, read_hf_checkpoint, rng_state
 from . import hf_callbacks
 from .hf_layout import check_format
@@ -560,23 +560,16 @@ def _commit_directory(staging: str, final: str, files: Dict[str, str]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-_trainer_class: Optional[type] = None
-_trainer_lock = threading.Lock()
+def _make_trainer_class(name: str) -> type:
+    try:
+        from transformers import Trainer
+    except ImportError as exc:
+        raise ImportError("lazyckpt.integrations.huggingface.LazyCheckpointTrainer needs "
+                          "transformers (pip install 'lazyckpt[hf]')") from exc
+    return type(name, (LazyCheckpointMixin, Trainer),
+                {"__module__": __name__, "__qualname__": name,
+                 "__doc__": "``transformers.Trainer`` with asynchronous lazyckpt "
+                            "checkpoints (see :class:`LazyCheckpointMixin`)."})
 
 
-def __getattr__(name: str) -> Any:
-    if name == "LazyCheckpointTrainer":
-        global _trainer_class
-        with _trainer_lock:
-            if _trainer_class is None:
-                try:
-                    from transformers import Trainer
-                except ImportError as exc:
-                    raise ImportError("lazyckpt.integrations.huggingface.LazyCheckpointTrainer needs "
-                                      "transformers (pip install 'lazyckpt[hf]')") from exc
-                _trainer_class = type("LazyCheckpointTrainer", (LazyCheckpointMixin, Trainer),
-                                      {"__module__": __name__, "__qualname__": "LazyCheckpointTrainer",
-                                       "__doc__": "``transformers.Trainer`` with asynchronous lazyckpt "
-                                                  "checkpoints (see :class:`LazyCheckpointMixin`)."})
-            return _trainer_class
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_classes(__name__, ["LazyCheckpointTrainer"], _make_trainer_class)
