@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import lazyckpt
+from _env import child_env
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError
 from lazyckpt.storage.stores import LOCAL
 
@@ -227,7 +228,7 @@ def test_a_kill_inside_an_object_store_rollback_commit_leaves_no_partial_line(s3
             ckpt.save(_state(s, "first"), step=s).wait()
     tests = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run([sys.executable, "-c", _S3_CHILD.format(tests=tests), url, str(kill_at)],
-                          capture_output=True, text=True, timeout=120, env=os.environ.copy())
+                          capture_output=True, text=True, timeout=120, env=child_env())
     assert proc.returncode in (0, -9), proc.stderr[-3000:]
     got = lazyckpt.load(url)
     before, after = _same(got, _state(5, "first")), _same(got, _state(3, "resumed"))

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from _env import child_env  # noqa: E402
 from _frameworks import require  # noqa: E402
 
 transformers = require("transformers")
@@ -411,7 +412,7 @@ def _jit_trial(tmp_path, trial, delay_s):
     out.mkdir(parents=True)
     progress = out / ".." / "progress"
     script = _CHILD.format(tests=os.path.dirname(__file__), out=str(out))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = child_env(HF_HUB_OFFLINE="1")
     child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
     try:

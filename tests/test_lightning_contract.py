@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 
+from _env import child_env
 from _frameworks import require
 
 L = require("lightning.pytorch")
@@ -353,7 +354,7 @@ CHILD = textwrap.dedent("""
 def _child(kind, dirpath, kill_at, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(here=HERE))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")]))
+    env = child_env(PYTHONPATH=os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")]))
     return subprocess.run([sys.executable, str(script), kind, str(dirpath), kill_at], env=env,
                           capture_output=True, text=True, timeout=240)
 
@@ -473,7 +474,7 @@ def test_a_kill_at_any_batch_leaves_last_naming_the_newest_committed_checkpoint(
     dirpath = tmp_path / "ck"
     script = tmp_path / "child.py"
     script.write_text(CHILD_AT_BATCH.format(here=HERE))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")]))
+    env = child_env(PYTHONPATH=os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")]))
     proc = subprocess.run([sys.executable, str(script), "lazy-torch", str(dirpath),
                            "link" if save_last == "link" else "true", str(kill_batch)],
                           env=env, capture_output=True, text=True, timeout=240)

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 
+from _env import child_env
 from _frameworks import require
 
 L = require("lightning.pytorch")
@@ -143,7 +144,7 @@ def test_a_kill_on_s3_leaves_last_naming_a_committed_checkpoint(kill_batch, s3en
     dirpath = f"s3://{s3_bucket}/run"
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(here=HERE))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")]))
+    env = child_env(PYTHONPATH=os.pathsep.join([HERE, os.path.join(os.path.dirname(HERE), "src")]))
     proc = subprocess.run([sys.executable, str(script), dirpath, str(kill_batch)], env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

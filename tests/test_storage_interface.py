@@ -7,6 +7,7 @@ import inspect
 import os
 import pytest
 
+from _env import child_env
 from lazyckpt.storage import base, fileio, iomode, layout, locks, s3, s3layout, s3leases, stores
 from lazyckpt.storage.localstore import LocalStore
 from lazyckpt.storage.s3 import InvalidURLError
@@ -246,7 +247,7 @@ def test_a_temporary_of_a_killed_process_is_cleaned_at_once_and_a_live_one_is_ke
              "tmp = sibling_temp(sys.argv[1]); lease = file_lease(tmp, 1.0)\n"
              "print(tmp, flush=True); os.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-c", child, str(tmp_path / "a.ckpt")], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=src), timeout=60)
+                          env=child_env(PYTHONPATH=src), timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     dead = proc.stdout.strip()
     mine = sidefiles.sibling_temp(str(tmp_path / "b.ckpt"))
