@@ -6,6 +6,11 @@ side by side on one tiny GPTModel (tensor parallel 2, 2 gloo ranks, CPU):
   ``AsyncCallsQueue`` (``async_strategy="mcore"``: nvidia-resiliency-ext does
   not install here); the write runs in a forked process.
 * ``lazyckpt-sync`` / ``lazyckpt-async``: the same calls with ``LazySaveStrategy``.
+* ``raw O_DIRECT`` / ``raw buffered``: each rank's model bytes written to one
+  file with ``lazyckpt bench``'s raw methods (aligned O_DIRECT pwrites from
+  lazyckpt's writer thread count, or plain write() calls), fsynced, both ranks
+  at once: the ceiling for "save to committed" on this disk (no training step
+  is timed after them).
 
 Each repetition, modes interleaved: a save at the start of an iteration, then
 ``--steps`` training steps (forward, backward, optimizer step); Megatron's
@@ -44,6 +49,7 @@ from _dist import run_ranks  # noqa: E402
 from _megatron import stub_triton_kernels  # noqa: E402
 
 MODES = ["megatron-sync", "megatron-async", "lazyckpt-sync", "lazyckpt-async"]
+RAW = ["raw O_DIRECT", "raw buffered"]
 
 
 def _rank(rank, world, root, hidden, layers, vocab, seq, batch, steps, reps):
@@ -56,7 +62,9 @@ def _rank(rank, world, root, hidden, layers, vocab, seq, batch, steps, reps):
     from megatron.core import dist_checkpointing, tensor_parallel
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+    from lazyckpt.cli import bench as raw
     from lazyckpt.integrations.megatron import LazySaveStrategy
+    from lazyckpt.knobs import resolve
     tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     model = tiny_gpt(layers=layers, hidden=hidden, vocab=vocab, max_seq=seq)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -79,6 +87,8 @@ def _rank(rank, world, root, hidden, layers, vocab, seq, batch, steps, reps):
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()
                       if isinstance(t, torch.Tensor))
     results = {m: {"blocking": [], "first_step": [], "committed": []} for m in MODES}
+    raw_writes = {m: [] for m in RAW}
+    writer_threads = resolve(None).writer_threads
     plain_steps = []
     # Repetition -1 warms up (Megatron's results queue starts a manager process at its first
     # save, lazyckpt sizes its buffers) and is not counted.
@@ -115,8 +125,18 @@ def _rank(rank, world, root, hidden, layers, vocab, seq, batch, steps, reps):
             torch.distributed.barrier()
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
+        for mode in RAW:
+            path = f"{root}/raw-{rank}.bin"
+            torch.distributed.barrier()
+            if mode == "raw O_DIRECT":
+                seconds, _ = raw.raw_write(path, state_bytes, writer_threads)
+            else:
+                seconds = raw.raw_write_buffered(path, state_bytes)
+            if rep >= 0:
+                raw_writes[mode].append(seconds)
+            raw.remove(path)
     lazy.close()
-    return {"results": results, "plain_step": plain_steps, "state_bytes": state_bytes}
+    return {"results": results, "raw": raw_writes, "plain_step": plain_steps, "state_bytes": state_bytes}
 
 
 def main() -> None:
@@ -151,10 +171,18 @@ def main() -> None:
         record[mode] = per
         rows.append([mode, f"{per['blocking'] * 1e3:.0f}", f"{per['first_step'] * 1e3:.0f}",
                      f"{(per['first_step'] - plain) * 1e3:+.0f}", f"{per['committed'] * 1e3:.0f}"])
+    for mode in RAW:
+        record[mode] = {"committed": med([max(o["raw"][mode][i] for o in out) for i in range(args.reps)])}
+    best = min(RAW, key=lambda m: record[m]["committed"])
+    for mode in RAW:
+        rows.append([mode, "-", "-", "-", f"{record[mode]['committed'] * 1e3:.0f}"])
     print_table(["mode", "blocking ms", "first step ms", "vs plain step", "save to committed ms"], rows)
+    print(f"best raw write: {best} {record[best]['committed'] * 1e3:.0f} ms; save to committed of the best raw "
+          "write: " + ", ".join(f"{m} {record[m]['committed'] / record[best]['committed']:.1f}x" for m in MODES))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"plain_step": plain, "modes": record, "args": vars(args)}, f, indent=1)
+            json.dump({"plain_step": plain, "modes": record, "best_raw_write": best, "args": vars(args)}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
