@@ -569,19 +569,15 @@ def _wait(fds: List[int], timeout: float) -> List[int]:
     return ready
 
 
-def run_neighbour_case(program: Program, neighbour: str, work: str, k: int,
-                       timeout: float = 300.0, s3: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Pause the program at point ``k``, run ``neighbour`` to completion (or until
-    it meets the child's lock), let the program finish, then check.
-    Returns {"k", "op", "blocked", "child", "neighbour", "problems"}."""
-    case = os.path.join(work, f"case-{neighbour}-{k}")
-    shutil.rmtree(case, ignore_errors=True)
-    shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
-    ctx = cp._ctx(program, case, s3, f"nb-{neighbour}-{k}")
+def _run_paused(k: int, start_child: Callable[[int, int], Any], start_neighbour: Callable[[int], Any],
+                timeout: float) -> Tuple[Dict[str, Any], _Fork, Optional[_Fork]]:
+    """Fork the program (``start_child(pause_w, go_r)``), wait for it to pause,
+    fork the neighbour (``start_neighbour(blocked_w)``), let the program go on
+    when the neighbour ends (or meets its lock, or is slow), both to the end."""
     pause_r, pause_w = os.pipe()
     go_r, go_w = os.pipe()
     out: Dict[str, Any] = {"k": k, "op": None, "blocked": False, "child": None, "neighbour": None, "problems": []}
-    child = _Fork(lambda: _child(program, ctx, k, pause_w, go_r), close_in_child=(pause_r, go_w))
+    child = _Fork(lambda: start_child(pause_w, go_r), close_in_child=(pause_r, go_w))
     os.close(pause_w)
     os.close(go_r)
     deadline = time.monotonic() + timeout
@@ -603,7 +599,7 @@ def run_neighbour_case(program: Program, neighbour: str, work: str, k: int,
                 raise TimeoutError("the child neither paused nor ended")
         if out["op"] is not None:
             blocked_r, blocked_w = os.pipe()
-            nb = _Fork(lambda: _neighbour_child(neighbour, program, ctx, blocked_w),
+            nb = _Fork(lambda: start_neighbour(blocked_w),
                        close_in_child=(pause_r, go_w, child.r, blocked_r))
             os.close(blocked_w)
             limit = time.monotonic() + PAUSE_LIMIT_S
@@ -653,6 +649,20 @@ def run_neighbour_case(program: Program, neighbour: str, work: str, k: int,
                 pass
         os.close(go_w)
         os.close(pause_r)
+    return out, child, nb
+
+
+def run_neighbour_case(program: Program, neighbour: str, work: str, k: int,
+                       timeout: float = 300.0, s3: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Pause the program at point ``k``, run ``neighbour`` to completion (or until
+    it meets the child's lock), let the program finish, then check.
+    Returns {"k", "op", "blocked", "child", "neighbour", "problems"}."""
+    case = os.path.join(work, f"case-{neighbour}-{k}")
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
+    ctx = cp._ctx(program, case, s3, f"nb-{neighbour}-{k}")
+    out, child, nb = _run_paused(k, lambda pause_w, go_r: _child(program, ctx, k, pause_w, go_r),
+                                 lambda blocked_w: _neighbour_child(neighbour, program, ctx, blocked_w), timeout)
     out["child"] = child.result
     out["neighbour"] = nb.result if nb is not None else None
     if out["problems"]:
@@ -674,6 +684,110 @@ def run_neighbour_case(program: Program, neighbour: str, work: str, k: int,
     out["problems"] = value if status == "ok" else [f"the check: {status}: {str(value)[-2000:]}"]
     _cleanup(case)
     return out
+
+
+# ----------------------------------------------------------------------------- with replicas (2 nodes)
+
+#: Beside a replicated job (tests/_crashreplicas.py: two gloo ranks, one node each, rank 0 paused
+#: at its node's point k, rank 1 waiting for it in the job's collectives): ``verify`` and
+#: ``load`` of node 0's directory (an ordinary Checkpointer directory of rank 0's files).
+REPLICA_NEIGHBOURS = ("verify", "load")
+
+
+def _paused_rank(program: Any, case: str, rank: int, k: int, pause_w: int, go_r: int) -> Dict[str, Any]:
+    import _crashreplicas as cr
+    cp.quiet()
+    icp = None
+    if rank == 0:
+        icp = PauseInterceptor(cr.node_dir(case, 0), k, case + ".side", pause_w, go_r)
+        icp.install()
+    program.run(case, rank, icp)
+    return {"count": icp.count, "paused_at": icp.paused_at} if icp is not None else {}
+
+
+def _replica_neighbour(name: str, program: Any, case: str, blocked_w: int) -> Dict[str, Any]:
+    import _crashreplicas as cr
+    cp.quiet()
+    _watch_locks(blocked_w)
+
+    def run() -> Dict[str, Any]:
+        d = cr.node_dir(case, 0)
+        if name == "verify":
+            from lazyckpt.loading.verify import verify
+            from lazyckpt.storage.stores import LOCAL
+            report = verify(d, store=LOCAL)
+            return {"ok": report.ok, "problems": [p.message for p in report.problems][:5]}
+        import lazyckpt
+        got = lazyckpt.load(d)
+        before, after = program.before(0), program.after(0)
+        world = "before" if not differs(before[max(before)], got) else \
+            "after" if not differs(after[max(after)], got) else None
+        return {"world": world, "seed": _seed_of(got)}
+    return _outcome(run)
+
+
+def run_replica_neighbour_case(program: Any, neighbour: str, work: str, k: int,
+                               timeout: float = 300.0) -> Dict[str, Any]:
+    """Pause rank 0 of the replicated job at its point ``k``, run ``neighbour`` on
+    node 0's directory, let the job finish; then the neighbour's report and the
+    replica harness's restarts (A, B0, B1: ``_crashreplicas.check_case``)."""
+    import _crashreplicas as cr
+    case = os.path.join(work, f"case-{neighbour}-{k}")
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "prepared"), case, symlinks=True)
+    out, child, nb = _run_paused(
+        k, lambda pause_w, go_r: cr.run_job(lambda rank, peers: _paused_rank(program, case, rank, k, pause_w, go_r),
+                                            timeout=timeout),
+        lambda blocked_w: _replica_neighbour(neighbour, program, case, blocked_w), timeout)
+    out["child"] = child.result
+    out["neighbour"] = nb.result if nb is not None else None
+    if out["problems"]:
+        return out
+    ranks = child.result[1] if child.result[0] == "ok" else None
+    if ranks is None or any(status != "ok" for status, _ in ranks):
+        out["problems"].append(f"the job: {str(child.result)[-3000:]}")
+        return out
+    if out["op"] is None:
+        out["op"] = f"(no point {k}: rank 0 made {ranks[0][1]['count']} calls this time)"
+        _cleanup(case)
+        return out
+    if nb.result[0] != "ok":
+        out["problems"].append(f"the neighbour's child: {nb.result[0]}: {str(nb.result[1])[-2000:]}")
+        return out
+    n = nb.result[1]
+    if not n["ok"]:
+        out["problems"].append(f"the neighbour ({neighbour}) failed: {n['error']}")
+    elif neighbour == "verify" and not n["result"]["ok"]:
+        out["problems"].append(f"verify of node 0 beside the job reported problems: {n['result']['problems']}")
+    elif neighbour == "load" and n["result"]["world"] is None:
+        out["problems"].append(f"load of node 0 beside the job returned seed {n['result']['seed']}, neither "
+                               f"rank 0's old nor its new latest")
+    try:
+        out["problems"] += cr.check_case(case, program)
+    except Exception:
+        out["problems"].append(f"the check: {traceback.format_exc()[-2000:]}")
+    _cleanup(case)
+    cp._cleanup(case + ".lose1", case + ".lose1.side")
+    return out
+
+
+def enumerate_replica_pair(program: Any, neighbour: str, work: str, points: Optional[List[int]] = None,
+                           log: Optional[Callable[[str], None]] = None) -> Outcome:
+    import _crashreplicas as cr
+    t0 = time.monotonic()
+    n, _ = cr.dry_run(program, work)
+    violations, checked, blocked = [], 0, 0
+    for k in (points if points is not None else range(1, n + 1)):
+        if k > n:
+            continue
+        result = run_replica_neighbour_case(program, neighbour, work, k)
+        checked += 1
+        blocked += bool(result["blocked"])
+        if result["problems"]:
+            violations.append(result)
+            if log:
+                log(f"{program.name} + {neighbour} k={k}/{n} {result['op']}: {result['problems']}")
+    return Outcome(program.name, neighbour, n, checked, blocked, violations, time.monotonic() - t0)
 
 
 def _cleanup(case: str) -> None:
@@ -989,11 +1103,12 @@ def s3_server(work: str) -> Tuple[Any, Dict[str, Any]]:
 
 
 def main() -> None:
-    """python tests/_crashneighbours.py [--out FILE] [--shard I/N] [--skip ROWS.json] [--every N]
+    """python tests/_crashneighbours.py [--out FILE] [--shard I/N] [--skip ROWS.json] [--every N [--offset O]]
     [--all] [PROGRAM[+NEIGHBOUR] ...]: every point of every pair of the local
     directory programs (``--all``: of every program, the persistent tier's on a
-    SeaweedFS server started here); ``--shard``: the pairs I, I+N, ...;
-    ``--skip``: pairs a saved run has; ``--every N``: every N-th point (a sample)."""
+    SeaweedFS server started here, the replica programs' first); ``--shard``:
+    the pairs I, I+N, ...; ``--skip``: pairs a saved run has; ``--every N``:
+    every N-th point from 1 + O (a sample)."""
     import argparse
     import sys
     import tempfile
@@ -1002,6 +1117,7 @@ def main() -> None:
     parser.add_argument("--shard", default="0/1")
     parser.add_argument("--skip", default=None)
     parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--offset", type=int, default=0, help="with --every: start at point 1 + OFFSET")
     parser.add_argument("--all", action="store_true")
     parser.add_argument("only", nargs="*")
     args = parser.parse_args()
@@ -1015,7 +1131,28 @@ def main() -> None:
     rows = []
     server, s3 = None, None
     top = tempfile.mkdtemp(prefix="nb-")
+    import _crashreplicas as cr
+    replicated = {p.name: p for p in cr.dist_programs()}
     try:
+        for name, neighbour in [(p, n) for p in replicated for n in REPLICA_NEIGHBOURS]:
+            if not (args.all and not args.only) and name not in args.only and f"{name}+{neighbour}" not in args.only:
+                continue
+            if (name, neighbour) in done:
+                continue
+            with tempfile.TemporaryDirectory(prefix="nb-", dir=top) as work:
+                points = None
+                if args.every > 1:
+                    n, _ = cr.dry_run(replicated[name], work)
+                    points = list(range(1 + args.offset, n + 1, args.every))
+                o = enumerate_replica_pair(replicated[name], neighbour, work, points=points,
+                                           log=lambda m: print(m, file=sys.stderr, flush=True))
+            print(summarize(o), flush=True)
+            rows.append({"program": o.program, "neighbour": o.neighbour, "points": o.points, "checked": o.checked,
+                         "blocked": o.blocked, "violations": len(o.violations), "seconds": round(o.seconds, 1),
+                         "details": [{"k": v["k"], "op": v["op"], "problems": v["problems"]} for v in o.violations]})
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=1)
         for i, (name, neighbour) in enumerate(pairs(listed)):
             if args.only and name not in args.only and f"{name}+{neighbour}" not in args.only:
                 continue
@@ -1028,7 +1165,7 @@ def main() -> None:
                 points = None
                 if args.every > 1:
                     n, _ = cp.dry_run(program, work, s3 if program.persist else None)
-                    points = list(range(1, n + 1, args.every))
+                    points = list(range(1 + args.offset, n + 1, args.every))
                 o = enumerate_pair(program, neighbour, work, points=points, s3=s3 if program.persist else None,
                                    log=lambda m: print(m, file=sys.stderr, flush=True))
             print(summarize(o), flush=True)

@@ -6,10 +6,16 @@ cleanup's own operations, a writer's commit or rollback); then the program
 goes on, and what both reported is checked against the directory and a
 restart.
 
+The programs that are not one local Checkpointer directory (the lone file,
+DCP, the persistent tier's on the S3 server fixture, Lightning's, the HF
+Trainer's and Megatron's) get the neighbours that apply to them
+(``_crashneighbours.OTHER_NEIGHBOURS``).
+
 CI runs one point of each (program, neighbour) pair (the point differs by pair);
 every point is under ``slow``. By hand, every point of every pair:
 
     .venv/bin/python tests/_crashneighbours.py --out neighbours.json
+    .venv/bin/python tests/_crashneighbours.py --all --out all.json   # every program
 """
 
 from __future__ import annotations
@@ -49,14 +55,16 @@ def _neighbours(program):
     return cn.NEIGHBOURS + (cn.COMMITS if program in cn.TOOL_PROGRAMS else ())
 
 
-def _run(program, neighbours, work, how_many):
+def _run(program, neighbours, work, how_many, s3=None):
     """The dry run once for the program, then ``how_many`` points (None: all) of each neighbour."""
-    n, _ = cp.dry_run(PROGRAMS[program], work)
+    prog = PROGRAMS.get(program) or OTHERS[program]
+    cp.preload(prog)
+    n, _ = cp.dry_run(prog, work, s3)
     assert n > 0
     failures = []
     for neighbour in neighbours:
         points = None if how_many is None else cn.sample(n, how_many, f"{program}+{neighbour}")
-        outcome = cn.enumerate_pair(PROGRAMS[program], neighbour, work, points=points)
+        outcome = cn.enumerate_pair(prog, neighbour, work, points=points, s3=s3)
         _SUMMARY.append((program, neighbour, outcome.points, outcome.checked, outcome.blocked,
                          len(outcome.violations), outcome.seconds))
         if outcome.violations:
@@ -88,6 +96,72 @@ def _all_pairs():
 @pytest.mark.parametrize("program,neighbour", list(_all_pairs()))
 def test_neighbour_at_every_point(program, neighbour, tmp_path):
     _run(program, (neighbour,), str(tmp_path), None)
+
+
+# ----------------------------------------------------------------------------- the other programs
+
+#: CI's sample of the other programs (one point a pair, about 20 s in all here): these programs'
+#: every neighbour, and the persistent tier's own neighbours (the store's load and prune) beside
+#: rollback-keepNone-persist (whose takeover and open at the point they failed are the two tests
+#: above the harness's). The rest is slow: the o_direct="auto" twin (how bytes reach the disk: the
+#: power model's business), Lightning's (seconds to import a point), the HF Trainer's (a Trainer a
+#: point and another in its check), save-keepNone-persist (the rollback makes the same calls and more).
+OTHERS_CI = {"single-file-save": None, "dcp-lazyckpt": None, "dcp-dcp": None, "dcp-lazyckpt-s3": None,
+             "megatron-lazyckpt": None, "rollback-keepNone-persist": ("store-load", "store-prune")}
+
+
+def _other_setup(program, request):
+    """The object store of a persistent tier's program; Megatron-Core, required."""
+    prog = OTHERS[program]
+    if prog.kind == "megatron":
+        from _megatron import stub_triton_kernels
+        stub_triton_kernels()
+        from _frameworks import require
+        require("megatron.core.dist_checkpointing")
+    return _s3(request) if prog.persist else None
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("program", list(OTHERS_CI))
+def test_other_programs_neighbours_at_sampled_points(program, tmp_path, request):
+    """The lone file, DCP, the persistent tier and Megatron, each neighbour of
+    theirs (_crashneighbours.OTHER_NEIGHBOURS) at one point."""
+    s3 = _other_setup(program, request)
+    _run(program, OTHERS_CI[program] or cn.neighbours_for(OTHERS[program]), str(tmp_path), CI_POINTS, s3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("program,neighbour", [pytest.param(p, n, id=f"{p}-{n}")
+                                               for p, n in cn.pairs(list(OTHERS.values()))])
+def test_other_programs_neighbour_at_every_point(program, neighbour, tmp_path, request):
+    s3 = _other_setup(program, request)
+    _run(program, (neighbour,), str(tmp_path), None, s3)
+
+
+# ----------------------------------------------------------------------------- with replicas (2 nodes)
+
+def _replica_pairs():
+    import _crashreplicas as cr
+    for program in cr.dist_programs():
+        for neighbour in cn.REPLICA_NEIGHBOURS:
+            yield pytest.param(program.name, neighbour, id=f"{program.name}-{neighbour}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("program,neighbour", list(_replica_pairs()))
+def test_replica_neighbour_at_every_point(program, neighbour, tmp_path):
+    """Rank 0 of a replicated job (two gloo ranks, one node each) paused at each
+    of its points while node 0's directory is verified or loaded; then the
+    replica harness's three restarts. Several seconds a point: slow only."""
+    import _crashreplicas as cr
+    prog = {p.name: p for p in cr.dist_programs()}[program]
+    outcome = cn.enumerate_replica_pair(prog, neighbour, str(tmp_path))
+    _SUMMARY.append((program, neighbour, outcome.points, outcome.checked, outcome.blocked,
+                     len(outcome.violations), outcome.seconds))
+    assert outcome.checked > 0
+    assert not outcome.violations, cn.summarize(outcome)
 
 
 # ----------------------------------------------------------------------------- the harness itself
