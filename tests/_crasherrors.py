@@ -708,7 +708,8 @@ def _dist_rank(program: Any, case: str, rank: int, k: int, side: str) -> Dict[st
             if world is None:
                 problems.append(f"rank {rank}: right after the operation: load() returned step {s}, neither "
                                 f"line's latest")
-            elif world == "after" and any(flags) and rank == 0 and raised is not None:
+            elif world == "after" and any(flags) and rank == 0 and raised is not None \
+                    and not reported_committed(raised):
                 problems.append(f"rank {rank}: the operation raised, yet its save (step {s}) loads")
             elif world == "before" and not any(flags):
                 problems.append(f"rank {rank}: the operation returned, yet step {s} of the line before loads")

@@ -9,6 +9,7 @@ mode found, kept as a focused test of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -179,6 +180,94 @@ def test_a_failed_fsync_after_megatron_metadata_json_fails_the_save_on_every_ran
         assert out["raised"] and "CheckpointWriteError" in out["raised"], results
         assert "injected fault" in out["raised"], results
         assert not out["metadata.json"] and not out["tracker"], results
+
+
+@pytest.mark.parametrize("pattern", [r"os\.write node0/history\.json\.tmp", r"os\.fsync node0$"],
+                         ids=["the-record", "the-directory-after-it"])
+def test_an_io_error_on_one_node_after_the_job_wide_round_leaves_one_line(tmp_path, pattern):
+    """``replicas-rollback``: two nodes, steps 1-5, both ranks ``load(step=2)``
+    then ``save(3)``: a save that supersedes, so the nodes decide in the job-wide
+    round. Every node voted for it, then node 0's local commit fails (ENOSPC
+    writing its record; EIO from the directory's fsync after it). Node 1 has
+    committed step 3 and its rank reports the save done. Before the fix node 0
+    discarded its prepared save and raised; reopened (collective), the job
+    loaded step 2 on both ranks: neither the line before (5) nor the save rank 1
+    was told is done (3). Node 0 now keeps it prepared, its error says the job
+    committed it (``committed``), and the reopen rolls it forward: step 3 on
+    both nodes."""
+    import _crashreplicas as cr
+    program = {p.name: p for p in cr.dist_programs()}["replicas-rollback"]
+    n, descriptions = cr.dry_run(program, str(tmp_path))
+    start = next(i for i, d in enumerate(descriptions, 1) if re.search(r"os\.open node0/history\.json\.tmp", d))
+    k = next(i for i, d in enumerate(descriptions, 1) if i >= start and re.search(pattern, d))
+    result = ce.run_dist_case(program, str(tmp_path), k)
+    assert result["op"] and re.search(pattern, result["op"].split(" -> ")[0]), result["op"]
+    assert not result["problems"], result["problems"]
+
+
+def _rollback_then_go_on(case, rank, k, side):
+    """replicas-rollback's operation with rank 0's call ``k`` failing, then the same
+    Checkpointers save step 4 (no reopen) and close; then a reopened job loads."""
+    import _crashreplicas as cr
+    from lazyckpt.errors import CheckpointError
+    cp.quiet()
+    icp = None
+    if rank == 0:
+        icp = ce.FaultInterceptor(cr.node_dir(case, 0), k, side)
+        icp.install()
+    ck = cr._ck(case, rank)
+    raised = None
+    with (icp.operation() if icp is not None else contextlib.nullcontext()):
+        ck.load(step=2)
+        try:
+            ck.save(cr.new_state(rank), step=3).wait()
+        except Exception as exc:
+            raised = ce.describe(exc)
+    four = cp.make_state(100 * rank + 4444)
+    went_on = None
+    try:
+        ck.save(four, step=4).wait()
+        ck.wait()
+        ck.close()
+    except Exception as exc:
+        went_on = f"{type(exc).__name__}: {exc}"
+        ck.close(cancel=True)
+    with cr._ck(case, rank) as again:
+        got = again.load()
+        loaded = again.loaded_from["step"]
+        steps = again.steps()
+        try:
+            three = again.load(step=3)
+        except CheckpointError as exc:
+            three = f"{type(exc).__name__}: {exc}"
+    return {"raised": raised, "went_on": went_on, "loaded": loaded, "four": not cp.differs(four, got),
+            "steps": steps, "three": three if isinstance(three, str) else
+            "new" if not cp.differs(cr.new_state(rank), three) else "other"}
+
+
+def test_a_checkpointer_going_on_after_a_commit_failing_after_the_job_wide_round(tmp_path):
+    """The same cause, without the reopen the error asks for: node 0's commit of
+    the agreed step 3 fails (ENOSPC writing its record); both ranks save step 4
+    with the same Checkpointers. Step 4 commits on both nodes, and a reopened
+    job loads it; ``load(step=3)`` is the rollback's new save or refused (node 0
+    never committed it), never the abandoned step 3 nor a mix of the two."""
+    import shutil
+    import _crashreplicas as cr
+    program = {p.name: p for p in cr.dist_programs()}["replicas-rollback"]
+    n, descriptions = cr.dry_run(program, str(tmp_path))
+    k = next(i for i, d in enumerate(descriptions, 1) if re.search(r"os\.write node0/history\.json\.tmp", d))
+    case = str(tmp_path / "case")
+    shutil.copytree(str(tmp_path / "prepared"), case, symlinks=True)
+    results = cr.run_job(lambda rank, peers: _rollback_then_go_on(case, rank, k, case + ".side"), timeout=300)
+    assert all(status == "ok" for status, _ in results), results
+    (_, r0), (_, r1) = results
+    assert r0["raised"] and "every node voted to commit it" in r0["raised"], results
+    assert r1["raised"] is None, results
+    for out in (r0, r1):
+        assert out["went_on"] is None and out["loaded"] == 4 and out["four"], results
+        # Node 0 never committed step 3 (the reopen that finishes it came after step 4):
+        # refused as a step not every node holds, never the old step 3 nor a mix.
+        assert out["three"] == "new" or "cannot be restored on every node" in out["three"], results
 
 
 # ----------------------------------------------------------------------------- the error mode itself

@@ -184,15 +184,32 @@ def _load(rank, world, base, step):
 
 
 def test_two_saves_of_one_step_number_are_never_restored_as_one_step(tmp_path):
-    """The window the round does not close (an I/O error on one node after it):
-    node 0 keeps the old step 3, node 1 commits the new one. Save ids are
-    job-wide, so the restore sees two saves and never loads the mix."""
+    """An I/O error on one node after the round: node 0 keeps the old step 3,
+    node 1 commits the new one. Save ids are job-wide, so the restore sees two
+    saves and never loads the mix. (Node 0 keeps its agreed save prepared, and
+    the next open finishes it -- the next test; here its record is gone, as
+    after a crash that lost it.)"""
     base = str(tmp_path)
     run_ranks(2, _line, base, 5, timeout=200)
     assert run_ranks(2, _rollback_failing_after_the_round_on_rank_0, base, timeout=200) == \
         ["CheckpointWriteError", "committed"]
     assert _save_id(base, 0, 3) != _save_id(base, 1, 3)
+    os.unlink(os.path.join(_dir(base, 0), "prepared.json"))
     # The newest step both nodes have as one save: 2 (3 differs, 4-5 are gone on node 1).
     assert run_ranks(2, _load, base, None, timeout=200) == [(20.0, 2), (21.0, 2)]
     refused = run_ranks(2, _load, base, 3, timeout=200)
     assert all(r[0] == "CheckpointError" and "cannot be restored on every node" in r[1] for r in refused), refused
+
+
+def test_a_save_every_node_agreed_on_is_finished_at_the_next_open_where_its_commit_failed(tmp_path):
+    """The same I/O error on node 0 after every node voted for the rollback's
+    step 3: node 0 keeps its prepared save (its error says the job committed
+    it) instead of discarding it, and reopening the job's Checkpointers rolls it
+    forward: step 3, the new save, on both nodes, as rank 1 was told."""
+    base = str(tmp_path)
+    run_ranks(2, _line, base, 5, timeout=200)
+    assert run_ranks(2, _rollback_failing_after_the_round_on_rank_0, base, timeout=200) == \
+        ["CheckpointWriteError", "committed"]
+    assert os.path.exists(os.path.join(_dir(base, 0), "prepared.json"))
+    assert run_ranks(2, _load, base, None, timeout=200) == [(1000.0, 3), (1001.0, 3)]
+    assert _save_id(base, 0, 3) == _save_id(base, 1, 3)

@@ -26,7 +26,7 @@ import uuid
 from typing import Any, Callable, Dict, Optional
 
 from lazyckpt.distributed import RankInfo, agree, refuse
-from lazyckpt.errors import CheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointWriteError
 from lazyckpt.formats import datafile, manifest
 from lazyckpt.lineage import Event
 from lazyckpt.knobs import Options, resolve
@@ -136,6 +136,8 @@ class StepCommit(CommitStrategy):
                                       f"r{dist.run_id}-{self.key}" if dist.distributed else new_token())
         self.tmp = self.pending.path
         self._reported = False
+        #: Every node voted for this save in the job-wide round (its outcome is the job's now).
+        self._agreed = False
         #: (SaveCosts, save() start, the previous save) when the save costs are recorded
         #: (lazyckpt/saving/costs.py); the merged figures, once committed.
         self.costs: Optional[tuple] = None
@@ -236,7 +238,21 @@ class StepCommit(CommitStrategy):
             # before every node is here (a crash from now on is decided at the next open).
             self.pending.prepare(raw, Event(self.step, self.save_id, self.seq), keeps_superseded(self.keep))
             self.job.prepared(self.call, self.step)
-        self._publish(raw)
+            self._agreed = True
+        try:
+            self._publish(raw)
+        except (CheckpointError, OSError) as exc:
+            if not self._agreed:
+                raise
+            # The other nodes commit what the job agreed on: discarding it here would leave
+            # the nodes on two lines, which a restart resolves to a step older than both.
+            error = CheckpointWriteError(
+                f"{self.path}: step {self.step}: every node voted to commit it, but this node's commit "
+                f"failed ({exc}); its prepared save is kept and is committed here when the job's "
+                f"Checkpointers are next opened (collective) if any node committed it: close them and "
+                f"open them again before the next save or load", path=self.path, step=self.step)
+            error.committed = True      # type: ignore[attr-defined]
+            raise error from exc
         return planner.outcome(done)
 
     def _footers(self) -> Callable[[int], Any]:
@@ -265,6 +281,11 @@ class StepCommit(CommitStrategy):
         d = self.dist
         self._refuse_unreported(error)
         if not d.distributed or d.coordinator:
+            if self._agreed:
+                # Decided by the job: the next open's resolve_prepared finishes it (see _commit).
+                log.warning("lazyckpt: %s: step %d was agreed by every node but not committed here; kept "
+                            "prepared for the next open", self.path, self.step)
+                return
             if self.job_round:
                 self.job.refuse(self.call, error)   # the other nodes commit nothing of it either
             self.pending.discard()          # not published: nothing of this step may remain

@@ -22,7 +22,10 @@ So a save one node committed is prepared on every node. Opening the
 Checkpointers again (collective, :func:`resolve_prepared`) finishes what a
 crash interrupted: a prepared save that some node's record holds is committed
 on every node that still has it prepared (roll forward); one that no node
-committed is discarded everywhere (the line before it stands).
+committed is discarded everywhere (the line before it stands). A node whose
+commit fails in a live process after every node voted (an I/O error) keeps its
+prepared save likewise, and raises saying so (``saving/commit.py``): the next
+open finishes it there too.
 
 Only a save that may supersede a committed step takes the round: one whose
 step is at most the highest step any node had when the job opened or any save
