@@ -11,9 +11,11 @@ kernel zeroes once per load, not once per byte loaded.
 
 Checksums are verified by the reader that read the bytes, slice by slice
 (:data:`SLICE_BYTES`): each slice's checksum spans are hashed right after it
-lands, while the other readers' requests keep the disk busy, and each entry
-is handed on (``on_entry``) as soon as its last span is verified. A hand-off to other threads cost a GIL round trip per
-entry and left the last run's whole hash after the last read.
+lands, while the other readers' requests keep the disk busy (a hand-off of
+every block to other threads cost a GIL round trip per entry and left the
+last block's whole hash after the last read). The entries a slice completes
+go to ``on_entry`` as one task on the checksum threads, so that its work
+(``into=``'s copies) keeps no reader off the disk.
 """
 
 from __future__ import annotations
@@ -248,26 +250,31 @@ class CheckpointFile:
         done: cf.Future = cf.Future()
 
         def read() -> None:
+            handoffs: List[cf.Future] = []
+            failure: Optional[BaseException] = None
             try:
                 for p in pieces:
-                    self._read_piece(fd, p)
+                    self._read_piece(fd, p, handoffs)
             except BaseException as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
+                failure = exc
+            # Ends once the entries handed on are delivered too (their buffer is
+            # reused after, and their errors fail the read).
+            _when_all_done(handoffs, lambda: _settle(done, failure, handoffs))
         # A pool shut down with its queue cancelled (Resources.close) never runs
         # ``read``: the block's future is cancelled with it, so nobody waits forever.
         pool.submit(read).add_done_callback(lambda job: job.cancelled() and done.cancel())
         return done
 
-    def _read_piece(self, fd: Input, p: "_Piece") -> None:
+    def _read_piece(self, fd: Input, p: "_Piece", handoffs: List[cf.Future]) -> None:
         """Read file range [p.lo, p.hi) of a run into its buffer. With
         verification (or an entry to hand on), in slices of ``SLICE_BYTES``:
         each slice's checksum spans are hashed here, right after it lands (a
         span across slices incrementally), and each entry whose last byte in
-        this piece is verified goes to ``p.finished`` at once (``load(into=)``
-        copies it out). The other readers' requests keep the disk busy
-        meanwhile; nothing is handed to another thread."""
+        this piece is verified is handed on (``p.finished``), a slice's
+        entries as one task on the checksum threads (``handoffs``): what
+        ``on_entry`` does (``load(into=)``'s copies) is CPU work that kept this
+        reader off the disk (0.54 GB in 2,000 entries, load average 6-9,
+        A/B: ``into=`` took 0.56 against 0.41 s done here, in the median)."""
         verify = self.options.verify_checksums
         if not verify and p.finished is None:
             self._read_block(fd, p.view, p.run_start, p.lo, p.hi)
@@ -276,6 +283,7 @@ class CheckpointFile:
         view, base, checksum = p.view, p.run_start, fmt.checksum
         i, n, partial = 0, len(spans), None
         pos = p.lo
+        ready: List[int] = []
         while pos < p.hi:
             end = min(p.hi, pos + SLICE_BYTES)
             self._read_block(fd, view, base, pos, end)
@@ -301,7 +309,10 @@ class CheckpointFile:
                     break
                 i += 1
                 if last is not None and p.finished is not None:
-                    p.finished.entry_done(last)
+                    ready.append(last)
+            if ready:
+                handoffs.append(checksums.pool().submit(p.finished.entries_done, ready))
+                ready = []
             pos = end
 
     def _spans(self, p: "_Piece") -> List[tuple]:
@@ -429,24 +440,41 @@ class _RunDone:
                     self._left[j] = count
         self._lock = threading.Lock()
 
-    def entry_done(self, j: int) -> None:
-        if self._left:
-            with self._lock:
-                left = self._left.get(j)
-                if left is not None:
-                    self._left[j] = left - 1
-                    if left > 1:
-                        return
-        i = self.run[j]
-        self.on_entry(i, self.out[i])
+    def entries_done(self, places: List[int]) -> None:
+        """The entries at these places in the run are verified in one piece."""
+        for j in places:
+            if self._left:
+                with self._lock:
+                    left = self._left.get(j)
+                    if left is not None:
+                        self._left[j] = left - 1
+                        if left > 1:
+                            continue
+            i = self.run[j]
+            self.on_entry(i, self.out[i])
 
 
 def _failed(jobs: List[cf.Future]) -> bool:
     return any(j.done() and j.exception() is not None for j in jobs)
 
 
+def _settle(done: cf.Future, failure: Optional[BaseException], handoffs: List[cf.Future]) -> None:
+    """End ``done`` with the read's failure, else a hand-off's, else None."""
+    for job in handoffs:
+        if failure is None and not job.cancelled() and job.exception() is not None:
+            failure = job.exception()
+    if failure is not None:
+        done.set_exception(failure)
+    else:
+        done.set_result(None)
+
+
 def _when_all_done(jobs: List[cf.Future], then: Callable[[], None]) -> None:
-    """Call ``then()`` once every one of ``jobs`` has ended, whichever way."""
+    """Call ``then()`` once every one of ``jobs`` has ended, whichever way
+    (at once where there are none)."""
+    if not jobs:
+        then()
+        return
     left = [len(jobs)]
     lock = threading.Lock()
 
