@@ -205,17 +205,17 @@ def test_an_io_error_on_one_node_after_the_job_wide_round_leaves_one_line(tmp_pa
     assert not result["problems"], result["problems"]
 
 
-@pytest.mark.xfail(strict=True, reason="open (RELIABILITY.md §4, finding 42): a restore's receiving rank fails "
-                   "its local write and leaves its partner in the transfer")
 @pytest.mark.parametrize("pattern", [r"os\.mkdir node0/\.tmp-step_\d+-restore", r"open node0/\S+/\.incoming-0"],
                          ids=["its-directory", "the-received-file"])
 def test_a_restore_failing_to_write_on_the_receiving_node_fails_the_same_on_every_rank(tmp_path, pattern):
     """``replicas-restore``: node 0 lost its directory; the collective ``load()``
     receives node 0's file from node 1's replica. Node 0's write fails (ENOSPC
-    making the restore's directory or opening the received file): rank 0
-    raises the bare OSError at once, and rank 1, left in the transfer (gloo's
-    send or receive), raises gloo's ``RuntimeError: Timed out waiting ...``
-    after the commit timeout, outside the library's family."""
+    making the restore's directory or opening the received file). Before the
+    fix rank 0 raised the bare OSError at once, and rank 1, left in the
+    transfer (gloo's send or receive), raised gloo's ``RuntimeError: Timed out
+    waiting ...`` after the commit timeout, outside the library's family. The
+    receiver now drains the transfer and every rank raises the same
+    ``CheckpointWriteError``; the reopened job restores."""
     import _crashreplicas as cr
     program = {p.name: p for p in cr.dist_programs()}["replicas-restore"]
     n, descriptions = cr.dry_run(program, str(tmp_path))

@@ -60,7 +60,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, U
 import torch
 
 from lazyckpt.distributed import agree
-from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.formats import manifest as manifests
 from lazyckpt.formats.names import MANIFEST, rank_filename
@@ -269,12 +269,19 @@ def exchange(group: Any, sends: List[_Sender], recvs: List[_Receiver], into: Any
     # The files, chunk by chunk: a send of chunk i and the receives of chunk i in flight together.
     files = [_open_source(s.path) for s in sends]
     outs, hashes = [], []
+    # A receiver whose file cannot be written (ENOSPC, EIO) still receives every chunk, so
+    # no sender is left waiting; its result says why (``error``) and has no path.
+    errors: Dict[int, str] = {}
     import xxhash
     try:
-        for r in recvs:
+        for j, r in enumerate(recvs):
             path = into(r, r.header)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            outs.append(open(path, "wb"))
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                outs.append(open(path, "wb"))
+            except OSError as exc:
+                outs.append(None)
+                errors[j] = f"{path}: {exc}"
             hashes.append(xxhash.xxh3_64())
         sizes = [s.size for s in sends] + [int(r.header[3]) for r in recvs]
         chunks = max([-(-n // CHUNK_BYTES) for n in sizes] + [0])
@@ -289,30 +296,43 @@ def exchange(group: Any, sends: List[_Sender], recvs: List[_Receiver], into: Any
                         raise CheckpointError(f"{s.path}: file shrank while being replicated")
                     work.append(dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), s.dst,
                                            group=group))
-            for r, out, h in zip(recvs, outs, hashes):
+            for j, (r, h) in enumerate(zip(recvs, hashes)):
                 n = min(CHUNK_BYTES, int(r.header[3]) - i * CHUNK_BYTES)
                 if n > 0:
                     buf = torch.empty(n, dtype=torch.uint8)
                     dist.irecv(buf, r.src, group=group).wait()
                     data = buf.numpy().tobytes()
                     h.update(data)
-                    out.write(data)
+                    if outs[j] is not None and j not in errors:
+                        try:
+                            outs[j].write(data)
+                        except OSError as exc:
+                            errors[j] = f"{outs[j].name}: {exc}"
             for w in work:
                 w.wait()
         results = [{"src": r.src, "step": int(r.header[0]), "node": int(r.header[1]),
                     "local_rank": int(r.header[2]), "bytes": 0, "path": None, "manifest": b"", "ok": False,
                     "nothing": True} for r in empty]
-        for r, out, h, manifest in zip(recvs, outs, hashes, manifests):
-            out.flush()
-            os.fsync(out.fileno())
-            ok = _signed(h.intdigest()) == int(r.header[5])
+        for j, (r, out, h, manifest) in enumerate(zip(recvs, outs, hashes, manifests)):
+            if j not in errors:
+                try:
+                    out.flush()
+                    os.fsync(out.fileno())
+                except OSError as exc:
+                    errors[j] = f"{out.name}: {exc}"
+            ok = _signed(h.intdigest()) == int(r.header[5]) and j not in errors
             results.append({"src": r.src, "step": int(r.header[0]), "node": int(r.header[1]),
-                            "local_rank": int(r.header[2]), "bytes": int(r.header[3]), "path": out.name,
-                            "manifest": manifest, "ok": ok})
+                            "local_rank": int(r.header[2]), "bytes": int(r.header[3]),
+                            "path": out.name if out is not None else None, "manifest": manifest, "ok": ok,
+                            **({"error": errors[j]} if j in errors else {})})
         return results
     finally:
         for f in files + outs:
-            f.close()
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
 
 
 def check_replica(path: str, manifest_raw: bytes, local_rank: int) -> None:
@@ -417,6 +437,9 @@ class ReplicaTier(NewestWinsDrain):
             for r in received:
                 if r.get("nothing"):
                     raise CheckpointError(f"rank {r['src']} could not read its step {r['step']} to send it")
+                if r.get("error"):
+                    raise CheckpointError(f"replica of rank {r['src']} step {r['step']} cannot be written here: "
+                                          f"{r['error']}")
                 if not r["ok"]:
                     raise CorruptCheckpointError(f"replica of rank {r['src']} step {r['step']}: bytes differ from "
                                                  f"the sender's checksum", path=r["path"])
@@ -596,16 +619,24 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
     recvs = [_Receiver(h, group) for h, dst, _, _ in plan if dst == topo.rank]
     # One temporary step directory per receiving node, the same name on its ranks.
     tmp = layout.temp_path(target, f"restore-{infos[0]['token']}")
+    # A local write failing on a receiving rank (ENOSPC, EIO) is this rank's refusal: it
+    # still takes part in every exchange and agreement, and every rank raises the same error.
+    write_error: Optional[str] = None
     if recvs and topo.local_rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        try:
+            os.makedirs(tmp)
+        except OSError as exc:
+            write_error = f"rank {topo.rank}: {tmp}: {exc}"
     dist.barrier(group=group)
     results = exchange(group, sends, recvs, lambda r, header: os.path.join(tmp, f".incoming-{topo.local_rank}"))
     manifest_raw = b""
-    ok = True
-    why: Optional[str] = None          # this rank's first refusal, named in the error every rank raises
+    ok = write_error is None
+    why: Optional[str] = write_error   # this rank's first refusal, named in the error every rank raises
     for r in results:
         try:
+            if r.get("error"):
+                raise OSError(r["error"])
             if r.get("nothing"):
                 raise CorruptCheckpointError(f"rank {r['src']} could not read its replica", path=directory)
             if not r["ok"]:
@@ -617,6 +648,10 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             if not report.ok:
                 raise CorruptCheckpointError(f"{r['path']}: {report.problems[0].message}", path=r["path"])
             os.rename(r["path"], os.path.join(tmp, rank_filename(topo.local_rank)))
+        except OSError as exc:
+            ok = False
+            write_error = write_error or f"rank {topo.rank} from rank {r['src']}: {exc}"
+            why = why or write_error
         except CheckpointError as exc:
             log.warning("lazyckpt: the replica of rank %d step %d from rank %d is refused: %s",
                         topo.rank, target, r["src"], exc)
@@ -627,7 +662,14 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
             manifest_raw = r["manifest"]
     # The node's ranks agree before its step directory is committed again.
     gathered: List[Any] = [None] * topo.world_size
-    dist.all_gather_object(gathered, (ok, why), group=group)
+    dist.all_gather_object(gathered, (ok, why, write_error), group=group)
+    failed_writes = [g[2] for g in gathered if g[2]]
+    if failed_writes:
+        if recvs and topo.local_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"{directory}: restoring step {target} from the replicas failed writing it "
+                                   f"({'; '.join(failed_writes)}); nothing was committed: load again once the "
+                                   f"disk is fixed", path=directory, step=target)
     flags = [g[0] for g in gathered]
     node_ok = all(flags[topo.rank_of(topo.node, lr)] for lr in range(topo.node_size))
     hopeless = sorted({i // topo.node_size for i, f in enumerate(flags) if not f
@@ -639,27 +681,37 @@ def restore(directory: str, layout: Any, topo: Topology, k: int, group: Any, ste
         reasons = "; ".join(g[1] for g in gathered if g[1])
         raise CorruptCheckpointError(f"step {target}: the replicas of node(s) {hopeless} do not match their "
                                      f"manifest and no persistent copy exists ({reasons})", path=directory)
+    commit_error: Optional[str] = None
     if recvs and node_ok and topo.local_rank == 0:
-        with open(os.path.join(tmp, MANIFEST), "wb") as f:
-            f.write(manifest_raw)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        event = None
-        if history is not None:
-            event = manifest_event(manifest_raw)
-            if event is not None and event.seq is not None:
-                history.saw(event.seq)
-            else:
-                event = None
-        # The restored save is the node's latest commit again (its record is the commit point).
-        layout.commit(tmp, target, keep_superseded=True, event=event)
-        layout.write_latest(target)
+        try:
+            with open(os.path.join(tmp, MANIFEST), "wb") as f:
+                f.write(manifest_raw)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(tmp)
+            event = None
+            if history is not None:
+                event = manifest_event(manifest_raw)
+                if event is not None and event.seq is not None:
+                    history.saw(event.seq)
+                else:
+                    event = None
+            # The restored save is the node's latest commit again (its record is the commit point).
+            layout.commit(tmp, target, keep_superseded=True, event=event)
+            layout.write_latest(target)
+        except (OSError, CheckpointError) as exc:
+            commit_error = f"rank {topo.rank}: committing the restored step {target}: {exc}"
     elif recvs and not node_ok:
         if topo.local_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         where = {"step": target, "tier": "persistent", "from_rank": None}
-    dist.barrier(group=group)
+    # Every rank learns whether every node committed its restored step (as at a barrier).
+    outcomes: List[Any] = [None] * topo.world_size
+    dist.all_gather_object(outcomes, commit_error, group=group)
+    if any(outcomes):
+        raise CheckpointWriteError(f"{directory}: restoring step {target} from the replicas failed "
+                                   f"({'; '.join(o for o in outcomes if o)}): load again once the disk is fixed",
+                                   path=directory, step=target)
     # ``flags`` is the same on every rank: all restored files passed their checks.
     where["replicate_again"] = replicate_again and all(flags)
     return where
