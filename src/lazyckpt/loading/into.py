@@ -124,8 +124,8 @@ def byte_copies(direct: Dict[int, List[tuple]]) -> Dict[int, List[Tuple[Any, tor
     for e, fills in direct.items():
         plan = []
         for node, target in fills:
-            if type(target) not in _PLAIN or target.device.type != "cpu" or not target.is_contiguous() \
-                    or target.is_conj() or target.is_neg():
+            if type(target) not in _PLAIN or target.device.type != "cpu" or target.layout is not torch.strided \
+                    or target.is_quantized or not target.is_contiguous() or target.is_conj() or target.is_neg():
                 break
             shape, stride, offset = node.get("shape"), node.get("stride"), node.get("offset")
             if type(offset) is not int or offset < 0 or stride != _contiguous_strides(shape):
