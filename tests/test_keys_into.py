@@ -334,6 +334,6 @@ def test_into_byte_copy_refuses_a_short_entry(tmp_path):
     from lazyckpt.loading import into as into_mod
     data = torch.UntypedStorage(100)
     target = torch.zeros(1000)
-    plan = into_mod.byte_copies({0: [({"shape": [1000], "stride": [1], "offset": 0}, target)]})
-    assert plan and not into_mod.copy_bytes(data, plan[0])
+    plan = into_mod.byte_copy_plan([({"shape": [1000], "stride": [1], "offset": 0}, target)])
+    assert plan is not None and not into_mod.copy_bytes(data, plan)
     assert torch.equal(target, torch.zeros(1000))

@@ -112,29 +112,26 @@ def direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tuple
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def byte_copies(direct: Dict[int, List[tuple]]) -> Dict[int, List[Tuple[Any, torch.Tensor, int, int]]]:
-    """The fills of ``direct`` (:func:`direct_fills`) that are one copy of
-    bytes: a saved tensor that is contiguous in its entry into a plain,
-    contiguous CPU tensor of ``into`` (no subclass, no conj/neg bit): entry ->
-    [(node, target, first byte in the entry, bytes)]. :func:`copy_bytes`
-    does them without building a tensor per entry (a decode and ``copy_``
-    per tensor, on the readers, cost more than the copy for 2,000 tensors of
-    64 KiB, and serialized them on the GIL); the rest go through the decode."""
-    out: Dict[int, List[Tuple[Any, torch.Tensor, int, int]]] = {}
-    for e, fills in direct.items():
-        plan = []
-        for node, target in fills:
-            if type(target) not in _PLAIN or target.device.type != "cpu" or target.layout is not torch.strided \
-                    or target.is_quantized or not target.is_contiguous() or target.is_conj() or target.is_neg():
-                break
-            shape, stride, offset = node.get("shape"), node.get("stride"), node.get("offset")
-            if type(offset) is not int or offset < 0 or stride != _contiguous_strides(shape):
-                break
-            size = target.element_size()
-            plan.append((node, target, offset * size, target.numel() * size))
-        else:
-            out[e] = plan
-    return out
+def byte_copy_plan(fills: List[tuple]) -> Optional[List[Tuple[Any, torch.Tensor, int, int]]]:
+    """An entry's fills of :func:`direct_fills` as one copy of bytes each,
+    where every one is: a saved tensor contiguous in its entry into a plain,
+    contiguous, strided CPU tensor of ``into`` (no subclass, no conj/neg bit):
+    [(node, target, first byte in the entry, bytes)], else None.
+    :func:`copy_bytes` does them without building a tensor per entry (a
+    decode and ``copy_`` per tensor, on the readers, cost more than the copy
+    for 2,000 tensors of 64 KiB, and serialized them on the GIL); the rest go
+    through the decode. Made as the entry arrives, off the reads' start."""
+    plan = []
+    for node, target in fills:
+        if type(target) not in _PLAIN or target.device.type != "cpu" or target.layout is not torch.strided \
+                or target.is_quantized or not target.is_contiguous() or target.is_conj() or target.is_neg():
+            return None
+        shape, stride, offset = node.get("shape"), node.get("stride"), node.get("offset")
+        if type(offset) is not int or offset < 0 or stride != _contiguous_strides(shape):
+            return None
+        size = target.element_size()
+        plan.append((node, target, offset * size, target.numel() * size))
+    return plan
 
 
 def _contiguous_strides(shape: List[int]) -> List[int]:
@@ -146,7 +143,7 @@ def _contiguous_strides(shape: List[int]) -> List[int]:
 
 
 def copy_bytes(data: torch.UntypedStorage, plan: List[Tuple[Any, torch.Tensor, int, int]]) -> bool:
-    """Copy an entry's bytes into the targets of its :func:`byte_copies` plan
+    """Copy an entry's bytes into the targets of its :func:`byte_copy_plan`
     (memmove: the GIL released, no tensor built); False, with nothing copied,
     where the entry is too short for one of them (the decode then reports it)."""
     if any(start + n > data.nbytes() for _node, _t, start, n in plan):

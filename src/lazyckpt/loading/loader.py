@@ -25,7 +25,7 @@ from lazyckpt.state.providers import BytesNotReady, LoadContext, referenced_entr
 from lazyckpt.storage.fileio import a_load_ended
 from lazyckpt.storage.base import Store
 from .graft import graft_missing, grafted_node, restrict_to
-from .into import byte_copies, copy_bytes, direct_fills, fill_into, staged_entries, unfilled_tensors
+from .into import byte_copy_plan, copy_bytes, direct_fills, fill_into, staged_entries, unfilled_tensors
 from .reader import CheckpointFile, RefResolver, resolver_for
 from .request import DEFAULT, KeySpec, LoadRequest, MapLocation  # noqa: F401  (KeySpec, MapLocation: re-exported)
 from .stepfiles import StepFiles, plain_into_dtensor, slice_loader
@@ -334,13 +334,11 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     direct = direct_fills(into, tree, ctx) if into is not None else {}
     filled: Dict[int, Any] = {}
 
-    copies = byte_copies(direct) if direct else {}
-
     def fill_now(e: int, data: torch.UntypedStorage, kind: str) -> None:
         if e not in direct:
             return
-        plan = copies.get(e)
-        if plan is not None and kind == "data" and copy_bytes(data, plan):
+        plan = byte_copy_plan(direct[e]) if kind == "data" else None
+        if plan is not None and copy_bytes(data, plan):
             for node, target, _start, _n in plan:
                 filled[id(node)] = target
             if e not in staged:
