@@ -85,24 +85,17 @@ def test_damage_at_both_ends_of_a_read(tmp_path):
                                                         (first, last)))
 
 
-# --------------------------------------------------------------------------- loads: verified on the reader
+# --------------------------------------------------------------------------- loads
 
 
 def _odd_state():
-    # Sizes that are not multiples of a page: checksum spans start and end
-    # inside slices, and the large ones cross several slices and blocks.
+    # Sizes that are not multiples of a page; the large ones cross several
+    # checksum blocks.
     g = torch.Generator().manual_seed(3)
     return {f"t{i:02d}": torch.randn(n, generator=g) for i, n in enumerate([3, 10_001, 70_000, 1, 40_000, 5_000])}
 
 
-@pytest.fixture
-def small_slices(monkeypatch):
-    from lazyckpt.loading import reader
-    monkeypatch.setattr(reader, "SLICE_BYTES", 3 * 4096)
-    return reader
-
-
-def test_spans_across_slices_and_blocks_load_verified(tmp_path, small_slices):
+def test_spans_across_blocks_load_verified(tmp_path):
     state = _odd_state()
     path = str(tmp_path / "odd.lzc")
     lazyckpt.save(state, path, chunk_bytes=64 << 10)
@@ -114,22 +107,12 @@ def test_spans_across_slices_and_blocks_load_verified(tmp_path, small_slices):
         assert all(torch.equal(out[k], state[k]) for k in state), knobs
 
 
-def test_checksums_running_is_the_formats_checksum():
-    from lazyckpt import checksums
-    from lazyckpt.formats import datafile as fmt
-    data = os.urandom(300_001)
-    h = checksums.running()
-    for a, b in ((0, 1), (1, 65_536), (65_536, 200_000), (200_000, 300_001)):
-        h.update(memoryview(data)[a:b])
-    assert h.intdigest() == fmt.checksum(data)
-
-
-@pytest.mark.parametrize("where", [0, 3 * 4096 - 1, 3 * 4096, 100_000, -1])
-def test_damage_anywhere_in_a_span_across_slices_fails_the_load(tmp_path, small_slices, where):
+@pytest.mark.parametrize("where", [0, 65_535, 65_536, 100_000, -1])
+def test_damage_anywhere_in_an_entry_across_blocks_fails_the_load(tmp_path, where):
     state = _odd_state()
     path = str(tmp_path / "odd.lzc")
     lazyckpt.save(state, path, chunk_bytes=64 << 10)
-    e = entry_by_offset(path, "t02")                # 280,000 bytes: 23 slices, 5 blocks
+    e = entry_by_offset(path, "t02")                # 280,000 bytes: 5 blocks
     _flip(path, e.offset + (where if where >= 0 else e.length + where))
     with pytest.raises(lazyckpt.CorruptCheckpointError, match="checksum mismatch in entry 't02'"):
         lazyckpt.load(path)
@@ -143,7 +126,7 @@ def entry_by_offset(path, name):
     return {e.name: e for e in CheckpointFile(path, lazyckpt.Options(), store=LOCAL).entries}[name]
 
 
-def test_into_never_holds_unverified_bytes(tmp_path, small_slices):
+def test_into_never_holds_unverified_bytes(tmp_path):
     """A damaged entry fails the load before its bytes reach its tensor of
     into=: every tensor holds its old value or the saved one."""
     state = _odd_state()

@@ -9,13 +9,10 @@ caller copies elsewhere as soon as they are verified (``load(into=)``) are
 read instead into a few reused buffers (:class:`StagingBuffers`): memory the
 kernel zeroes once per load, not once per byte loaded.
 
-Checksums are verified by the reader that read the bytes, slice by slice
-(:data:`SLICE_BYTES`): each slice's checksum spans are hashed right after it
-lands, while the other readers' requests keep the disk busy (a hand-off of
-every block to other threads cost a GIL round trip per entry and left the
-last block's whole hash after the last read). The entries a slice completes
-go to ``on_entry`` as one task on the checksum threads, so that its work
-(``into=``'s copies) keeps no reader off the disk.
+Checksums are verified off the readers (lazyckpt/checksums.py): a reader
+hands the block it read to a checksum thread and starts its next read at
+once, so the disk always has ``reader_threads`` requests and verification
+costs only the last block's hash.
 """
 
 from __future__ import annotations
@@ -164,10 +161,10 @@ class CheckpointFile:
                 if not reuse:
                     out.update(storages)
                 spans = self._read_pieces(start, end)
+                finished = _RunDone(len(spans), run, storages, on_entry) if on_entry is not None else None
+                # Each piece counts once it is read and every checksum block in it
+                # verified (on a checksum thread, while the reader reads on).
                 run_entries = [self.entries[i] for i in run]
-                # Each entry goes to on_entry once its bytes are read and verified
-                # (on the reader, while the other readers read on).
-                finished = _RunDone(spans, run, run_entries, storages, on_entry) if on_entry is not None else None
                 pieces = [_Piece(view, start, lo, hi, run_entries, finished) for lo, hi in spans]
                 if reuse:
                     run_jobs = [self._read_and_verify(pool, fd, [p]) for p in pieces]
@@ -244,94 +241,43 @@ class CheckpointFile:
         return last.offset + last.length
 
     def _read_and_verify(self, pool: cf.ThreadPoolExecutor, fd: Input, pieces: List["_Piece"]) -> cf.Future:
-        """A future that ends once every piece (a file range of a run) is read
-        and, with ``verify_checksums``, verified, one after the other on
-        ``pool`` (:meth:`_read_piece`)."""
+        """A future that ends once every piece (a file range of a run) is read,
+        one after the other on ``pool``, and, with ``verify_checksums``,
+        verified (on a checksum thread, while the reader reads its next
+        batch); then each piece's ``finished`` counts it."""
         done: cf.Future = cf.Future()
 
+        def settle(check: Callable[[], None]) -> None:
+            # The batch's last step: checked, counted, its future ended (either way).
+            try:
+                check()
+                for p in pieces:
+                    if p.finished is not None:
+                        p.finished.block_done()
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        def verify() -> None:
+            for p in pieces:
+                self._verify_block(p.view, p.run_start, p.lo, p.hi, p.entries)
+
         def read() -> None:
-            handoffs: List[cf.Future] = []
-            failure: Optional[BaseException] = None
             try:
                 for p in pieces:
-                    self._read_piece(fd, p, handoffs)
+                    self._read_block(fd, p.view, p.run_start, p.lo, p.hi)
+                if self.options.verify_checksums:
+                    checksums.pool().submit(settle, verify)
+                    return
             except BaseException as exc:
-                failure = exc
-            # Ends once the entries handed on are delivered too (their buffer is
-            # reused after, and their errors fail the read).
-            _when_all_done(handoffs, lambda: _settle(done, failure, handoffs))
+                done.set_exception(exc)
+                return
+            settle(lambda: None)
         # A pool shut down with its queue cancelled (Resources.close) never runs
         # ``read``: the block's future is cancelled with it, so nobody waits forever.
         pool.submit(read).add_done_callback(lambda job: job.cancelled() and done.cancel())
         return done
-
-    def _read_piece(self, fd: Input, p: "_Piece", handoffs: List[cf.Future]) -> None:
-        """Read file range [p.lo, p.hi) of a run into its buffer. With
-        verification (or an entry to hand on), in slices of ``SLICE_BYTES``:
-        each slice's checksum spans are hashed here, right after it lands (a
-        span across slices incrementally), and each entry whose last byte in
-        this piece is verified is handed on (``p.finished``), a slice's
-        entries as one task on the checksum threads (``handoffs``): what
-        ``on_entry`` does (``load(into=)``'s copies) is CPU work that kept this
-        reader off the disk (0.54 GB in 2,000 entries, load average 6-9,
-        A/B: ``into=`` took 0.56 against 0.41 s done here, in the median)."""
-        verify = self.options.verify_checksums
-        if not verify and p.finished is None:
-            self._read_block(fd, p.view, p.run_start, p.lo, p.hi)
-            return
-        spans = self._spans(p)
-        view, base, checksum = p.view, p.run_start, fmt.checksum
-        i, n, partial = 0, len(spans), None
-        pos = p.lo
-        ready: List[int] = []
-        while pos < p.hi:
-            end = min(p.hi, pos + SLICE_BYTES)
-            self._read_block(fd, view, base, pos, end)
-            while i < n:
-                a, b, e, k, last = spans[i]
-                if a >= end:
-                    break
-                if verify:
-                    if partial is None and b <= end:
-                        ok = checksum(view[a - base:b - base]) == e.checksums[k]
-                    else:
-                        if partial is None:
-                            partial = checksums.running()
-                        partial.update(view[max(a, pos) - base:min(b, end) - base])
-                        if b > end:
-                            break
-                        ok, partial = partial.intdigest() == e.checksums[k], None
-                    if not ok:
-                        raise CorruptCheckpointError(
-                            f"{self.path}: checksum mismatch in entry {e.name!r} at file offset {a} "
-                            f"(data damaged)", path=self.path, entry=e.name)
-                elif b > end:
-                    break
-                i += 1
-                if last is not None and p.finished is not None:
-                    ready.append(last)
-            if ready:
-                handoffs.append(checksums.pool().submit(p.finished.entries_done, ready))
-                ready = []
-            pos = end
-
-    def _spans(self, p: "_Piece") -> List[tuple]:
-        """The checksum spans of ``p``'s entries inside [p.lo, p.hi), in file
-        order: (start, end, entry, its block number, the entry's place in the
-        run where this is its last span in the piece, else None)."""
-        block = self.footer.block_bytes
-        spans: List[tuple] = []
-        for j, e in enumerate(p.entries):
-            lo, hi = max(p.lo, e.offset), min(p.hi, e.offset + e.length)
-            if lo >= hi:
-                continue
-            first = e.offset // block
-            if hi - 1 < (lo // block + 1) * block:          # one span (the common case)
-                spans.append((lo, hi, e, lo // block - first, j))
-                continue
-            cut = fmt.block_spans(lo, hi - lo, block)
-            spans.extend((a, b, e, a // block - first, j if b == hi else None) for a, b in cut)
-        return spans
 
     def _read_block(self, fd: Input, view: memoryview, run_start: int, lo: int, hi: int) -> None:
         """Read file range [lo, hi) of a run (padded to whole pages)."""
@@ -343,6 +289,25 @@ class CheckpointFile:
         if got < hi - lo:
             raise CorruptCheckpointError(f"{self.path}: truncated file (wanted {hi - lo} bytes at "
                                          f"offset {lo}, got {got})", path=self.path)
+
+    def _verify_block(self, view: memoryview, run_start: int, lo: int, hi: int, entries: List[fmt.Entry]) -> None:
+        """Check the checksums of the entry pieces inside file range [lo, hi) of a run."""
+        block = self.footer.block_bytes
+        for a, b in fmt.block_spans(lo, hi - lo, block):
+            self._verify_span(view, run_start, a, b, entries)
+
+    def _verify_span(self, view: memoryview, run_start: int, lo: int, hi: int, entries: List[fmt.Entry]) -> None:
+        """Check the checksums of the entry pieces inside [lo, hi), within one checksum block."""
+        block = self.footer.block_bytes
+        for e in entries:
+            if e.offset + e.length <= lo or e.offset >= hi:
+                continue
+            s, t = max(lo, e.offset), min(hi, e.offset + e.length)
+            k = s // block - e.offset // block
+            if fmt.checksum(view[s - run_start:t - run_start]) != e.checksums[k]:
+                raise CorruptCheckpointError(
+                    f"{self.path}: checksum mismatch in entry {e.name!r} at file offset {s} "
+                    f"(data damaged)", path=self.path, entry=e.name)
 
     def _plan_runs(self, indices: List[int], staged: Collection[int] = ()) -> List[List[int]]:
         """Group entries that sit next to each other in the file into one read
@@ -401,20 +366,9 @@ class CheckpointFile:
         self.read_entries(range(len(self.entries)), pool)
 
 
-#: A reader reads a piece in slices of this size and verifies each slice right
-#: after it lands, so that the last slice's hash (and ``into=``'s copies) is
-#: all that follows the last read. Not smaller: O_DIRECT reads land by DMA,
-#: not in the cache, so small slices bought no faster hashing here, and each
-#: request costs CPU of its own: 0.54 GB in 2,000 entries took 177 / 165 /
-#: 157 / 155 ms of CPU with 1 / 4 / 8 / 32 MiB slices (BENCHMARKS section 30).
-SLICE_BYTES = 8 << 20
-
-
 class _Piece:
     """File range [lo, hi) of a run whose bytes go to ``view`` (the run's
-    buffer, from file offset ``run_start``); ``finished`` is told of each of
-    the run's ``entries`` (by its place in the run) whose bytes in the piece
-    are all read and verified."""
+    buffer, from file offset ``run_start``); ``finished`` counts it."""
 
     __slots__ = ("view", "run_start", "lo", "hi", "entries", "finished")
 
@@ -425,56 +379,30 @@ class _Piece:
 
 
 class _RunDone:
-    """Hands each entry of a run to ``on_entry`` once every piece holding its
-    bytes has verified them (an entry spans several pieces only when it is
-    larger than a read; most are in one: handed on at once)."""
+    """Counts a run's verified blocks; the thread finishing the last one hands
+    the run's entries to ``on_entry``."""
 
-    def __init__(self, pieces: List[Tuple[int, int]], run: List[int], entries: List[fmt.Entry],
-                 out: Dict[int, torch.UntypedStorage], on_entry: Callable[[int, torch.UntypedStorage], None]):
-        self.run, self.out, self.on_entry = run, out, on_entry
-        self._left: Dict[int, int] = {}
-        if len(pieces) > 1:
-            for j, e in enumerate(entries):
-                count = sum(1 for lo, hi in pieces if lo < e.offset + e.length and e.offset < hi)
-                if count > 1:
-                    self._left[j] = count
+    def __init__(self, blocks: int, run: List[int], out: Dict[int, torch.UntypedStorage],
+                 on_entry: Callable[[int, torch.UntypedStorage], None]):
+        self._left = blocks
         self._lock = threading.Lock()
+        self.run, self.out, self.on_entry = run, out, on_entry
 
-    def entries_done(self, places: List[int]) -> None:
-        """The entries at these places in the run are verified in one piece."""
-        for j in places:
-            if self._left:
-                with self._lock:
-                    left = self._left.get(j)
-                    if left is not None:
-                        self._left[j] = left - 1
-                        if left > 1:
-                            continue
-            i = self.run[j]
-            self.on_entry(i, self.out[i])
+    def block_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            for i in self.run:
+                self.on_entry(i, self.out[i])
 
 
 def _failed(jobs: List[cf.Future]) -> bool:
     return any(j.done() and j.exception() is not None for j in jobs)
 
 
-def _settle(done: cf.Future, failure: Optional[BaseException], handoffs: List[cf.Future]) -> None:
-    """End ``done`` with the read's failure, else a hand-off's, else None."""
-    for job in handoffs:
-        if failure is None and not job.cancelled() and job.exception() is not None:
-            failure = job.exception()
-    if failure is not None:
-        done.set_exception(failure)
-    else:
-        done.set_result(None)
-
-
 def _when_all_done(jobs: List[cf.Future], then: Callable[[], None]) -> None:
-    """Call ``then()`` once every one of ``jobs`` has ended, whichever way
-    (at once where there are none)."""
-    if not jobs:
-        then()
-        return
+    """Call ``then()`` once every one of ``jobs`` has ended, whichever way."""
     left = [len(jobs)]
     lock = threading.Lock()
 
