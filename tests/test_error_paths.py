@@ -224,6 +224,67 @@ def test_a_restore_failing_to_write_on_the_receiving_node_fails_the_same_on_ever
     assert not result["problems"], result["problems"]
 
 
+class _FailFirstMatching(ce.FaultInterceptor):
+    """Fails the first call whose description matches ``pattern``, whatever its
+    number (the replica round's thread and the commit's interleave)."""
+
+    def __init__(self, root, pattern, side):
+        super().__init__(root, cp.INFINITY, side)
+        self.pattern = re.compile(pattern)
+
+    def point(self, description):
+        import threading
+        with self._lock:
+            self.count += 1
+            desc = f"#{self.count} [{threading.current_thread().name}] {cp._mask(description)}"
+            if self.fault is None and self.pattern.search(desc):
+                self.crash_at = self.count
+                self._crash(desc)
+
+
+def _save_whose_replica_write_fails(case, rank, side):
+    """replicas-save's operation (the default 60 s commit timeout) with rank 0's
+    creation of the replica it receives failing: each rank's replica state and
+    the seconds its ``wait()`` took."""
+    import time
+    import _crashreplicas as cr
+    cp.quiet()
+    icp = None
+    if rank == 0:
+        icp = _FailFirstMatching(cr.node_dir(case, 0), r"open node0/\.replicas/\S+/data\.lzc", side)
+        icp.install()
+    with cr._ck(case, rank) as ck:
+        with (icp.operation() if icp is not None else contextlib.nullcontext()):
+            h = ck.save(cr.new_state(rank), step=3)
+            h.wait()
+            t0 = time.monotonic()
+            ck.wait()
+            seconds = time.monotonic() - t0
+        return {"state": h.replica_state, "seconds": seconds, "fault": icp.fault["op"] if icp and icp.fault else None}
+
+
+def test_a_replica_round_whose_receiver_cannot_write_fails_at_once_on_every_rank(tmp_path):
+    """The same cause in the replica round: node 0 cannot create the replica of
+    node 1's step 3 it receives (ENOSPC). Before, rank 0 left the transfer at
+    once and the round waited the commit timeout (60 s here) for it, then
+    failed as "timed out ... a rank may have died". Now the receiver drains
+    the transfer: the round fails on both ranks at once, naming the write."""
+    import shutil
+    import _crashreplicas as cr
+    program = {p.name: p for p in cr.dist_programs()}["replicas-save"]
+    cr.dry_run(program, str(tmp_path))
+    case = str(tmp_path / "case")
+    shutil.copytree(str(tmp_path / "prepared"), case, symlinks=True)
+    results = cr.run_job(lambda rank, peers: _save_whose_replica_write_fails(case, rank, case + ".side"),
+                         timeout=300)
+    assert all(status == "ok" for status, _ in results), results
+    assert results[0][1]["fault"], results
+    for _, out in results:
+        assert out["state"].startswith("failed"), results
+        assert out["seconds"] < 30, results
+    assert "cannot be written here" in results[0][1]["state"], results
+
+
 def _rollback_then_go_on(case, rank, k, side):
     """replicas-rollback's operation with rank 0's call ``k`` failing, then the same
     Checkpointers save step 4 (no reopen) and close; then a reopened job loads."""
