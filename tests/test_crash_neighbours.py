@@ -260,3 +260,25 @@ def test_a_checkpointer_opens_beside_a_persisted_rollback_moving_its_old_steps(n
     result = cn.run_neighbour_case(program, neighbour, str(tmp_path), k, s3=s3)
     assert result["problems"] == [], result
     assert result["neighbour"][1]["ok"], result
+
+
+def test_a_reader_beside_a_lone_file_or_dcp_save_sees_the_old_then_the_new(tmp_path):
+    """Not vacuous for the other programs: paused before the lone file's rename,
+    a load beside returns the old file, right after it the new one; a DCP
+    checkpoint paused before its .metadata's rename is refused as not there,
+    right after it loads whole, while the previous one loads as it was."""
+    for name, neighbour, field, before, after in (("single-file-save", "load", "world", "old", "new"),
+                                                  ("dcp-lazyckpt", "load", "step2", "refused", "new")):
+        program = OTHERS[name]
+        work = str(tmp_path / name)
+        cp.preload(program)
+        n, descriptions = cp.dry_run(program, work)
+        rename = next(i for i, d in enumerate(descriptions, 1) if "os.replace" in d
+                      and d.endswith(("-> dry/model.lzc", "-> dry/step2/.metadata")))
+        for k, want in ((rename, before), (rename + 1, after)):
+            result = cn.run_neighbour_case(program, neighbour, work, k)
+            assert result["problems"] == [], result
+            got = result["neighbour"][1]["result"]
+            assert got[field] == want, (name, k, result)
+            if name.startswith("dcp"):
+                assert got["step1"] == "old", result
