@@ -32,6 +32,12 @@ PROGRAMS = {p.name: p for p in all_programs()}
 
 _SUMMARY: list = []
 
+#: CI's samples of the slowest programs (every point of each is slow): the HF Trainer's
+#: (a Trainer per check) and the Checkpointer directory's with a persistent tier (the
+#: server's requests in every check), each plus its last 8 points.
+HF_EVERY = 4
+PERSIST_EVERY = 3
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _print_point_counts(request):
@@ -59,9 +65,17 @@ def _cases():
                 marks.append(pytest.mark.slow)
             if program.kind == "hf" and not marks:
                 # 112 s in full (a Trainer per point, 34 points): every point is slow; CI runs
-                # every other one and the last 8 (the persistent tier's requests).
+                # every 4th and the last 8 (the persistent tier's requests).
                 yield pytest.param(name, mode, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}")
-                yield pytest.param(name, mode, 2, id=f"{name}-{mode}-every2")
+                yield pytest.param(name, mode, HF_EVERY, id=f"{name}-{mode}-every{HF_EVERY}")
+                continue
+            if program.persist and program.kind == "dir" and not marks:
+                # 45 s and 70 s in full (1.6 s a point, the server's requests in every check):
+                # every point is slow; CI runs every 3rd and the last 8 (the uploads). The
+                # local commits in between are the local programs' (save-keepNone,
+                # rollback-keepNone: every point in CI in both modes).
+                yield pytest.param(name, mode, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}")
+                yield pytest.param(name, mode, PERSIST_EVERY, id=f"{name}-{mode}-every{PERSIST_EVERY}")
                 continue
             if name.endswith("-auto"):
                 # The o_direct="auto" twins of programs CI runs in full: every point is slow;
@@ -135,6 +149,8 @@ def test_every_crash_point_with_a_torn_tail(name, mode, every, first, tmp_path, 
 import _crashreplicas as cr  # noqa: E402
 
 DIST_PROGRAMS = {p.name: p for p in cr.dist_programs()}
+#: CI's sample of the replica programs (about 3 s a point: the crash job and three restarts).
+REPLICAS_EVERY = 8
 
 
 def _dist_cases():
@@ -142,8 +158,10 @@ def _dist_cases():
         for mode in cp.MODES:
             # Every point: slow (about 3 s a point here: the crash job and three restarted jobs).
             yield pytest.param(name, mode, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}-every")
-            # CI: every 4th point, in both modes (offsets 1 and 3: together half the points).
-            marks = []
+            # CI: every REPLICAS_EVERY-th point, in both modes (kill from the first, power from
+            # half-way between: together a quarter of the points; replicas-restore every 4th,
+            # half of them, while its finding below waits on clean CI runs).
+            marks, every = [], REPLICAS_EVERY
             if name == "replicas-restore":
                 # RELIABILITY.md §6, finding 22: twice in CI (2026-12-04) both ranks' load() refused
                 # step 2 ("the replicas of node(s) [0] do not match their manifest"). Its probable
@@ -152,18 +170,29 @@ def _dist_cases():
                 # CI runs confirm it.
                 marks.append(pytest.mark.xfail(strict=False, reason="intermittent violation, probable cause "
                                                "fixed: RELIABILITY.md finding 22"))
-            yield pytest.param(name, mode, 4, marks=marks, id=f"{name}-{mode}-every4")
+                every = 4
+            yield pytest.param(name, mode, every, marks=marks, id=f"{name}-{mode}-every{every}")
+        for mode in VARIANTS:
+            # A torn tail on node 0 (zeros, or half of it kept) instead of a cut one: every
+            # point, slow only (the "power" cases above sample the same points in CI).
+            yield pytest.param(name, mode, 1, marks=[pytest.mark.slow], id=f"{name}-{mode}-every")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("name,mode,every", list(_dist_cases()))
 def test_every_crash_point_with_replicas(name, mode, every, tmp_path):
     """Two ranks, one per node, replicas=1: rank 0 crashed before each of its
     mutating calls (rank 1 killed with it), the whole job restarted, each node
     lost in turn (tests/_crashreplicas.py)."""
     program = DIST_PROGRAMS[name]
-    outcome = cr.enumerate_program(program, mode, str(tmp_path), every=every,
-                                   first=1 if every == 1 or mode == "kill" else 3)
+    points = None
+    if every == 1 and cp.is_power(mode):
+        # Every point and #end (n + 1): the operation returned on both ranks, then node 0 lost
+        # power; what it reported done must survive, as with the local programs.
+        n, _ = cr.dry_run(program, str(tmp_path))
+        points = list(range(1, n + 2))
+    outcome = cr.enumerate_program(program, mode, str(tmp_path), points=points, every=every,
+                                   first=1 if every == 1 or mode == "kill" else 1 + every // 2)
     _SUMMARY.append((f"{name}/{every}", mode, outcome.points, outcome.checked, len(outcome.violations),
                      outcome.seconds))
     print(cp.summarize(outcome))
@@ -622,7 +651,8 @@ def test_every_error_point_with_replicas(name, tmp_path):
     """Error mode with replicas= (2 nodes): rank 0's call at each point fails, both
     ranks go on; what each raised, what loads, the next save on both ranks
     (replicated), then the three restarted jobs of tests/_crashreplicas.py
-    (``_crasherrors.enumerate_dist_program``). About 20 s a point here: slow only."""
+    (``_crasherrors.enumerate_dist_program``). 6 to 25 s a point here: slow only
+    (``python tests/_crasherrors.py NAME [--points K,..]`` prints each point as it ends)."""
     program = DIST_PROGRAMS[name]
     outcome = ce.enumerate_dist_program(program, str(tmp_path))
     _SUMMARY.append((f"{name}", "error", outcome.points, outcome.checked, len(outcome.violations), outcome.seconds))
@@ -671,6 +701,31 @@ def test_every_crash_point_of_a_megatron_save(mode, every, first, tmp_path):
                      outcome.checked, len(outcome.violations), outcome.seconds))
     print(cp.summarize(outcome))
     assert outcome.points > 0 and points
+    assert not outcome.violations, cp.summarize(outcome)
+
+
+#: CI's sample in error mode: every MEGATRON_ERROR_EVERY-th point and the last (the finalize's
+#: durability calls); every point is slow.
+MEGATRON_ERROR_EVERY = 4
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("every", [pytest.param(1, marks=[pytest.mark.slow], id="megatron-lazyckpt-error"),
+                                   pytest.param(MEGATRON_ERROR_EVERY,
+                                                id=f"megatron-lazyckpt-error-every{MEGATRON_ERROR_EVERY}")])
+def test_every_error_point_of_a_megatron_save(every, tmp_path):
+    """The Megatron program's call at each point fails and the process goes on
+    (tests/_crasherrors.py): what the save raised is the library's (in Megatron's
+    chain) and names the cause; iter1 still loads with plain Megatron, iter2
+    loads where the save returned and is refused as no checkpoint where it
+    raised; saving iter2 again in the same process works; then a fresh
+    process's checks of tests/_crashmegatron.py."""
+    _require_megatron()
+    outcome = ce.enumerate_program(MEGATRON, str(tmp_path), every=every, always_last=1)
+    _SUMMARY.append((MEGATRON.name if every == 1 else f"{MEGATRON.name}/{every}", "error", outcome.points,
+                     outcome.checked, len(outcome.violations), outcome.seconds))
+    print(cp.summarize(outcome))
+    assert outcome.points > 0
     assert not outcome.violations, cp.summarize(outcome)
 
 
