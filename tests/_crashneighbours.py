@@ -786,18 +786,8 @@ def enumerate_replica_pair(program: Any, neighbour: str, work: str, points: Opti
     if not any(name.startswith("step_") for name in (os.listdir(node0) if os.path.isdir(node0) else [])):
         nothing_until = next((i for i, d in enumerate(descriptions, 1)
                               if "os.replace" in d and "history.json" in d), 0)
-    violations, checked, blocked = [], 0, 0
-    for k in (points if points is not None else range(1, n + 1)):
-        if k > n:
-            continue
-        result = run_replica_neighbour_case(program, neighbour, work, k, nothing_until=nothing_until)
-        checked += 1
-        blocked += bool(result["blocked"])
-        if result["problems"]:
-            violations.append(result)
-            if log:
-                log(f"{program.name} + {neighbour} k={k}/{n} {result['op']}: {result['problems']}")
-    return Outcome(program.name, neighbour, n, checked, blocked, violations, time.monotonic() - t0)
+    return _run_points(program, neighbour, n, points, t0, log,
+                       lambda k: run_replica_neighbour_case(program, neighbour, work, k, nothing_until=nothing_until))
 
 
 def _cleanup(case: str) -> None:
@@ -1059,13 +1049,18 @@ def enumerate_pair(program: Program, neighbour: str, work: str, points: Optional
     t0 = time.monotonic()
     cp.preload(program)
     n, _ = cp.dry_run(program, work, s3)
-    if points is None:
-        points = list(range(1, n + 1))
+    return _run_points(program, neighbour, n, points, t0, log,
+                       lambda k: run_neighbour_case(program, neighbour, work, k, s3=s3))
+
+
+def _run_points(program: Program, neighbour: str, n: int, points: Optional[List[int]], t0: float,
+                log: Optional[Callable[[str], None]], run_case: Callable[[int], Dict[str, Any]]) -> Outcome:
+    """``run_case(k)`` at each point of ``points`` (None: 1..n; those past n left out), tallied."""
     violations, checked, blocked = [], 0, 0
-    for k in points:
+    for k in (points if points is not None else range(1, n + 1)):
         if k > n:
             continue
-        result = run_neighbour_case(program, neighbour, work, k, s3=s3)
+        result = run_case(k)
         checked += 1
         blocked += bool(result["blocked"])
         if result["problems"]:
@@ -1103,13 +1098,10 @@ def megatron_available() -> bool:
 
 
 def s3_server(work: str) -> Tuple[Any, Dict[str, Any]]:
-    """A SeaweedFS server (tests/_s3server.py) and a bucket, as tests/test_crash_points.py's ``_s3``."""
+    """A SeaweedFS server (tests/_s3server.py), started, and a bucket on it."""
     from _s3server import SeaweedServer
     server = SeaweedServer(os.path.join(work, "seaweedfs"))
-    server.start()
-    return server, {"bucket": server.make_bucket(),
-                    "storage_options": {"endpoint_url": server.endpoint, "access_key_id": server.access_key,
-                                        "secret_access_key": server.secret_key, "region": server.region}}
+    return server, server.crash_store()
 
 
 def main() -> None:

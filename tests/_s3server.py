@@ -266,6 +266,16 @@ class SeaweedServer:
                             aws_secret_access_key=self.secret_key,
                             region_name=self.region, config=cfg)
 
+    def crash_store(self) -> dict:
+        """A fresh bucket and the ``storage_options`` that reach it: the ``s3`` a
+        crash-point or neighbour program with a persistent tier is given
+        (started first if it is not running)."""
+        if not self.running:
+            self.start()
+        return {"bucket": self.make_bucket(),
+                "storage_options": {"endpoint_url": self.endpoint, "access_key_id": self.access_key,
+                                    "secret_access_key": self.secret_key, "region": self.region}}
+
     def make_bucket(self, name: str | None = None) -> str:
         """Create a bucket (a fresh uniquely named one by default); its name."""
         name = name or f"t-{uuid.uuid4().hex[:16]}"

@@ -231,12 +231,7 @@ def test_the_checks_catch_a_prune_that_deletes_by_a_stale_plan(tmp_path):
 # ----------------------------------------------------------------------------- found
 
 def _s3(request):
-    server = request.getfixturevalue("s3_server")
-    if not server.running:
-        server.start()
-    return {"bucket": server.make_bucket(),
-            "storage_options": {"endpoint_url": server.endpoint, "access_key_id": server.access_key,
-                                "secret_access_key": server.secret_key, "region": server.region}}
+    return request.getfixturevalue("s3_server").crash_store()
 
 
 @pytest.mark.parametrize("neighbour", ["takeover", "open"])
