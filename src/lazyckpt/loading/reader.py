@@ -13,6 +13,11 @@ Checksums are verified off the readers (lazyckpt/checksums.py): a reader
 hands the block it read to a checksum thread and starts its next read at
 once, so the disk always has ``reader_threads`` requests and verification
 costs only the last block's hash.
+
+Runs smaller than ``SMALL_READ_BYTES`` (the entries a ``keys=`` selection
+picks out of a file of many tensors) are read ``SMALL_READ_DEPTH`` times
+deeper: such a request costs more in its latency than in its bytes, and only
+more of them in flight keep the disk busy.
 """
 
 from __future__ import annotations
@@ -30,9 +35,32 @@ from lazyckpt import checksums
 from lazyckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from lazyckpt.formats import datafile as fmt
 from lazyckpt.formats.names import rank_filename, step_dirname
+from lazyckpt.keptpools import KeptPool
 from lazyckpt.knobs import Options
 from lazyckpt.storage.base import Input, Store
 from lazyckpt.storage.fileio import read_buffer
+
+
+#: Runs (read requests) below this many bytes are read ``SMALL_READ_DEPTH`` x
+#: ``reader_threads`` at a time. Raw O_DIRECT reads of every other block of a
+#: 0.54 GB file, per byte of a sequential read (4 threads, 32 MiB pieces): 64 KiB
+#: blocks 0.57 at 4 in flight, 0.82 at 16; 264 KiB 0.84 and 1.06; 1 MiB 0.99 and
+#: 0.97; 4 MiB 0.93 and 0.91 (BENCHMARKS section 33).
+SMALL_READ_BYTES = 1 << 20
+SMALL_READ_DEPTH = 4
+
+_small_read_pools: Dict[int, KeptPool] = {}
+_small_read_pools_lock = threading.Lock()
+
+
+def small_read_pool(threads: int) -> KeptPool:
+    """The process's pool for small reads with ``threads`` in flight: kept, as
+    its threads end when idle (a load's own pool is ``reader_threads`` deep)."""
+    with _small_read_pools_lock:
+        pool = _small_read_pools.get(threads)
+        if pool is None:
+            pool = _small_read_pools[threads] = KeptPool(threads, f"lazyckpt-small-read{threads}")
+        return pool
 
 
 class CheckpointFile:
@@ -123,23 +151,34 @@ class CheckpointFile:
         # Runs that stay in the result share fresh buffers of up to chunk_bytes
         # (one allocation, not one per run), and their pieces go to the readers
         # in batches of up to ``batch`` bytes: one job and one checksum hand-off
-        # per batch, not per piece (1,000 keys of 130 KB: 910 runs).
+        # per batch, not per piece (1,000 keys of 130 KB: 910 runs). Small runs
+        # go to a deeper pool, in batches small enough to keep all of it busy.
         sizes = [fmt.align_up(self._run_end(r) - self.entries[r[0]].offset) for r in runs]
-        kept_total = sum(n for r, n in zip(runs, sizes) if not (staging is not None and r[0] in staged))
-        batch = max(256 << 10, min(4 << 20, kept_total // max(1, self.options.reader_threads)))
+        threads = max(1, self.options.reader_threads)
+        deep = SMALL_READ_DEPTH * threads
+        pools = {False: pool, True: small_read_pool(deep)}
+        kept = [(n < SMALL_READ_BYTES, n) for r, n in zip(runs, sizes) if not (staging is not None and r[0] in staged)]
+        kept_total = sum(n for _, n in kept)
+        small_total = sum(n for small, n in kept if small)
+        batch = {False: max(256 << 10, min(4 << 20, (kept_total - small_total) // threads)),
+                 True: max(4096, min(4 << 20, small_total // deep))}
         shared: List[Any] = [None, 0]       # [buffer, bytes used]
-        pending: List[_Piece] = []
+        pending: Dict[bool, List[_Piece]] = {False: [], True: []}
+        pending_bytes = {False: 0, True: 0}
 
-        def submit() -> None:
-            if pending:
-                jobs.append(self._read_and_verify(pool, fd, list(pending)))
-                pending.clear()
+        def submit(small: bool) -> None:
+            if pending[small]:
+                jobs.append(self._read_and_verify(pools[small], fd, list(pending[small])))
+                pending[small].clear()
+                pending_bytes[small] = 0
         try:
             for run, n in zip(runs, sizes):
                 start, end = self.entries[run[0]].offset, self._run_end(run)
+                small = n < SMALL_READ_BYTES
                 reuse = staging is not None and run[0] in staged     # a run is all staged or none
                 if reuse:
-                    submit()            # a take may wait for jobs: none may be held back here
+                    submit(False)       # a take may wait for jobs: none may be held back here
+                    submit(True)
                     buf = staging.take(n, lambda: _failed(jobs))
                     if buf is None:
                         break           # a read failed: raised below, after the others end
@@ -167,17 +206,19 @@ class CheckpointFile:
                 run_entries = [self.entries[i] for i in run]
                 pieces = [_Piece(view, start, lo, hi, run_entries, finished) for lo, hi in spans]
                 if reuse:
-                    run_jobs = [self._read_and_verify(pool, fd, [p]) for p in pieces]
+                    run_jobs = [self._read_and_verify(pools[small], fd, [p]) for p in pieces]
                     jobs.extend(run_jobs)
                     # Back to the staging buffers once every read of the run has ended
                     # (after on_entry copied it out, or after a failure).
                     _when_all_done(run_jobs, lambda buf=buf: staging.give(buf))
                     continue
                 for p in pieces:
-                    if pending and sum(q.hi - q.lo for q in pending) + (p.hi - p.lo) > batch:
-                        submit()
-                    pending.append(p)
-            submit()
+                    if pending[small] and pending_bytes[small] + (p.hi - p.lo) > batch[small]:
+                        submit(small)
+                    pending[small].append(p)
+                    pending_bytes[small] += p.hi - p.lo
+            submit(False)
+            submit(True)
             if while_reading is not None:
                 while_reading(out)
             # Every job ends before this returns or raises: none may still be
