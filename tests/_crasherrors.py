@@ -35,7 +35,10 @@
   have no next save in the same process. Kind "megatron" (tests/_crashmegatron.py)
   is read with plain Megatron's load: iter1 whole, iter2 whole where the save
   returned and refused as no checkpoint where it raised; its next save is iter2
-  again.
+  again. Kind "deepspeed" (tests/_crashdeepspeed.py) is read as DeepSpeed reads
+  a directory: ``latest`` names step1 where the save raised, step2 where it
+  returned, and that tag's files hold its weights; its next save is tag step2
+  again with the same engine.
 """
 
 from __future__ import annotations
@@ -297,7 +300,7 @@ def report_problems(raised: Optional[BaseException], fault: Optional[Dict[str, A
         return [f"the operation raised with no fault injected: {what}"]
     problems = []
     chain = _chain(raised)
-    if kind in ("dcp", "hf", "megatron"):
+    if kind in ("dcp", "hf", "megatron", "deepspeed"):
         # A framework wraps what the storage layer raised (DCP: CheckpointException).
         family = any(isinstance(e, (CheckpointError, OSError)) for e in chain)
     else:
@@ -458,6 +461,18 @@ def committed_megatron(ctx: Ctx, program: Program, raised: bool) -> List[str]:
     return problems + (["the operation raised, yet iter2 is a checkpoint and loads"] if raised else [])
 
 
+def committed_deepspeed(ctx: Ctx, program: Program, raised: bool) -> List[str]:
+    """Right after the operation, read as DeepSpeed reads a directory: ``latest``
+    names step1 where the save raised, step2 where it returned, and that tag's
+    files hold its weights (tests/_crashdeepspeed.py)."""
+    import _crashdeepspeed as cd
+    world = program.worlds[0] if raised else program.worlds[-1]
+    told = "the operation raised" if raised else "the operation returned"
+    return [f"{told}; {p}" for p in cd.committed_problems(os.path.join(ctx.case, "ds"),
+                                                          dataclasses.replace(program, worlds=[world]),
+                                                          "right after the operation")]
+
+
 # ----------------------------------------------------------------------------- one case
 
 def _error_child(program: Program, ctx: Ctx, k: int, side: str) -> Dict[str, Any]:
@@ -513,6 +528,20 @@ def _error_child(program: Program, ctx: Ctx, k: int, side: str) -> Dict[str, Any
                 out["world"] = World("next save", 2, {2: values})
         except BaseException as exc:
             problems.append(f"next save in the same process: iter2 again: {type(exc).__name__}: "
+                            f"{str(exc)[:500]}")
+    elif program.kind == "deepspeed":
+        problems += committed_deepspeed(ctx, program, raised is not None)
+        import _crashdeepspeed as cd
+        try:
+            directory = os.path.join(ctx.case, "ds")
+            cd.save(cd.LAST[0], directory, "step2")
+            if cd.read_latest(directory) != "step2" or differs(cd.values(2), cd.read_tag(directory, "step2")):
+                problems.append(f"next save in the same process: step2 saved again, then latest names "
+                                f"{cd.read_latest(directory)!r} / other weights")
+            else:
+                out["world"] = World("next save", 2, {2: cd.values(2)})
+        except BaseException as exc:
+            problems.append(f"next save in the same process: step2 again: {type(exc).__name__}: "
                             f"{str(exc)[:500]}")
     elif program.kind == "dcp":
         problems += committed_dcp(ctx, program, raised is not None)

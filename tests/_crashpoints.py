@@ -1006,7 +1006,7 @@ def check_case(ctx: Ctx, program: Program) -> List[str]:
         return _check_hf(ctx, program)
     if program.kind == "dcp":
         return _check_dcp(ctx, program)
-    if program.kind == "megatron":             # tests/_crashmegatron.py: its own checks
+    if program.kind in ("megatron", "deepspeed"):   # tests/_crashmegatron.py, _crashdeepspeed.py: their own checks
         return program.kwargs["check"](ctx, program)
     problems: List[str] = []
     directory = os.path.join(ctx.case, "run")
