@@ -302,7 +302,7 @@ class CheckpointFile:
 
         def verify() -> None:
             for p in pieces:
-                self._verify_block(p.view, p.run_start, p.lo, p.hi, p.entries)
+                self._verify_piece(p)
 
         def read() -> None:
             try:
@@ -331,24 +331,26 @@ class CheckpointFile:
             raise CorruptCheckpointError(f"{self.path}: truncated file (wanted {hi - lo} bytes at "
                                          f"offset {lo}, got {got})", path=self.path)
 
-    def _verify_block(self, view: memoryview, run_start: int, lo: int, hi: int, entries: List[fmt.Entry]) -> None:
-        """Check the checksums of the entry pieces inside file range [lo, hi) of a run."""
+    def _verify_piece(self, p: "_Piece") -> None:
+        """Check the checksums of the entries' bytes inside file range [lo, hi)
+        of a run, entry by entry. A run read whole by this one piece hands each
+        entry to ``on_entry`` as soon as it is verified: ``into=`` then copies
+        bytes the hash has just brought into cache, not the run's from memory."""
         block = self.footer.block_bytes
-        for a, b in fmt.block_spans(lo, hi - lo, block):
-            self._verify_span(view, run_start, a, b, entries)
-
-    def _verify_span(self, view: memoryview, run_start: int, lo: int, hi: int, entries: List[fmt.Entry]) -> None:
-        """Check the checksums of the entry pieces inside [lo, hi), within one checksum block."""
-        block = self.footer.block_bytes
-        for e in entries:
-            if e.offset + e.length <= lo or e.offset >= hi:
-                continue
+        view, base, lo, hi = p.view, p.run_start, p.lo, p.hi
+        each = p.finished is not None and p.finished.whole
+        for k, e in enumerate(p.entries):
             s, t = max(lo, e.offset), min(hi, e.offset + e.length)
-            k = s // block - e.offset // block
-            if fmt.checksum(view[s - run_start:t - run_start]) != e.checksums[k]:
-                raise CorruptCheckpointError(
-                    f"{self.path}: checksum mismatch in entry {e.name!r} at file offset {s} "
-                    f"(data damaged)", path=self.path, entry=e.name)
+            if s >= t:
+                continue
+            first = e.offset // block
+            for a, b in fmt.block_spans(s, t - s, block):
+                if fmt.checksum(view[a - base:b - base]) != e.checksums[a // block - first]:
+                    raise CorruptCheckpointError(
+                        f"{self.path}: checksum mismatch in entry {e.name!r} at file offset {a} "
+                        f"(data damaged)", path=self.path, entry=e.name)
+            if each:
+                p.finished.entry_done(k)
 
     def _plan_runs(self, indices: List[int], staged: Collection[int] = ()) -> List[List[int]]:
         """Group entries that sit next to each other in the file into one read
@@ -420,21 +422,31 @@ class _Piece:
 
 
 class _RunDone:
-    """Counts a run's verified blocks; the thread finishing the last one hands
-    the run's entries to ``on_entry``."""
+    """Counts a run's verified pieces; the thread finishing the last one hands
+    the run's entries to ``on_entry`` (those not handed one by one already:
+    a run of one piece hands each entry once verified, see ``_verify_piece``)."""
 
-    def __init__(self, blocks: int, run: List[int], out: Dict[int, torch.UntypedStorage],
+    def __init__(self, pieces: int, run: List[int], out: Dict[int, torch.UntypedStorage],
                  on_entry: Callable[[int, torch.UntypedStorage], None]):
-        self._left = blocks
+        self._left = pieces
         self._lock = threading.Lock()
         self.run, self.out, self.on_entry = run, out, on_entry
+        #: One piece holds the whole run: its entries can go one by one.
+        self.whole = pieces == 1
+        self._handed = 0                # entries handed one by one, in order
+
+    def entry_done(self, k: int) -> None:
+        """Entry ``k`` of a one-piece run is verified (its piece's checksum thread)."""
+        i = self.run[k]
+        self.on_entry(i, self.out[i])
+        self._handed = k + 1
 
     def block_done(self) -> None:
         with self._lock:
             self._left -= 1
             last = self._left == 0
         if last:
-            for i in self.run:
+            for i in self.run[self._handed:]:
                 self.on_entry(i, self.out[i])
 
 
