@@ -172,7 +172,10 @@ def test_fsdp2_sharded_save_and_resharding_load(tmp_path, saved_world, loaded_wo
 
 def _die_mid_save(rank, world, directory):
     from lazyckpt.storage import fileio
-    with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(commit_timeout=10),
+    # Rank 0 waits out the commit timeout twice for the dead rank 1 (step 2's commit, then
+    # its close): short, as the test's time is those waits; long enough for step 1's commit
+    # on a loaded machine.
+    with lazyckpt.Checkpointer(directory, distributed=lazyckpt.Distributed(commit_timeout=5),
                                host_cache_bytes=1 << 20) as ckpt:
         state = {"w": torch.randn(200_000) + rank}
         ckpt.save(state, step=1).wait()

@@ -158,8 +158,12 @@ def test_two_failures_in_one_replica_group_fall_back_to_the_persistent_tier(tmp_
 def _partner_dies(rank, world, base):
     big = {"x": torch.arange(250_000, dtype=torch.float32) + rank}
     out = {}
+    # The commit timeout bounds every wait for the dead rank 3 (node 1's commit of step 3,
+    # the replica rounds, rank 0's close): the test's time is mostly those waits. It must
+    # exceed one paced send (the whole 1 MB file is one chunk: the receiver waits ~5 s for
+    # it at 200 kB/s), with room for a loaded machine.
     with lazyckpt.Checkpointer(_node_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=NODE, bandwidth=200_000),
-                               distributed=lazyckpt.Distributed(commit_timeout=15)) as ckpt:
+                               distributed=lazyckpt.Distributed(commit_timeout=8)) as ckpt:
         ckpt.save({**_state(rank, 1), **big}, step=1).wait()
         ckpt.wait()                                    # step 1 replicated everywhere
         h2 = ckpt.save({**_state(rank, 2), **big}, step=2)
