@@ -426,3 +426,59 @@ def test_a_manifest_whose_version_is_damaged_is_corrupt_not_from_another_version
 def test_public_version_constants():
     # 2 is the newest written (files with "ref" entries); plain files are still version 1.
     assert lazyckpt.FORMAT_VERSION == 2 and tuple(lazyckpt.SUPPORTED_VERSIONS) == (1, 2)
+
+
+def _footer_entries(rng):
+    """A valid entries list: data and pickle entries in file order, some empty."""
+    block, offset, out = 65536, fmt_DATA_START, []
+    for i in range(rng.randint(1, 6)):
+        length = rng.choice([0, 1, 4096, 65535, 65536, 200000])
+        sums = [rng.randrange(1 << 64) for _ in range(lazyckpt.formats.datafile.block_count(offset, length, block))]
+        out.append({"name": f"e{i}", "kind": rng.choice(["data", "pickle"]), "offset": offset, "length": length,
+                    "checksums": sums})
+        offset += -(-length // PAGE) * PAGE + rng.choice([0, PAGE])
+    return out, offset
+
+
+fmt_DATA_START = 4096
+ENTRY_DAMAGE = [
+    lambda e, r: e.update(kind=r.choice(["remote", "ref", "tensor", 5, None, {"a": 1}, ["data"]])),
+    lambda e, r: e.update(offset=r.choice([0, 4095, 4097, -4096, 4096.0, True, "4096", None, 1 << 70])),
+    lambda e, r: e.update(length=r.choice([-1, 1 << 62, 1.5, False, None, "1"])),
+    lambda e, r: e.update(checksums=r.choice([[], [1, 2], [-1], [1 << 64], [1.0], [True], None, {}, "x"])),
+    lambda e, r: e.update(name=r.choice(["", 5, None, ["n"]])),
+    lambda e, r: e.pop(r.choice(["name", "kind", "offset", "length", "checksums"]), None),
+    lambda e, r: e.update(rank=0),
+    lambda e, r: type(e.get("offset")) is int and e.update(offset=e["offset"] + r.choice([-PAGE, PAGE])),
+]
+
+
+def test_footer_entry_checks_over_columns_agree_with_one_entry_at_a_time():
+    """decode_footer checks the common footer's entries column by column and
+    any other one entry by entry: the fast path accepts only what the entry
+    by entry checks accept, and builds the same entries."""
+    import random
+    from lazyckpt.formats import datafile as fmt
+    rng, accepted, refused = random.Random(5), 0, 0
+    for case in range(3000):
+        entries, end = _footer_entries(rng)
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            rng.choice(ENTRY_DAMAGE)(rng.choice(entries), rng)
+        if rng.random() < 0.1:
+            rng.shuffle(entries)
+        if rng.random() < 0.05:
+            entries[rng.randrange(len(entries))] = rng.choice([None, 5, "x", []])
+        footer_offset = end + rng.choice([0, 0, -PAGE])
+
+        def bad(why, entry=None):
+            return lazyckpt.CorruptCheckpointError(why)
+        try:
+            slow = fmt._checked_entries(entries, fmt.ENTRY_KINDS[2], footer_offset, 65536, bad)
+        except lazyckpt.CorruptCheckpointError:
+            slow = None
+        fast = fmt._plain_entries(entries, footer_offset, 65536)
+        if fast is not None:
+            assert fast == slow, (case, entries)
+            accepted += 1
+        refused += slow is None
+    assert accepted > 500 and refused > 500, (accepted, refused)

@@ -17,8 +17,10 @@ it does no I/O.
 from __future__ import annotations
 
 import json
+import operator
 import struct
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import xxhash
@@ -133,7 +135,7 @@ def parse_trailer(data: bytes, file_size: int, path: str, max_footer_bytes: int)
     return Trailer(offset, length, digest)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     """One run of bytes in the data region."""
     kind: str            # "data" (raw bytes), "pickle" (pickled object), "remote" or "ref"
@@ -262,10 +264,72 @@ def decode_footer(raw: bytes, footer_offset: int, path: str) -> Footer:
     raw_entries = doc.get("entries")
     if not isinstance(raw_entries, list):
         raise bad("entries is not a list")
+    entries = _plain_entries(raw_entries, footer_offset, block_bytes)
+    if entries is None:
+        entries = _checked_entries(raw_entries, ENTRY_KINDS[doc["format_version"]], footer_offset, block_bytes, bad)
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise bad("metadata is not an object")
+    if "tree" not in doc:
+        raise bad("no tree")
+    return Footer(doc["format_version"], block_bytes, entries, doc["tree"], metadata)
+
+
+_column = operator.itemgetter("kind", "offset", "length", "checksums", "name")
+_PLAIN_KINDS = {"data", "pickle"}
+_INT, _STR, _LIST = {int}, {str}, {list}
+_new_entry = object.__new__
+_set_kind, _set_offset, _set_length, _set_checksums, _set_name, _set_rank, _set_ref = (
+    Entry.__dict__[f].__set__ for f in ("kind", "offset", "length", "checksums", "name", "rank", "ref"))
+
+
+def _entry(kind: str, offset: int, length: int, checksums: List[int], name: str) -> Entry:
+    """``Entry(kind, offset, length, checksums, name)`` without the frozen
+    dataclass's ``__init__`` (half the cost, once per entry of every load)."""
+    e = _new_entry(Entry)
+    _set_kind(e, kind), _set_offset(e, offset), _set_length(e, length), _set_checksums(e, checksums)
+    _set_name(e, name), _set_rank(e, None), _set_ref(e, None)
+    return e
+
+
+def _plain_entries(raw_entries: List[Any], footer_offset: int, block_bytes: int) -> Optional[List[Entry]]:
+    """The entries of the common footer -- named "data" and "pickle" entries in
+    file order, none overlapping -- with every check of :func:`_checked_entries`
+    made over whole columns (2,000 entries: ~0.6 ms against ~3 ms one entry
+    at a time); None for any other footer, valid or not, which that function
+    then checks (and words the error of) one entry at a time."""
+    try:
+        kinds, offsets, lengths, sums, names = zip(*map(_column, raw_entries))
+    except (TypeError, KeyError, ValueError):   # not a dict, a missing field, no entries
+        return None
+    if not (set(map(type, kinds)) == _STR and set(kinds) <= _PLAIN_KINDS   # types first: a dict is unhashable
+            and set(map(type, offsets)) == _INT == set(map(type, lengths))
+            and set(map(type, sums)) == _LIST and set(map(type, names)) == _STR and all(names)
+            and min(offsets) >= DATA_START and min(lengths) >= 0
+            and not any(map(ALIGNMENT.__rmod__, offsets))
+            and max(map(operator.add, offsets, lengths)) <= footer_offset):
+        return None
+    # One checksum per block each entry overlaps (block_count), all u64.
+    if list(map(len, sums)) != [(o + n - 1) // block_bytes - o // block_bytes + 1 if n else 0
+                                for o, n in zip(offsets, lengths)]:
+        return None
+    flat = list(chain.from_iterable(sums))
+    if flat and not (set(map(type, flat)) == _INT and min(flat) >= 0 and max(flat) < 1 << 64):
+        return None
+    # In file order with no overlap (each entry with bytes starts at or after
+    # the previous one's end): otherwise the sorted check decides.
+    held = [(o, o + n) for o, n in zip(offsets, lengths) if n]
+    if not all(map(operator.le, [end for _, end in held[:-1]], [o for o, _ in held[1:]])):
+        return None
+    return list(map(_entry, kinds, offsets, lengths, sums, names))
+
+
+def _checked_entries(raw_entries: List[Any], kinds: Tuple[str, ...], footer_offset: int, block_bytes: int,
+                     bad: Callable[..., CorruptCheckpointError]) -> List[Entry]:
+    """Every entry checked one at a time: any footer, and the first error in
+    entry order raised with its words."""
     entries = []
-    kinds = ENTRY_KINDS[doc["format_version"]]
-    # Once per entry on every load's path (2,000 entries: ~6 us each): JSON
-    # gives exact ints, so ``type(x) is int`` is ``_is_int`` here.
+    # JSON gives exact ints, so ``type(x) is int`` is ``_is_int`` here.
     for i, e in enumerate(raw_entries):
         if not isinstance(e, dict):
             raise bad("entry is not an object", f"entry {i}")
@@ -298,12 +362,7 @@ def decode_footer(raw: bytes, footer_offset: int, path: str) -> Footer:
         if e.offset < previous_end:
             raise bad(f"entry overlaps entry {previous!r}", e.name)
         previous_end, previous = e.offset + e.length, e.name
-    metadata = doc.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise bad("metadata is not an object")
-    if "tree" not in doc:
-        raise bad("no tree")
-    return Footer(doc["format_version"], block_bytes, entries, doc["tree"], metadata)
+    return entries
 
 
 def read_ends(size: int, read: Callable[[int, int], bytes], path: str,
