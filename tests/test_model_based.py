@@ -356,12 +356,14 @@ def test_kills_inside_rollback_commits_and_takeovers_keep_the_line_of_history(cf
 
 
 @pytest.mark.parametrize("cfg,keep_last", [
-    # Slow (about 40 s in CI): the same program as incremental-keep-all, whose saves go
-    # through the same index and listing with every step kept, less the deltas; keep-3
-    # is the full saves' long history in CI.
+    # Both keep-all variants are slow (about 40 s each in CI): the same program, whose saves
+    # go through the same index and listing with every step kept (incremental-keep-all adds
+    # the deltas). CI runs keep-3, the same program's index on a long line with pruning;
+    # the index with every step kept is tests/test_long_history.py's (keep=None, case by
+    # case), the deltas tests/test_incremental*.py's and the incremental model programs'.
     pytest.param(Config(), None, marks=[pytest.mark.slow], id="keep-all"),
     pytest.param(Config(), 3, id="keep-3"),
-    pytest.param(Config(incremental=True), None, id="incremental-keep-all")])
+    pytest.param(Config(incremental=True), None, marks=[pytest.mark.slow], id="incremental-keep-all")])
 def test_a_long_history_keeps_the_index_on_the_line(cfg, keep_last, tmp_path):
     """Issue 34: hundreds of steps (past the record's bounded window), rollbacks
     into them and kills inside their commits: the index (the latest step in a few
