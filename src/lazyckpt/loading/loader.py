@@ -126,6 +126,36 @@ class _EarlyDecode:
             self.state = None           # decoded again after the reads, where errors are raised
 
 
+def _scan(tree: Any) -> Tuple[bool, Optional[set]]:
+    """(whether any node is a pickle node, the entries the tree refers to) in
+    one walk: :func:`_has_pickle` and :func:`referenced_entries` (no ``skip``)
+    walk the nodes :func:`tree_nodes` yields twice, this once, without a
+    generator or a prune call per node (2,000 tensors: 0.5 against 1.0 ms,
+    before the first read). The entries are None where a DTensor node is found:
+    :func:`referenced_entries` leaves its subtree out, so the caller asks it."""
+    entries: set = set()
+    pickle = dtensor = False
+    stack = [tree]
+    pop, push, add = stack.pop, stack.extend, entries.add
+    while stack:
+        n = pop()
+        if isinstance(n, dict):
+            tag = n.get("$")
+            e = n.get("e")
+            if type(e) is int:
+                add(e)
+            if tag == "tensor":
+                continue
+            if tag == "pickle":
+                pickle = True
+            elif tag == "dtensor":
+                dtensor = True
+            push(v for v in n.values() if isinstance(v, (dict, list)))
+        elif isinstance(n, list):
+            push(v for v in n if isinstance(v, (dict, list)))
+    return pickle, None if dtensor else entries
+
+
 def _has_pickle(node: Any) -> bool:
     """Whether any node of the tree is a pickle node (:func:`tree_nodes`: one
     pass, no path per node as :func:`_find_pickle` keeps for its message)."""
@@ -311,7 +341,8 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
             raise MissingKeyError(f"{path}: the checkpoint has no value for {len(unfilled)} tensor(s) of "
                                   f"into=: {shown}; nothing was loaded (pass strict=False to load the "
                                   f"rest and keep these as they are)", path=path, missing=unfilled)
-    if not allow_pickle:
+    pickled, referenced = _scan(tree)
+    if not allow_pickle and pickled:
         found = _find_pickle(tree, [])
         if found is not None:
             node, trail = found
@@ -325,9 +356,17 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     sliced = plain_into_dtensor(tree, into) if into is not None else {}
     if graft:
         sliced = {i: t for i, t in sliced.items() if not grafted_node(tree, i)}
-    referenced = referenced_entries(tree, skip=set(sliced))
-    needed = [e for e in referenced if 0 <= e < len(f.entries)]
-    local = [e for e in needed if f.entries[e].kind != "remote"]
+    if referenced is None or sliced:
+        referenced = referenced_entries(tree, skip=set(sliced))
+    entries = f.entries
+    needed = [e for e in referenced if 0 <= e < len(entries)]
+    local: List[int] = []
+    remote: Dict[int, list] = {}
+    for e in needed:
+        if entries[e].kind == "remote":
+            remote.setdefault(entries[e].rank, []).append(e)
+        else:
+            local.append(e)
     # into=: a tensor filled one to one is copied as soon as its entry is read
     # and verified, on the reader threads, while later entries are still being
     # read (and, for device targets, its host-to-device copy with them).
@@ -353,7 +392,16 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
             filled[id(node)] = target
         if e in staged:
             del storages[e]             # a reused buffer: the next run's bytes go there
-    kinds_of = {e: f.entries[e].content_kind for e in local}
+    kinds_of: Dict[int, str] = {}
+
+    def note_kinds() -> None:
+        # What each entry read holds. fill_now needs it as entries arrive; a load
+        # without into= only once its reads are submitted (while_reading).
+        if not kinds_of:
+            kinds_of.update((e, "data" if entries[e].kind == "ref" else entries[e].kind) for e in local)
+            kinds.update(kinds_of)
+    if direct:
+        note_kinds()
     staged = staged_entries(tree, direct) if direct else set()
     # A plain load decodes its tree while its reads run (tensor nodes only build
     # views of storages whose bytes arrive later); its state is returned only
@@ -361,14 +409,15 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
     # back to decoding after the reads (BytesNotReady).
     early = _EarlyDecode(tree, kinds_of, map_location, ctx) \
         if into is None and not graft and not sliced else None
+
+    def while_reading(out: Dict[int, torch.UntypedStorage]) -> None:
+        note_kinds()
+        if early is not None:
+            early.run(out)
     storages.update(f.read_entries(local, pool, (lambda e, d: fill_now(e, d, kinds_of[e])) if direct else None,
-                                   staged=staged, while_reading=early.run if early is not None else None))
+                                   staged=staged, while_reading=while_reading))
     staged = set()                      # the other files' reads below return what they read
-    kinds.update(kinds_of)
-    remote: Dict[int, list] = {}
-    for e in needed:
-        if f.entries[e].kind == "remote":
-            remote.setdefault(f.entries[e].rank, []).append(e)
+    note_kinds()
     if remote and step is None:
         raise CorruptCheckpointError(f"{path}: refers to other ranks' files; load the step directory",
                                      path=path)
