@@ -195,7 +195,8 @@ class IO:
     """How checkpoints are written and read. Every field but ``guard_buffers``
     defaults to None: ``LAZYCKPT_<FIELD>`` when set, else the default named.
 
-    ``writer_threads``, ``reader_threads`` (4 each). ``o_direct``: True, False
+    ``writer_threads``, ``reader_threads`` (4 each; reads under 1 MiB, such as a
+    ``keys=`` selection of small tensors, go 4 x ``reader_threads`` at a time). ``o_direct``: True, False
     or "auto" (each transfer in whichever mode measured faster; default).
     ``chunk_bytes``: the unit of copy, write and checksum, a multiple of 4096
     ("32M"). ``verify_checksums`` (True). ``max_footer_bytes``: a reader refuses
