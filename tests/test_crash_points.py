@@ -737,3 +737,46 @@ def test_a_finalized_megatron_save_survives_a_power_loss(mode, tmp_path):
     result = cp.run_case(MEGATRON, str(tmp_path), n + 1, mode)
     assert result["op"].startswith(cp.END_POINT), result
     assert not result["problems"], result
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's checkpoint engine
+
+from _crashdeepspeed import deepspeed_program  # noqa: E402
+
+DEEPSPEED = deepspeed_program()
+#: CI's samples (every point of every mode is slow): every DEEPSPEED_EVERY-th point and
+#: the last (the directory's fsync after latest's rename), the error mode from the first
+#: point (so the two part files' directory fsyncs, points 17 and 25 of 30), the kill mode
+#: from the fifth: 10 cases, about 3 s here plus the fork server's DeepSpeed imports (3 s).
+#: The power modes' every point and #end are slow.
+DEEPSPEED_EVERY = 8
+
+
+def _deepspeed_cases():
+    for mode in ("error",) + cp.MODES + tuple(VARIANTS):
+        yield pytest.param(mode, 1, 1, marks=[pytest.mark.slow], id=f"deepspeed-lazyckpt-{mode}")
+        if mode in ("error", "kill"):
+            yield pytest.param(mode, DEEPSPEED_EVERY, 1 if mode == "error" else 5,
+                               id=f"deepspeed-lazyckpt-{mode}-every{DEEPSPEED_EVERY}")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode,every,first", list(_deepspeed_cases()))
+def test_every_crash_point_of_a_deepspeed_save(mode, every, first, tmp_path):
+    """DeepSpeed's ``save_checkpoint`` of tag step2 beside committed step1 through
+    ``LazyCheckpointEngine`` (tests/_crashdeepspeed.py: ZeRO 1, two part files,
+    each renamed in and its directory fsynced, then ``latest``): crashed before
+    each call (or, in error mode, the call failing and the process going on),
+    ``latest`` names a committed tag whose files ``torch.load`` reads with its
+    weights, and a fresh engine's ``load_checkpoint`` and save work."""
+    from _frameworks import require
+    require("deepspeed")
+    if mode == "error":
+        outcome = ce.enumerate_program(DEEPSPEED, str(tmp_path), every=every, always_last=1)
+    else:
+        outcome = cp.enumerate_program(DEEPSPEED, mode, str(tmp_path), every=every, always_last=1, first=first)
+    _SUMMARY.append((DEEPSPEED.name if every == 1 else f"{DEEPSPEED.name}/{every}", mode, outcome.points,
+                     outcome.checked, len(outcome.violations), outcome.seconds))
+    print(cp.summarize(outcome))
+    assert outcome.points > 0
+    assert not outcome.violations, cp.summarize(outcome)

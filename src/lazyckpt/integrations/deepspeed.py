@@ -62,7 +62,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from lazyckpt.distributed import RankInfo, agree, depart, rank_info, refuse
-from lazyckpt.errors import CheckpointError
+from lazyckpt.errors import CheckpointError, CheckpointWriteError
 from lazyckpt.knobs import Options, resolve
 from lazyckpt.loading.loader import _find_pickle, load_file
 from lazyckpt.loading.request import LoadRequest
@@ -121,8 +121,20 @@ class TagCommit(CommitStrategy):
             self._write_latest()
 
     def _write_latest(self) -> None:
-        if self.info.save_latest:
-            write_file_atomic(os.path.join(self.info.save_dir, "latest"), str(self.info.tag).encode())
+        if not self.info.save_latest:
+            return
+        path = os.path.join(self.info.save_dir, "latest")
+        tag = str(self.info.tag).encode()
+        try:
+            with open(path, "rb") as f:
+                before: Optional[bytes] = f.read()
+        except FileNotFoundError:
+            before = None
+        try:
+            write_file_atomic(path, tag)
+        except OSError as exc:
+            _take_back_latest(path, tag, before, exc)
+            raise
 
     def abort(self, job: Job, error: BaseException) -> None:
         for part in job.parts:
@@ -134,6 +146,40 @@ class TagCommit(CommitStrategy):
 
     def failure_message(self, job: Job, cause: str) -> str:
         return f"DeepSpeed checkpoint {self.info.tag!r} in {self.info.save_dir} failed: {cause}"
+
+
+def _take_back_latest(path: str, tag: bytes, before: Optional[bytes], exc: OSError) -> None:
+    """``latest`` could not be written durably (its write, its rename or the
+    directory's fsync failed). Where the rename had already made it name the
+    new tag, it is put back to what it named before (removed if there was
+    none): a tag whose commit failed is never the one ``load_checkpoint``
+    resumes from, since a power loss may take that ``latest`` back. Raises the
+    error that says so, chained to ``exc``; returns where ``latest`` is as
+    before."""
+    try:
+        with open(path, "rb") as f:
+            now: Optional[bytes] = f.read()
+    except OSError:
+        now = None
+    if now != tag or before == tag:
+        return                          # not renamed over (or it named this tag already): nothing to undo
+    what = f"writing {path} durably failed ({exc})"
+    try:
+        if before is None:
+            os.unlink(path)
+            try:
+                fsync_dir(os.path.dirname(path))
+            except OSError:
+                pass                    # an unlink a power loss takes back leaves the new latest: the next save fixes it
+        else:
+            write_file_atomic(path, before)
+    except OSError as undo:
+        raise CheckpointWriteError(
+            f"{what}, and putting it back failed ({undo}): it names tag {tag.decode()!r}, whose commit "
+            f"failed; write the previous tag's name into it, or save again", path=path) from exc
+    named = f"tag {before.decode(errors='replace')!r}" if before is not None else "no tag (it is removed)"
+    raise CheckpointWriteError(f"{what}: it is put back and names {named} as before; the new tag's files are in "
+                               f"place but not committed; save again", path=path) from exc
 
 
 class LazyCheckpointEngine(CheckpointEngine):
