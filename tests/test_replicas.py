@@ -160,16 +160,16 @@ def _partner_dies(rank, world, base):
     out = {}
     # The commit timeout bounds every wait for the dead rank 3 (node 1's commit of step 3,
     # the replica rounds, rank 0's close): the test's time is mostly those waits. It must
-    # exceed one paced send (the whole 1 MB file is one chunk: the receiver waits ~5 s for
-    # it at 200 kB/s), with room for a loaded machine.
-    with lazyckpt.Checkpointer(_node_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=NODE, bandwidth=200_000),
-                               distributed=lazyckpt.Distributed(commit_timeout=8)) as ckpt:
+    # exceed one paced send (the whole 1 MB file is one chunk: the receiver waits ~2.6 s for
+    # it at 400 kB/s), with room for a loaded machine.
+    with lazyckpt.Checkpointer(_node_dir(base, rank), replicas=lazyckpt.Replicas(1, node_size=NODE, bandwidth=400_000),
+                               distributed=lazyckpt.Distributed(commit_timeout=5.5)) as ckpt:
         ckpt.save({**_state(rank, 1), **big}, step=1).wait()
         ckpt.wait()                                    # step 1 replicated everywhere
         h2 = ckpt.save({**_state(rank, 2), **big}, step=2)
         h2.wait()                                      # committed on every node's local tier
         if rank == 3:
-            time.sleep(1.0)                            # mid-transfer: ~5 s at 200 kB/s
+            time.sleep(1.0)                            # mid-transfer: ~2.6 s at 400 kB/s
             os._exit(1)
         try:
             ckpt.save({**_state(rank, 3), **big}, step=3).wait()
