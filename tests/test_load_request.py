@@ -96,3 +96,39 @@ def test_a_misspelled_load_parameter_names_the_right_one(tmp_path, load):
         load(tmp_path / "m.lzc", mapp_location="cpu")
     with pytest.raises(TypeError, match="did you mean allow_pickle="):
         load(tmp_path / "m.lzc", allow_pickles=True)
+
+
+def test_a_load_leaves_the_garbage_collector_as_it_found_it(tmp_path):
+    """A load holds the cyclic collector off until its reads are submitted:
+    after it, ended or failed, the collector is on again, or still off where
+    the caller had turned it off."""
+    import gc
+    path = str(tmp_path / "s.lzc")
+    lazyckpt.save({f"t{i}": torch.full((3,), float(i)) for i in range(50)}, path)
+    assert gc.isenabled()
+    try:
+        assert lazyckpt.load(path)["t7"][0] == 7
+        assert gc.isenabled()
+        with pytest.raises(lazyckpt.CheckpointNotFoundError):
+            lazyckpt.load(str(tmp_path / "missing.lzc"))
+        assert gc.isenabled()
+        damaged = str(tmp_path / "damaged.lzc")
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        data[-100] ^= 0xFF                      # inside the footer: its checksum fails
+        with open(damaged, "wb") as f:
+            f.write(data)
+        with pytest.raises(lazyckpt.CorruptCheckpointError):
+            lazyckpt.load(damaged)
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            assert lazyckpt.load(path)["t3"][0] == 3
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        handles = [lazyckpt.load_async(path) for _ in range(4)]   # holds that overlap
+        assert all(h.wait()["t9"][0] == 9 for h in handles)
+        assert gc.isenabled()
+    finally:
+        gc.enable()
