@@ -20,25 +20,11 @@ import textwrap
 import time
 
 import pytest
-import torch
 
 import lazyckpt
 from lazyckpt.cli.prune import prune
 
-
-def _state(step):
-    return {"w": torch.arange(8, dtype=torch.float32) + step}
-
-
-def _is(state, step):
-    return torch.equal(state["w"], _state(step)["w"])
-
-
-def _make(d, steps):
-    with lazyckpt.Checkpointer(d, keep=None) as ck:
-        for s in steps:
-            ck.save(_state(s), s)
-        ck.wait()
+from _steps import is_step_state, make_steps, step_state
 
 
 def _dead_lease(d):
@@ -57,8 +43,7 @@ class _Other:
     PRELUDE = textwrap.dedent("""
         import json, sys, torch, lazyckpt
         d = sys.argv[1]
-        def state(step):
-            return {"w": torch.arange(8, dtype=torch.float32) + step}
+        from _steps import step_state as state
         def say(what):
             print(json.dumps(what), flush=True)
         def listen():
@@ -134,7 +119,7 @@ def test_a_displaced_writers_close_never_removes_the_takeovers_lease(tmp_path, m
     d = tmp_path / "run"
     d.mkdir()
     ck = lazyckpt.Checkpointer(d, keep=None)
-    ck.save(_state(1), 1).wait()
+    ck.save(step_state(1), 1).wait()
     other = _Other(d, """
         ck = lazyckpt.Checkpointer(d, keep=None, takeover=True)
         h = ck.save(state(100), 100)            # takes the lease over
@@ -167,7 +152,7 @@ def test_a_displaced_writers_close_never_removes_the_takeovers_lease(tmp_path, m
         other.end()
     assert result == {"ok": True, "steps": [1, 100, 101]}, result
     with lazyckpt.Checkpointer(d, keep=None) as again:
-        assert _is(again.load(), 101) and again.loaded_from["step"] == 101
+        assert is_step_state(again.load(), 101) and again.loaded_from["step"] == 101
 
 
 _WRITER_BESIDE = """
@@ -193,7 +178,7 @@ def test_a_writer_beside_a_stalled_dead_lease_removal_takes_the_lease(tmp_path, 
     stalls there; a writer starting beside it must not be refused as if a live
     writer held the lease: it waits for the removal, then takes the lease."""
     d = tmp_path / "run"
-    _make(d, [1])
+    make_steps(d, [1])
     _dead_lease(d)
     writer = _writer_beside(d)
     heard = {}
@@ -208,7 +193,7 @@ def test_a_writer_beside_a_stalled_dead_lease_removal_takes_the_lease(tmp_path, 
             assert [a["done"] for a in report["actions"] if a["what"] == "dead-writer"] == [True]
         else:
             reader = lazyckpt.Checkpointer(d, keep=None)
-            assert _is(reader.load(), 1)
+            assert is_step_state(reader.load(), 1)
             deadline = time.monotonic() + 60
             while "done" not in box and time.monotonic() < deadline:
                 time.sleep(0.05)                # the scan at open removes it in the background
@@ -226,7 +211,7 @@ def test_a_writer_beside_a_dead_lease_removal_stalled_past_the_expiry_is_refused
     writer is refused with an error that says what holds it up and what to do,
     and commits nothing."""
     d = tmp_path / "run"
-    _make(d, [1])
+    make_steps(d, [1])
     _dead_lease(d)
     writer = _writer_beside(d, "{'io': lazyckpt.IO(lease_expiry=1.0)}")
     heard = {}

@@ -19,7 +19,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 import lazyckpt
 import lazyckpt.storage.layout as layout_mod
@@ -27,20 +26,7 @@ from lazyckpt.cli.prune import prune
 from lazyckpt.storage.layout import CheckpointDir
 from lazyckpt.storage.record import LocalRecord
 
-
-def _state(step):
-    return {"w": torch.arange(8, dtype=torch.float32) + step}
-
-
-def _is(state, step):
-    return torch.equal(state["w"], _state(step)["w"])
-
-
-def _make(d, steps):
-    with lazyckpt.Checkpointer(d, keep=None) as ck:
-        for s in steps:
-            ck.save(_state(s), s)
-        ck.wait()
+from _steps import is_step_state, make_steps, step_state
 
 
 # --------------------------------------------------------------------------- prune beside a commit
@@ -50,14 +36,14 @@ def test_prune_beside_a_rollback_never_deletes_the_new_step(tmp_path, monkeypatc
     a rollback that commits a new step 3 between the plan and the act must not
     lose it: the deletions are decided and done under the commit lock."""
     d = tmp_path / "run"
-    _make(d, range(1, 6))
+    make_steps(d, range(1, 6))
     real_retire = CheckpointDir._retire
     box = {}
 
     def commit_rollback():
         try:
             with lazyckpt.Checkpointer(d, keep=None) as ck:
-                ck.save(_state(30), 3).wait()
+                ck.save(step_state(30), 3).wait()
         except BaseException as exc:          # reported by the test below
             box["error"] = exc
 
@@ -73,9 +59,9 @@ def test_prune_beside_a_rollback_never_deletes_the_new_step(tmp_path, monkeypatc
     monkeypatch.undo()
     assert "error" not in box, box.get("error")
     # Whichever order the two took, the rollback's step 3 is committed and is the latest.
-    assert _is(lazyckpt.load(d), 30)
+    assert is_step_state(lazyckpt.load(d), 30)
     with lazyckpt.Checkpointer(d, keep=None) as ck:
-        assert ck.steps()[-1] == 3 and _is(ck.load(3), 30)
+        assert ck.steps()[-1] == 3 and is_step_state(ck.load(3), 30)
     # The report says what prune itself did: its kept steps were on the line when it finished.
     deleted = sorted(a["step"] for a in report["actions"] if a["what"] == "step" and a["done"])
     assert not set(deleted) & set(report["kept"])
@@ -86,7 +72,7 @@ def test_prune_report_says_what_it_kept_when_the_line_changed(tmp_path, monkeypa
     """Prune plans on one listing; if a rollback commits before prune takes the
     lock, it deletes by the line it finds under the lock and reports that."""
     d = tmp_path / "run"
-    _make(d, range(1, 6))
+    make_steps(d, range(1, 6))
     real_retire_old = CheckpointDir.retire_old
     box = {}
 
@@ -94,12 +80,12 @@ def test_prune_report_says_what_it_kept_when_the_line_changed(tmp_path, monkeypa
         if "done" not in box:
             box["done"] = True
             with lazyckpt.Checkpointer(d, keep=None) as ck:
-                ck.save(_state(30), 3).wait()
+                ck.save(step_state(30), 3).wait()
         return real_retire_old(self, policy, **kw)
     monkeypatch.setattr(CheckpointDir, "retire_old", retire_old)
     report = prune(str(d), keep=2)
     monkeypatch.undo()
-    assert _is(lazyckpt.load(d), 30)
+    assert is_step_state(lazyckpt.load(d), 30)
     with lazyckpt.Checkpointer(d, keep=None) as ck:
         assert ck.steps() == report["kept"] == [2, 3]
     done = sorted(a["step"] for a in report["actions"] if a["what"] == "step" and a["done"])
@@ -114,7 +100,7 @@ def test_prune_of_an_s3_directory_beside_a_rollback_keeps_the_new_step(s3_server
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     url = f"s3://{s3_bucket}/run"
-    _make(url, range(1, 6))
+    make_steps(url, range(1, 6))
     real_drop = ObjectCheckpointDir._drop
     box = {}
 
@@ -122,16 +108,16 @@ def test_prune_of_an_s3_directory_beside_a_rollback_keeps_the_new_step(s3_server
         if "done" not in box and not even_if_read:        # prune's first deletion (not a supersede)
             box["done"] = True
             with lazyckpt.Checkpointer(url, keep=None) as ck:
-                ck.save(_state(30), 3).wait()
+                ck.save(step_state(30), 3).wait()
         return real_drop(self, step, save_id, even_if_read)
     monkeypatch.setattr(ObjectCheckpointDir, "_drop", drop)
     report = prune(url, keep=2)
     monkeypatch.undo()
     assert box["done"]
-    assert _is(lazyckpt.load(url), 30)
+    assert is_step_state(lazyckpt.load(url), 30)
     with lazyckpt.Checkpointer(url, keep=None) as ck:
         steps = ck.steps()
-        assert steps[-1] == 3 and _is(ck.load(3), 30)
+        assert steps[-1] == 3 and is_step_state(ck.load(3), 30)
     assert set(report["kept"]) <= set(steps), (report["kept"], steps)
 
 
@@ -156,13 +142,13 @@ def test_directory_fsync_error_right_after_the_rename(tmp_path, monkeypatch, rol
     new = 2 if rollback else 4
     with lazyckpt.Checkpointer(d, keep=None) as ck:
         for s in (1, 2, 3):
-            ck.save(_state(s), s)
+            ck.save(step_state(s), s)
         ck.wait()
         monkeypatch.setattr(layout_mod, "fsync_dir", fsync)
         armed["on"] = True
         error = None
         try:
-            ck.save(_state(40), new).wait()
+            ck.save(step_state(40), new).wait()
         except lazyckpt.CheckpointError as exc:
             error = exc
         monkeypatch.undo()
@@ -170,14 +156,14 @@ def test_directory_fsync_error_right_after_the_rename(tmp_path, monkeypatch, rol
         assert error is not None, "a commit whose durability is unknown is reported failed"
         # Undone consistently: the listing, the latest and the record are the line before.
         assert ck.steps() == [1, 2, 3]
-        assert _is(ck.load(), 3) and _is(ck.load(2), 2)
+        assert is_step_state(ck.load(), 3) and is_step_state(ck.load(2), 2)
         assert LocalRecord(str(d)).committing().event.step == 3
         assert not any(n.startswith((".tmp-step_", ".abandoned-")) for n in os.listdir(d)), os.listdir(d)
         # The same process retries the step.
-        ck.save(_state(40), new).wait()
+        ck.save(step_state(40), new).wait()
         assert ck.steps() == ([1, 2] if rollback else [1, 2, 3, 4])
-        assert _is(ck.load(), 40)
-    assert _is(lazyckpt.load(d), 40)          # and a restart agrees
+        assert is_step_state(ck.load(), 40)
+    assert is_step_state(lazyckpt.load(d), 40)          # and a restart agrees
 
 
 # --------------------------------------------------------------------------- a dead writer lease
@@ -196,7 +182,7 @@ def test_removing_a_dead_writer_lease_never_removes_a_live_one(tmp_path, monkeyp
     removal acts: it must look at the file it would unlink (its lock, the same
     inode), not the name, and keep the live lease."""
     d = tmp_path / "run"
-    _make(d, [1])
+    make_steps(d, [1])
     _dead_lease(d)
     box = {}
     if remover == "prune":
@@ -205,7 +191,7 @@ def test_removing_a_dead_writer_lease_never_removes_a_live_one(tmp_path, monkeyp
         def remove(self, leftovers):
             if "ck" not in box:
                 box["ck"] = lazyckpt.Checkpointer(d, keep=None)
-                box["ck"].save(_state(2), 2).wait()       # the restarted run holds the lease
+                box["ck"].save(step_state(2), 2).wait()       # the restarted run holds the lease
             return real(self, leftovers)
         monkeypatch.setattr(CheckpointDir, "remove_leftovers", remove)
         prune(str(d), keep=5)
@@ -218,7 +204,7 @@ def test_removing_a_dead_writer_lease_never_removes_a_live_one(tmp_path, monkeyp
             if "busy" not in box and any(x.kind == "dead-writer" for x in found):
                 box["busy"] = True
                 box["ck"] = lazyckpt.Checkpointer(d, keep=None)   # ...and the run restarts in between
-                box["ck"].save(_state(2), 2).wait()
+                box["ck"].save(step_state(2), 2).wait()
             return found
         monkeypatch.setattr(CheckpointDir, "leftovers", leftovers)
         reader = lazyckpt.Checkpointer(d, keep=None)
@@ -227,7 +213,7 @@ def test_removing_a_dead_writer_lease_never_removes_a_live_one(tmp_path, monkeyp
     ck = box["ck"]
     try:
         assert os.path.exists(d / ".writer")
-        ck.save(_state(3), 3).wait()          # the restarted run still holds its lease
+        ck.save(step_state(3), 3).wait()          # the restarted run still holds its lease
         assert ck.steps() == [1, 2, 3]
     finally:
         ck.close()
@@ -240,7 +226,7 @@ def test_a_writer_meeting_the_lock_of_a_dead_lease_removal_takes_the_lease(tmp_p
     import fcntl
     from lazyckpt.storage import locks
     d = tmp_path / "run"
-    _make(d, [1])
+    make_steps(d, [1])
     _dead_lease(d)
     real_flock = locks._flock
     box = {}
@@ -253,7 +239,7 @@ def test_a_writer_meeting_the_lock_of_a_dead_lease_removal_takes_the_lease(tmp_p
             def restart():
                 try:
                     with lazyckpt.Checkpointer(d, keep=None) as ck:
-                        ck.save(_state(2), 2).wait()
+                        ck.save(step_state(2), 2).wait()
                         box["steps"] = ck.steps()
                 except BaseException as exc:
                     box["error"] = exc
@@ -281,13 +267,13 @@ def test_a_writer_meeting_the_lock_of_a_dead_lease_removal_takes_the_lease(tmp_p
 
 def test_a_dead_writer_lease_is_still_removed(tmp_path):
     d = tmp_path / "run"
-    _make(d, [1])
+    make_steps(d, [1])
     _dead_lease(d)
     report = prune(str(d), keep=5)
     assert [a["done"] for a in report["actions"] if a["what"] == "dead-writer"] == [True]
     assert not os.path.exists(d / ".writer")
     with lazyckpt.Checkpointer(d, keep=None) as ck:
-        ck.save(_state(2), 2).wait()
+        ck.save(step_state(2), 2).wait()
 
 
 # --------------------------------------------------------------------------- close and the leftover scan
@@ -302,7 +288,7 @@ def test_close_does_not_wait_for_the_leftover_scan(tmp_path, monkeypatch):
     names: 5 s); close() cancels it and returns within one name, the scan's
     thread gone and nothing removed after close."""
     d = tmp_path / "run"
-    _make(d, [1])
+    make_steps(d, [1])
     for i in range(500):
         (d / f"other-{i:04d}").write_bytes(b"")
     dead = d / ".tmp-step_0000000002-0123abcd4567"      # a dead save's leftover the scan would remove
@@ -366,7 +352,7 @@ def test_prune_never_removes_the_steps_a_failing_rollback_puts_back(tmp_path, mo
     the removal is decided under the commit lock (the failed save then leaves
     the line 1..5 whole)."""
     d = tmp_path / "run"
-    _make(d, range(1, 6))
+    make_steps(d, range(1, 6))
     real_fsync = layout_mod.fsync_dir
     inside, go = threading.Event(), threading.Event()
     box = {}
@@ -387,7 +373,7 @@ def test_prune_never_removes_the_steps_a_failing_rollback_puts_back(tmp_path, mo
         try:
             with lazyckpt.Checkpointer(d, keep=None) as ck:
                 ck.load(step=2)
-                ck.save(_state(30), 3).wait()
+                ck.save(step_state(30), 3).wait()
         except BaseException as exc:              # the save is reported failed
             box["error"] = exc
     monkeypatch.setattr(layout_mod, "fsync_dir", fsync)
@@ -410,7 +396,7 @@ def test_prune_never_removes_the_steps_a_failing_rollback_puts_back(tmp_path, mo
     with lazyckpt.Checkpointer(d, keep=None) as ck:
         assert ck.steps() == [1, 2, 3, 4, 5]
         for s in range(1, 6):
-            assert _is(ck.load(s), s)
+            assert is_step_state(ck.load(s), s)
     # The report agrees: what the failed commit put back was not removed.
     abandoned = [a for a in report["actions"] if a["what"] == "abandoned"]
     assert abandoned and not any(a["done"] for a in abandoned), report
