@@ -36,8 +36,9 @@ OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 def _model(seed: int) -> Any:
     import torch
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with torch.random.fork_rng(devices=[]):          # the caller's generator untouched (the test module's import)
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
 def values(seed: int) -> Dict[str, Any]:
