@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 from collections import Counter
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -79,6 +79,8 @@ def direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tuple
     decode and ``fill_into``, which also raise the mismatches."""
     out: Dict[int, List[tuple]] = {}
     stack = [(into, tree)]
+    DTensor = _dtensor_type() or ()     # isinstance(x, ()) is False
+    dtypes: Dict[str, torch.dtype] = {}     # by name: checked once each
     while stack:
         dst, node = stack.pop()
         if not isinstance(node, dict):
@@ -99,12 +101,17 @@ def direct_fills(into: Any, tree: Any, ctx: LoadContext) -> Dict[int, List[tuple
                 and isinstance(node.get("v"), list) and len(dst) == len(node["v"]):
             stack.extend(zip(dst, node["v"]))
         elif tag == "tensor" and type(node.get("e")) is int and isinstance(dst, torch.Tensor) \
-                and not is_dtensor(dst) and node.get("shape") == list(dst.shape):
-            try:
-                same_dtype = dtype_from_name(node.get("dtype"), ctx) == dst.dtype
-            except CheckpointError:
-                continue
-            if same_dtype:
+                and not isinstance(dst, DTensor) and node.get("shape") == list(dst.shape):
+            name = node.get("dtype")
+            dtype = dtypes.get(name) if type(name) is str else None
+            if dtype is None:
+                try:
+                    dtype = dtype_from_name(name, ctx)
+                except CheckpointError:
+                    continue
+                if type(name) is str:
+                    dtypes[name] = dtype
+            if dtype == dst.dtype:
                 out.setdefault(node["e"], []).append((node, dst))
     return out
 
@@ -157,12 +164,16 @@ def copy_bytes(data: torch.UntypedStorage, plan: List[Tuple[Any, torch.Tensor, i
     return True
 
 
-def staged_entries(tree: Any, direct: Dict[int, List[tuple]]) -> Set[int]:
+def staged_entries(tree: Any, direct: Dict[int, List[tuple]], uses: Optional[Iterable[int]] = None) -> Set[int]:
     """The entries of ``direct`` (:func:`direct_fills`) that nothing in ``tree``
     uses but those fills: once copied into ``into=`` their bytes are not
-    read again, so the reader may read them into buffers it reuses."""
-    uses = Counter(n["e"] for n in tree_nodes(tree) if type(n.get("e")) is int)
-    return {e for e, fills in direct.items() if uses[e] == len(fills)}
+    read again, so the reader may read them into buffers it reuses.
+    ``uses``: the entry of every node of ``tree`` that names one (as
+    :func:`tree_nodes` yields them), where the caller has it already."""
+    if uses is None:
+        uses = (n["e"] for n in tree_nodes(tree) if type(n.get("e")) is int)
+    count = Counter(uses)
+    return {e for e, fills in direct.items() if count[e] == len(fills)}
 
 
 def dtensor_targets(into: Any) -> Dict[str, Any]:
