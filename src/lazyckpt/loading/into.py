@@ -7,6 +7,7 @@ what fills what are written once, in :func:`fill_into`."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 from collections import Counter
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -134,14 +135,18 @@ def byte_copy_plan(fills: List[tuple]) -> Optional[List[Tuple[Any, torch.Tensor,
                 or target.is_quantized or not target.is_contiguous() or target.is_conj() or target.is_neg():
             return None
         shape, stride, offset = node.get("shape"), node.get("stride"), node.get("offset")
-        if type(offset) is not int or offset < 0 or stride != _contiguous_strides(shape):
+        if type(offset) is not int or offset < 0 or type(shape) is not list \
+                or stride != _contiguous_strides(tuple(shape)):
             return None
         size = target.element_size()
         plan.append((node, target, offset * size, target.numel() * size))
     return plan
 
 
-def _contiguous_strides(shape: List[int]) -> List[int]:
+@functools.lru_cache(maxsize=256)
+def _contiguous_strides(shape: Tuple[int, ...]) -> List[int]:
+    """The strides of a contiguous tensor of ``shape`` (a model has few
+    shapes: cached, off each entry's arrival; callers only compare it)."""
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -153,8 +158,10 @@ def copy_bytes(data: torch.UntypedStorage, plan: List[Tuple[Any, torch.Tensor, i
     """Copy an entry's bytes into the targets of its :func:`byte_copy_plan`
     (memmove: the GIL released, no tensor built); False, with nothing copied,
     where the entry is too short for one of them (the decode then reports it)."""
-    if any(start + n > data.nbytes() for _node, _t, start, n in plan):
-        return False
+    nbytes = data.nbytes()
+    for _node, _t, start, n in plan:
+        if start + n > nbytes:
+            return False
     base = data.data_ptr()
     for _node, target, start, n in plan:
         if n:
