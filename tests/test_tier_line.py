@@ -7,6 +7,7 @@ tier object alone, as the Checkpointer asks it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -88,6 +89,55 @@ def test_the_line_is_built_only_when_the_newest_copies_are_not_enough(tmp_path):
     got = history.candidates(None)
     assert [next(got)[0], next(got)[0]] == [3, 3] and not built      # the indexes alone
     assert next(got)[0] == 2 and built == [1]                        # then the line, once
+
+
+def _cut_newest_upload(url):
+    """The store as a process that died uploading its newest step leaves it: that
+    commit's event is there (it goes first), the step's objects are not, and
+    ``head.json`` names the step before it."""
+    remote = ObjectCheckpointDir(url, resolve())
+    newest = remote.tail()
+    before = max((e for e in remote.listing()[1] if e.seq < newest.seq), key=lambda e: e.seq)
+    prefix = f"{remote.prefix}/step_{newest.step:010d}/{newest.save_id}/"
+    remote.store.delete([o["Key"] for o in remote.store.list(prefix)])
+    remote.store.put(f"{remote.prefix}/head.json", json.dumps(
+        {"step": before.step, "save_id": before.save_id, "seq": before.seq}).encode())
+    assert remote.tail() is None            # the store's index alone cannot name its newest save
+    return newest
+
+
+def test_an_upload_cut_after_its_event_offers_the_local_copy_from_the_indexes(tmp_path):
+    """A restart after the newest step's upload was cut: the store holds that
+    commit's event and not its data. The newest save is still named by the
+    two indexes (the local tail is the store's newest event), so the local
+    copy is offered without listing either tier; the line comes after."""
+    local, url = _run(tmp_path)
+    newest = _cut_newest_upload(url)
+    history = _history(local, url)
+    built = []
+    real = history.line_and_listing
+    history.line_and_listing = lambda: built.append(1) or real()
+    got = iter(history.candidates(None))
+    assert next(got)[:2] == (3, "local") and built == [], "the line was built for the newest save"
+    assert newest.step == 3
+    assert _tiers(got) == [(2, "local"), (2, "persistent"), (1, "local"), (1, "persistent")] and built == [1]
+
+
+def test_an_open_after_a_cut_upload_sends_the_newest_step_again_without_the_line(tmp_path, monkeypatch):
+    """The open's retried upload of that step (the store lacks it) comes from the
+    two indexes too; the load reads the local copy, and once the upload is
+    done the store's index names the step again."""
+    local, url = _run(tmp_path)
+    newest = _cut_newest_upload(url)
+    built = []
+    real = Line.line_and_listing
+    monkeypatch.setattr(Line, "line_and_listing", lambda self: built.append(1) or real(self))
+    with lazyckpt.Checkpointer(local, keep=None, persist=url) as ckpt:
+        assert ckpt.resumed_drain is not None and ckpt.resumed_drain.step == 3
+        assert ckpt.load()["step"] == 3 and ckpt.loaded_from["tier"] == "local"
+        ckpt.wait()
+        assert built == [], "the line was built"
+    assert ObjectCheckpointDir(url, resolve()).tail() == newest
 
 
 # ------------------------------------------------------------ a held replica's deletion (finding 22)

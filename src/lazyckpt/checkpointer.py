@@ -283,27 +283,35 @@ class Checkpointer:
         the persistent tier lacks that save (its upload failed, or the process
         died first). Every rank enqueues it (call -1: any new save supersedes it).
         One listing of the store for both; none when the two tiers' indexes say
-        the newest save is on the store."""
+        where the newest save is (on the store, or only here)."""
         newest = self.line.newest_save()
         if newest is not None and newest[0] in (None, newest[1]):     # (None: no local step to send)
             if self._dist.coordinator:
                 self.persistent.open_outbox()       # (from the index and the record, when they tell)
             return
-        try:
-            live, local, remote, listing = self.line.line_and_listing()
-        except CheckpointError as exc:
-            log.warning("lazyckpt: %s: cannot tell whether the latest step is persisted (%s)",
-                        self.persistent.url, exc)
-            return
-        if self._dist.coordinator and listing is not None:     # (else the drain's first publish lists it)
-            # Before anything newer (the upload below, any save): a reader of the store
-            # alone learns every rollback this directory committed.
-            self.persistent.open_outbox(listing)
-        if not live:
-            return
-        step, save_id = live[-1]
-        if step not in local or local[step].save_id != save_id or remote.get(step) == save_id:
-            return
+        if newest is not None and newest[1] is None:
+            # The newest save is the local tail and the store holds no copy of it (its
+            # upload was cut after its event): the indexes tell, no listing.
+            if self._dist.coordinator:
+                self.persistent.open_outbox()
+            step, save_id, seq = newest[0].step, newest[0].save_id, newest[0].seq
+        else:
+            try:
+                live, local, remote, listing = self.line.line_and_listing()
+            except CheckpointError as exc:
+                log.warning("lazyckpt: %s: cannot tell whether the latest step is persisted (%s)",
+                            self.persistent.url, exc)
+                return
+            if self._dist.coordinator and listing is not None:     # (else the drain's first publish lists it)
+                # Before anything newer (the upload below, any save): a reader of the store
+                # alone learns every rollback this directory committed.
+                self.persistent.open_outbox(listing)
+            if not live:
+                return
+            step, save_id = live[-1]
+            if step not in local or local[step].save_id != save_id or remote.get(step) == save_id:
+                return
+            seq = local[step].seq
         if not self._dist.distributed:
             # Damaged at rest since it was committed: never replace a good copy there with it.
             try:
@@ -322,7 +330,7 @@ class Checkpointer:
         log.info("lazyckpt: step %d is not on the persistent tier %s; uploading it again", step,
                  self.persistent.url)
         try:
-            self.persistent.enqueue(handle, step, -1, save_id, self.layout.step_path(step), local[step].seq,
+            self.persistent.enqueue(handle, step, -1, save_id, self.layout.step_path(step), seq,
                                     reading=self.layout.reading(step))
         except CheckpointError as exc:
             log.warning("lazyckpt: step %d cannot be held for its upload: %s", step, exc)

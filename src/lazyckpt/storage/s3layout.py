@@ -152,6 +152,14 @@ class ObjectCheckpointDir:
             return None
         return newest
 
+    def newest_event(self) -> Optional[Event]:
+        """The newest live commit event here, from the index (GET ``head.json``,
+        the events from its ``seq`` on, the fences), whether its save's upload
+        is done or not (:meth:`tail` asks that too); None without an index."""
+        head = self._head()
+        events = self._events_from(head.seq) if head is not None else []
+        return max(events, key=lambda e: e.seq) if events else None
+
     def top_seq(self) -> int:
         """The largest ``seq`` here (numbering): from the index when there is one."""
         head = self._head()

@@ -85,14 +85,22 @@ class Line:
         the store; None when either cannot tell -- the caller builds
         the whole line. Why the newest commit by ``seq`` is the newest live save:
         a commit of S supersedes every save >= S, so after the last one nothing
-        is above it; each tier's tail is its own newest commit."""
+        is above it; each tier's tail is its own newest commit. The store's
+        tail None, its newest event the local tail's (or older): an upload not
+        done (cut by a crash, or another process's commit in progress), so the
+        newest save is the local one and the store holds no copy of it yet
+        (``(local, None, local)``)."""
         local = self.local_tail()
         if local is False:
             return None
         try:
             remote = self.remote.tail()
+            pending = self.remote.newest_event() if remote is None and local is not None else None
         except CheckpointError:
             return None
+        if pending is not None and pending.seq is not None and local.seq is not None and \
+                (pending == local or local.seq > pending.seq):
+            return local, None, local
         if remote is None or remote.seq is None:
             return None             # no index there (an empty store, one from before it): list it
         if local is not None and local.seq == remote.seq and local != remote:
