@@ -59,7 +59,7 @@ def small_read_pool(threads: int) -> KeptPool:
     with _small_read_pools_lock:
         pool = _small_read_pools.get(threads)
         if pool is None:
-            pool = _small_read_pools[threads] = KeptPool(threads, f"lazyckpt-small-read{threads}")
+            pool = _small_read_pools[threads] = KeptPool(threads, f"lazyckpt-reader-small{threads}")
         return pool
 
 
