@@ -80,14 +80,13 @@ class CheckpointFile:
             raise
         except OSError as exc:
             raise self.read_error(exc) from exc
+        #: The footer's entries (an attribute, not a property: a load of 2,000
+        #: entries looks it up some 20,000 times).
+        self.entries: List[fmt.Entry] = self.footer.entries
 
     def _read_ends(self, size: int, read: Callable[[int, int], bytes]):
         self.size = size
         return fmt.read_ends(size, read, self.path, self.options.max_footer_bytes)
-
-    @property
-    def entries(self) -> List[fmt.Entry]:
-        return self.footer.entries
 
     def read_error(self, exc: OSError) -> CheckpointReadError:
         """An OSError while reading this file, as the library's error (with the path)."""
