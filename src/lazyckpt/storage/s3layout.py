@@ -141,24 +141,20 @@ class ObjectCheckpointDir:
         when its manifest exists (written before the event on an object-store
         directory, uploaded after it on a persistent tier). ``mark``: the head
         as already read (:meth:`index_mark`)."""
-        head = self._head(_READ if mark is None else mark)
-        if head is None:
-            return None
-        events = self._events_from(head.seq)
-        if not events:
-            return None
-        newest = max(events, key=lambda e: e.seq)
-        if self.store.size(self._key(step_dirname(newest.step), newest.save_id, MANIFEST)) is None:
-            return None
-        return newest
+        newest = self.newest_event(mark)
+        return newest if newest is not None and self.holds(newest) else None
 
-    def newest_event(self) -> Optional[Event]:
+    def newest_event(self, mark: Optional[bytes] = None) -> Optional[Event]:
         """The newest live commit event here, from the index (GET ``head.json``,
         the events from its ``seq`` on, the fences), whether its save's upload
-        is done or not (:meth:`tail` asks that too); None without an index."""
-        head = self._head()
+        is done or not (:meth:`holds` tells); None without an index."""
+        head = self._head(_READ if mark is None else mark)
         events = self._events_from(head.seq) if head is not None else []
         return max(events, key=lambda e: e.seq) if events else None
+
+    def holds(self, event: Event) -> bool:
+        """Whether ``event``'s save is committed here: its manifest exists (one HEAD)."""
+        return self.store.size(self._key(step_dirname(event.step), event.save_id, MANIFEST)) is not None
 
     def top_seq(self) -> int:
         """The largest ``seq`` here (numbering): from the index when there is one."""

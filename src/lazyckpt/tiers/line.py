@@ -94,8 +94,11 @@ class Line:
         if local is False:
             return None
         try:
-            remote = self.remote.tail()
-            pending = self.remote.newest_event() if remote is None and local is not None else None
+            # One read of the store's index answers both: its newest event, and whether
+            # that save is there (its tail) or its upload is not done (pending).
+            newest_there = self.remote.newest_event()
+            remote = newest_there if newest_there is not None and self.remote.holds(newest_there) else None
+            pending = newest_there if remote is None and local is not None else None
         except CheckpointError:
             return None
         if pending is not None and pending.seq is not None and local.seq is not None and \
