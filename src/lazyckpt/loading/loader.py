@@ -441,7 +441,7 @@ def load_tree(f: CheckpointFile, step: Optional["StepFiles"], pool: cf.ThreadPoo
         # What each entry read holds. fill_now needs it as entries arrive; a load
         # without into= only once its reads are submitted (while_reading).
         if not kinds_of:
-            kinds_of.update((e, "data" if entries[e].kind == "ref" else entries[e].kind) for e in local)
+            kinds_of.update((e, entries[e].content_kind) for e in local)
             kinds.update(kinds_of)
     if direct:
         note_kinds()
